@@ -1,0 +1,419 @@
+"""The training rank's side: hand shards to the node daemon through shared memory, then get back to work.
+
+``save()`` blocks only for the copy into a staging slot the daemon granted (plus two short socket
+round trips); it imports no zarr or fsspec and starts no thread or event loop, so training processes
+stay fork-safe. Everything after the copy happens in the daemon; :class:`SaveHandle` reports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ckptd.client.paths import default_socket_path
+from ckptd.client.protocol import (
+    HEADER,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Hello,
+    LeaseGranted,
+    LeaseRequest,
+    ReleaseRequest,
+    Reply,
+    SaveAccepted,
+    SaveRequest,
+    ShardMeta,
+    StatusRequest,
+    StepStatus,
+    Welcome,
+    _Msg,
+    decode_reply,
+    encode,
+    encode_objects,
+    frame_length,
+)
+from ckptd.client.state import Plan, Shard, dtype_name, plan_state
+from ckptd.writer.errors import (
+    BackpressureError,
+    CkptdError,
+    DaemonUnavailableError,
+    ProtocolError,
+    SaveTimeoutError,
+    StepFailedError,
+    error_classes,
+)
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["wait", "fail", "skip"]
+_ERRORS = error_classes()
+_POLL_S = 0.5
+
+
+def _raise_reply(reply: ErrorReply) -> None:
+    cls = _ERRORS.get(reply.code, CkptdError)
+    raise cls(reply.message)
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        if env.get(name):
+            return int(env[name])
+    return None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank sits: its global rank, the world, and its node (torchrun's numbering)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    node: int
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.local_world_size)
+
+    @classmethod
+    def detect(cls, env: Mapping[str, str]) -> Placement:
+        rank = _env_int(env, "RANK")
+        world = _env_int(env, "WORLD_SIZE")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank() if rank is None else rank
+            world = torch.distributed.get_world_size() if world is None else world
+        rank, world = rank or 0, world or 1
+        local = _env_int(env, "LOCAL_WORLD_SIZE") or world
+        node = _env_int(env, "GROUP_RANK", "NODE_RANK")
+        return cls(rank, world, local, rank // local if node is None else node)
+
+
+class SaveHandle:
+    """The future of one save: node durability, then global commit. Errors re-raise here."""
+
+    def __init__(self, client: CheckpointClient | None, step: int, nbytes: int, stall_s: float, skipped: bool = False):
+        self._client = client
+        self.step = step
+        self.nbytes = nbytes
+        self.stall_s = stall_s
+        self.skipped = skipped
+        self.state = "skipped" if skipped else "pending"
+        self._error: CkptdError | None = None
+
+    def _update(self, wait_s: float) -> None:
+        if self.state in ("committed", "failed", "skipped") or self._client is None:
+            return
+        st = self._client._status(self.step, wait_s)
+        self.state = st.state
+        if st.state == "failed":
+            cls = _ERRORS.get(st.error_code, StepFailedError)
+            self._error = cls(f"step {self.step} failed: {st.error}")
+        elif st.state == "unknown":
+            self.state = "failed"
+            self._error = StepFailedError(
+                f"step {self.step}: the daemon has no record of this save (it restarted before committing?)"
+            )
+
+    def done(self) -> bool:
+        """True once the step committed or failed (non-blocking)."""
+        self._update(0.0)
+        return self.state in ("committed", "failed", "skipped")
+
+    def durable(self) -> bool:
+        """True once this node's part is on storage (before or after the global commit)."""
+        self._update(0.0)
+        return self.state in ("durable", "committed")
+
+    def wait(self, timeout: float | None = None) -> SaveHandle:
+        """Block until the step committed; raise its error if it failed, SaveTimeoutError on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            self._update(max(0.0, left))
+            if self.state == "failed" and self._error is not None:
+                raise self._error
+            if self.state in ("committed", "skipped"):
+                return self
+            if deadline is not None and time.monotonic() >= deadline:
+                raise SaveTimeoutError(f"step {self.step} not committed within {timeout}s (state: {self.state})")
+
+    def result(self, timeout: float | None = None) -> SaveHandle:
+        return self.wait(timeout)
+
+    def exception(self) -> CkptdError | None:
+        self._update(0.0)
+        return self._error
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, state={self.state}, nbytes={self.nbytes}, stall_s={self.stall_s:.4f})"
+
+
+class CheckpointClient:
+    """A rank's connection to its node daemon.
+
+    ``socket_path`` defaults to the agreed per-user location (``$CKPTD_SOCKET``, ...). With
+    ``start_daemon=True`` and a ``root``, the first rank on a node that finds no daemon starts one as a
+    separate process (the embedded default); otherwise run ``ckptd serve`` next to the job.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        root: str | None = None,
+        placement: Placement | None = None,
+        backpressure: Policy = "wait",
+        lease_timeout_s: float = 300.0,
+        timeout_s: float = 60.0,
+        start_daemon: bool = False,
+        daemon_args: Sequence[str] = (),
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        env = os.environ
+        self.socket_path = socket_path or default_socket_path(env)
+        self.placement = placement or Placement.detect(env)
+        self.backpressure: Policy = backpressure
+        self.lease_timeout_s = lease_timeout_s
+        self.timeout_s = timeout_s
+        self.storage_options = dict(storage_options or {})
+        self._start_daemon = start_daemon
+        self._daemon_args = list(daemon_args)
+        self._root = root
+        self._sock: socket.socket | None = None
+        self._arena: mmap.mmap | None = None
+        self._arena_t: torch.Tensor | None = None
+        self._pinned = False
+        self._welcome: Welcome | None = None
+        self._handles: list[SaveHandle] = []
+        self._connect()
+
+    # --- connection -------------------------------------------------------------------------------
+    @property
+    def root(self) -> str:
+        if self._root:
+            return self._root
+        assert self._welcome is not None
+        return self._welcome.root
+
+    def _connect(self) -> None:
+        try:
+            self._open_socket()
+        except DaemonUnavailableError:
+            if not self._start_daemon:
+                raise
+            self._spawn_daemon()
+            self._open_socket()
+
+    def _open_socket(self) -> None:
+        self._close_socket()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            sock.close()
+            raise DaemonUnavailableError(f"no ckptd daemon at {self.socket_path}: {exc}") from exc
+        self._sock = sock
+        reply = self._request(Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=self.placement.rank))
+        assert isinstance(reply, Welcome)
+        self._welcome = reply
+        self._map_arena(reply)
+
+    def _map_arena(self, welcome: Welcome) -> None:
+        self._arena_t = None
+        if self._arena is not None:
+            with contextlib.suppress(BufferError):
+                self._arena.close()
+        fd = os.open(welcome.arena_path, os.O_RDWR)
+        try:
+            self._arena = mmap.mmap(fd, welcome.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._arena_t = torch.frombuffer(self._arena, dtype=torch.uint8)
+        self._pinned = False
+
+    def _spawn_daemon(self) -> None:
+        if not self._root:
+            raise DaemonUnavailableError("start_daemon=True needs root= to tell the daemon where to write")
+        os.makedirs(os.path.dirname(self.socket_path) or ".", mode=0o700, exist_ok=True)
+        with open(self.socket_path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per node starts it; the others wait here
+            with contextlib.suppress(DaemonUnavailableError):
+                self._open_socket()
+                return
+            cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", self._root,
+                   "--socket", self.socket_path, *self._daemon_args]
+            log.info("rank %d: starting an embedded daemon: %s", self.placement.rank, " ".join(cmd))
+            proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+            deadline = time.monotonic() + self.timeout_s
+            while not os.path.exists(self.socket_path):
+                if proc.poll() is not None:
+                    raise DaemonUnavailableError(f"the embedded daemon exited with code {proc.returncode}")
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise DaemonUnavailableError(f"the embedded daemon did not start within {self.timeout_s}s")
+                time.sleep(0.05)
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        self._close_socket()
+        self._arena_t = None
+        if self._arena is not None:
+            with contextlib.suppress(BufferError):
+                self._arena.close()
+            self._arena = None
+
+    def __enter__(self) -> CheckpointClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, msg: _Msg) -> Reply:
+        if self._sock is None:
+            self._open_socket()
+        assert self._sock is not None
+        try:
+            self._sock.sendall(encode(msg))
+            header = self._recv_exactly(HEADER.size)
+            reply = decode_reply(self._recv_exactly(frame_length(header)))
+        except (TimeoutError, socket.timeout) as exc:
+            self._close_socket()
+            raise SaveTimeoutError(f"the daemon did not answer within {self.timeout_s}s") from exc
+        except (OSError, ProtocolError) as exc:
+            self._close_socket()
+            raise DaemonUnavailableError(f"lost the connection to the daemon at {self.socket_path}: {exc}") from exc
+        if isinstance(reply, ErrorReply):
+            _raise_reply(reply)
+        return reply
+
+    def _recv_exactly(self, n: int) -> bytes:
+        assert self._sock is not None
+        buf = bytearray()
+        while len(buf) < n:
+            part = self._sock.recv(n - len(buf))
+            if not part:
+                raise ConnectionResetError("the daemon closed the connection")
+            buf += part
+        return bytes(buf)
+
+    def _status(self, step: int, wait_s: float) -> StepStatus:
+        reply = self._request(StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s))
+        assert isinstance(reply, StepStatus)
+        return reply
+
+    # --- save -------------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        """Stage ``state`` for ``step`` and return once it is copied; the caller may then overwrite it.
+
+        Raises the error of an earlier save that failed in the background, typed errors for bad input,
+        and (policy ``"fail"``) :class:`BackpressureError` when the arena is still full.
+        """
+        self._raise_background_errors()
+        plan = plan_state(state, self.placement.rank)
+        return self.save_plan(step, plan)
+
+    def save_plan(self, step: int, plan: Plan) -> SaveHandle:
+        """Like :meth:`save` for an already planned state (callers that cache their plan)."""
+        t0 = time.perf_counter()
+        encode_objects(plan.objects)
+        sizes = [s.nbytes for s in plan.shards] or [0]
+        timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
+        try:
+            grant = self._request(
+                LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=sizes, timeout_s=timeout)
+            )
+        except BackpressureError:
+            if self.backpressure == "skip":
+                log.warning("rank %d: step %d skipped: staging arena still full", self.placement.rank, step)
+                return SaveHandle(None, step, 0, time.perf_counter() - t0, skipped=True)
+            raise
+        assert isinstance(grant, LeaseGranted)
+        try:
+            self._stage(plan.shards, grant.offsets)
+            p = self.placement
+            reply = self._request(
+                SaveRequest(
+                    v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
+                    node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size,
+                    shards=[_meta(s, i) for i, s in enumerate(plan.shards)], objects=plan.objects,
+                )
+            )
+        except BaseException:
+            with contextlib.suppress(CkptdError):
+                self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))
+            raise
+        assert isinstance(reply, SaveAccepted)
+        handle = SaveHandle(self, step, reply.nbytes, time.perf_counter() - t0)
+        self._handles.append(handle)
+        return handle
+
+    def _stage(self, shards: list[Shard], offsets: list[int]) -> None:
+        """Copy every shard into its slot: one memcpy each (or one D2H copy, then one stream sync)."""
+        assert self._arena_t is not None
+        cuda = any(s.data.is_cuda for s in shards)
+        if cuda and not self._pinned:
+            self._pin_arena()
+        for shard, off in zip(shards, offsets, strict=True):
+            n = shard.nbytes
+            dst = self._arena_t[off : off + n].view(shard.data.dtype).view(shard.data.shape)
+            dst.copy_(shard.data, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def _pin_arena(self) -> None:
+        """Register the arena as pinned host memory once, so D2H copies go straight into it."""
+        assert self._arena is not None
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena))
+        err = torch.cuda.cudart().cudaHostRegister(ptr, len(self._arena), 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister failed (%s); D2H copies into the arena will be pageable", err)
+        self._pinned = True
+
+    def _raise_background_errors(self) -> None:
+        pending = []
+        for h in self._handles:
+            h._update(0.0)
+            if h.state == "failed" and h._error is not None:
+                self._handles.remove(h)
+                raise StepFailedError(f"an earlier save failed in the background: {h._error}") from h._error
+            if h.state not in ("committed", "skipped"):
+                pending.append(h)
+        self._handles = pending
+
+    # --- load -------------------------------------------------------------------------------------
+    def load(self, step: int | Literal["latest"], template: Mapping[str, Any]) -> dict[str, Any]:
+        """Fill the template's tensors in place from a committed step (see :func:`ckptd.client.load.load`)."""
+        from ckptd.client.load import load
+
+        return load(self.root, step, template, rank=self.placement.rank, storage_options=self.storage_options)
+
+
+def _meta(shard: Shard, slot: int) -> ShardMeta:
+    return ShardMeta(
+        key=shard.key,
+        dtype=dtype_name(shard.data.dtype),
+        global_shape=list(shard.global_shape),
+        global_offset=list(shard.global_offset),
+        shape=list(shard.data.shape),
+        chunk_shape=list(shard.grid),
+        slot=slot,
+    )

@@ -1,0 +1,165 @@
+"""The client/daemon wire protocol: typed, versioned msgpack frames over a Unix socket. Never pickle.
+
+A frame is a 4-byte big-endian length followed by one msgpack-encoded message. Every message carries
+the protocol version ``v`` and a ``type`` tag; encode/decode are pure and tested without sockets.
+Decoding checks the version before the body, so a peer of another version gets
+:class:`ProtocolVersionError` rather than a confusing field error.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+from ckptd.writer.errors import ProtocolError, ProtocolVersionError
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 32 << 20
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
+    v: int
+
+
+# --- client -> daemon -----------------------------------------------------------------------------
+class Hello(_Msg, tag="hello"):
+    pid: int
+    rank: int
+
+
+class LeaseRequest(_Msg, tag="lease"):
+    """Ask for staging space: one slot per size, granted all together or not at all."""
+
+    step: int
+    rank: int
+    sizes: list[int]
+    timeout_s: float
+
+
+class ShardMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    key: str
+    dtype: str
+    global_shape: list[int]
+    global_offset: list[int]
+    shape: list[int]
+    chunk_shape: list[int]
+    slot: int  # index into the lease's slots
+
+
+class SaveRequest(_Msg, tag="save"):
+    lease_id: int
+    step: int
+    rank: int
+    world_size: int
+    node: int
+    num_nodes: int
+    local_world_size: int
+    shards: list[ShardMeta]
+    objects: dict[str, Any]
+
+
+class ReleaseRequest(_Msg, tag="release"):
+    lease_id: int
+
+
+class StatusRequest(_Msg, tag="status"):
+    step: int
+    wait_s: float  # block up to this long for the step to reach a final state
+
+
+# --- daemon -> client -----------------------------------------------------------------------------
+class Welcome(_Msg, tag="welcome"):
+    daemon_pid: int
+    arena_path: str
+    arena_bytes: int
+    root: str
+
+
+class LeaseGranted(_Msg, tag="granted"):
+    lease_id: int
+    offsets: list[int]
+
+
+class SaveAccepted(_Msg, tag="accepted"):
+    step: int
+    nbytes: int
+
+
+class StepStatus(_Msg, tag="step_status"):
+    step: int
+    state: str  # pending | durable | committed | failed | unknown
+    error_code: str = ""
+    error: str = ""
+
+
+class Released(_Msg, tag="released"):
+    lease_id: int
+
+
+class ErrorReply(_Msg, tag="error"):
+    code: str  # the CkptdError subclass name
+    message: str
+
+
+Request = Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest
+Reply = Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply
+
+STEP_STATES = ("pending", "durable", "committed", "failed", "unknown")
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class _Head(msgspec.Struct):
+    v: Any = None
+    type: Any = None
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def encode(msg: _Msg, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    body = _encoder.encode(msg)
+    if len(body) > max_frame:
+        raise ProtocolError(f"{type(msg).__name__} message of {len(body)} bytes exceeds the {max_frame}-byte limit")
+    return HEADER.pack(len(body)) + body
+
+
+def _decode(body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
+    try:
+        head = _head_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable message: {exc}") from exc
+    if head.v != PROTOCOL_VERSION:
+        raise ProtocolVersionError(f"protocol version {head.v!r} not supported (this side speaks {PROTOCOL_VERSION})")
+    try:
+        return decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"invalid {head.type!r} message: {exc}") from exc
+
+
+def decode_request(body: bytes) -> Request:
+    return _decode(body, _request_decoder)  # type: ignore[no-any-return]
+
+
+def decode_reply(body: bytes) -> Reply:
+    return _decode(body, _reply_decoder)  # type: ignore[no-any-return]
+
+
+def frame_length(header: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> int:
+    (n,) = HEADER.unpack(header)
+    if n > max_frame:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {max_frame}-byte limit")
+    return int(n)
+
+
+def encode_objects(objects: object) -> None:
+    """Raise :class:`ProtocolError` unless ``objects`` is plain data msgpack can carry (no pickle)."""
+    try:
+        _encoder.encode(objects)
+    except TypeError as exc:
+        raise ProtocolError(f"non-tensor state must be plain data (dict/list/str/int/float/bool/None): {exc}") from exc

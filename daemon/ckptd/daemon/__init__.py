@@ -1,0 +1,1 @@
+"""The node daemon: socket server, staging arena, step jobs, CLI."""

@@ -1,0 +1,247 @@
+"""The staging arena: one shared-memory file in /dev/shm, pre-faulted at start and reused for every save.
+
+Ranks copy their shards into slots of it; the daemon writes the slots to storage and frees each as soon
+as its shard is durable. Space is granted as byte credits (leases): a lease is all its slots or nothing,
+and a request that cannot fit waits up to its timeout. The file is created
+``0600`` by the daemon's user, so no other user can map it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ckptd.writer.errors import ArenaError, BackpressureError, SaveTimeoutError
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+SHM_DIR = "/dev/shm"
+_PREFIX = "ckptd-"
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Allocator:
+    """First-fit interval allocator over ``[0, size)``; frees coalesce with their neighbours."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._starts: list[int] = [0]
+        self._ends: list[int] = [size]
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
+
+    def alloc(self, n: int) -> int | None:
+        n = _align(max(n, 1))
+        for i, (s, e) in enumerate(zip(self._starts, self._ends, strict=True)):
+            if e - s >= n:
+                if e - s == n:
+                    del self._starts[i], self._ends[i]
+                else:
+                    self._starts[i] = s + n
+                return s
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        end = start + _align(max(n, 1))
+        i = bisect.bisect_left(self._starts, start)
+        if (i > 0 and self._ends[i - 1] > start) or (i < len(self._starts) and self._starts[i] < end):
+            raise ArenaError(f"double free of arena range [{start}, {end})")
+        if i > 0 and self._ends[i - 1] == start:
+            self._ends[i - 1] = end
+            if i < len(self._starts) and self._starts[i] == end:
+                self._ends[i - 1] = self._ends[i]
+                del self._starts[i], self._ends[i]
+        elif i < len(self._starts) and self._starts[i] == end:
+            self._starts[i] = start
+        else:
+            self._starts.insert(i, start)
+            self._ends.insert(i, end)
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    owner: int  # connection id it was granted to
+    offsets: list[int]
+    sizes: list[int]
+    released: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.released = [False] * len(self.offsets)
+
+
+class Arena:
+    """The shared-memory staging area of one daemon."""
+
+    def __init__(self, size: int, *, shm_dir: str = SHM_DIR, prefault: bool = True) -> None:
+        if size < ALIGN:
+            raise ArenaError(f"arena size {size} is below one page")
+        self.size = _align(size)
+        self.path = os.path.join(shm_dir, f"{_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
+            os.ftruncate(fd, self.size)
+            self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.mm)
+        if prefault:
+            self._prefault()
+        self._alloc = Allocator(self.size)
+        self._leases: dict[int, Lease] = {}
+        self._next_id = 1
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def _prefault(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.mm.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, AttributeError):
+            step = 64 << 20
+            zeros = bytes(min(step, self.size))
+            for off in range(0, self.size, step):
+                n = min(step, self.size - off)
+                self.view[off : off + n] = zeros[:n]
+        log.info("arena %s: %d MiB pre-faulted in %.2fs", self.path, self.size >> 20, time.perf_counter() - t0)
+
+    @property
+    def free_bytes(self) -> int:
+        return self._alloc.free_bytes
+
+    @property
+    def leases(self) -> int:
+        return len(self._leases)
+
+    async def lease(self, owner: int, sizes: list[int], timeout: float) -> Lease:
+        """Grant slots for ``sizes`` (all or nothing), waiting FIFO up to ``timeout`` seconds."""
+        need = sum(_align(max(n, 1)) for n in sizes)
+        if need > self.size:
+            raise ArenaError(
+                f"a save of {need / 2**20:.1f} MiB cannot fit the {self.size / 2**20:.1f} MiB staging arena; "
+                "start the daemon with a larger --arena-size"
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self._try_alloc(sizes)
+            if got is not None:
+                lease = Lease(self._next_id, owner, got, list(sizes))
+                self._next_id += 1
+                self._leases[lease.lease_id] = lease
+                return lease
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if timeout <= 0:
+                    raise BackpressureError(
+                        f"staging arena full ({self.free_bytes >> 20} MiB free, {need >> 20} MiB asked) and the "
+                        "policy is fail-fast"
+                    )
+                raise SaveTimeoutError(
+                    f"no staging space for {need >> 20} MiB within {timeout:.1f}s (arena {self.size >> 20} MiB, "
+                    f"{self.free_bytes >> 20} MiB free): earlier saves are still draining"
+                )
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), left)
+            except TimeoutError:
+                pass
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+
+    def _try_alloc(self, sizes: list[int]) -> list[int] | None:
+        got: list[int] = []
+        for n in sizes:
+            off = self._alloc.alloc(n)
+            if off is None:
+                for o, m in zip(got, sizes, strict=False):
+                    self._alloc.free(o, m)
+                return None
+            got.append(off)
+        return got
+
+    def _wake(self) -> None:
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def get(self, lease_id: int, owner: int) -> Lease | None:
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.owner == owner else None
+
+    def adopt(self, lease: Lease) -> None:
+        """The lease now belongs to a save job, not to the connection that asked for it."""
+        lease.owner = -1
+
+    def release_slot(self, lease: Lease, i: int) -> None:
+        if lease.released[i]:
+            return
+        lease.released[i] = True
+        self._alloc.free(lease.offsets[i], lease.sizes[i])
+        if all(lease.released):
+            self._leases.pop(lease.lease_id, None)
+        self._wake()
+
+    def release(self, lease: Lease) -> None:
+        for i in range(len(lease.offsets)):
+            self.release_slot(lease, i)
+        self._leases.pop(lease.lease_id, None)
+
+    def release_owner(self, owner: int) -> int:
+        """Free every lease still held by a connection (it went away before using them)."""
+        doomed = [lease for lease in self._leases.values() if lease.owner == owner]
+        for lease in doomed:
+            self.release(lease)
+        return len(doomed)
+
+    def close(self) -> None:
+        self.view.release()
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def remove_stale_arenas(shm_dir: str = SHM_DIR) -> list[str]:
+    """Delete arena files of this user whose daemon process is gone (left by ``kill -9``)."""
+    removed = []
+    prefix = f"{_PREFIX}{os.getuid()}-"
+    for name in os.listdir(shm_dir):
+        if not name.startswith(prefix):
+            continue
+        try:
+            pid = int(name[len(prefix) :].split("-")[0])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

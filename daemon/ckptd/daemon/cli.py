@@ -1,0 +1,205 @@
+"""The ``ckptd`` command: ``serve``, ``demo``, ``ls``, ``verify``, ``gc``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ckptd.writer.errors import CkptdError
+
+log = logging.getLogger("ckptd")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _storage_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint URL (credentials come from the AWS chain)")
+    p.add_argument("--region", help="S3 region")
+    p.add_argument("--profile", help="AWS profile name")
+    p.add_argument("--addressing-style", choices=["auto", "virtual", "path"], help="S3 addressing style")
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts = {k: getattr(args, k, None) for k in ("endpoint_url", "region", "profile", "addressing_style")}
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpoint daemon for large-model training")
+    parser.add_argument("--log-level", default=os.environ.get("CKPTD_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the node daemon")
+    s.add_argument("--config", help="TOML config file (section [daemon], and [storage] for storage options)")
+    s.add_argument("--root", help="checkpoint root: a path, file:// or s3:// URL")
+    s.add_argument("--socket", help="Unix socket path (default: $CKPTD_SOCKET or a per-user runtime dir)")
+    s.add_argument("--arena-size", help="staging arena size, e.g. 8GiB (default 2GiB)")
+    s.add_argument("--write-concurrency", type=int, help="chunks written at once (default 8)")
+    s.add_argument("--chunk-bytes", help="largest chunk, e.g. 64MiB")
+    s.add_argument("--codec", choices=["raw", "zstd"], help="chunk compression (default raw)")
+    s.add_argument("--keep", type=int, help="keep the newest N committed steps (default: all)")
+    s.add_argument("--part-timeout", dest="part_timeout_s", type=float, help="seconds to wait for all local ranks")
+    s.add_argument("--commit-timeout", dest="commit_timeout_s", type=float, help="seconds to wait for all nodes")
+    s.add_argument("--drain-grace", dest="drain_grace_s", type=float, help="seconds to drain on SIGTERM")
+    s.add_argument("--no-prefault", dest="prefault", action="store_false", default=None)
+    _storage_flags(s)
+
+    d = sub.add_parser("demo", help="run the embedded demo: daemon + 4 ranks training, saving, reloading")
+    d.add_argument("--root", help="where to write (default: ./ckptd-demo)")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    d.add_argument("--ranks", type=int, default=4)
+    d.add_argument("--steps", type=int, default=12)
+    d.add_argument("--save-every", type=int, default=4)
+
+    ls = sub.add_parser("ls", help="list checkpoints under ROOT")
+    ls.add_argument("root")
+    ls.add_argument("--json", action="store_true")
+    _storage_flags(ls)
+
+    v = sub.add_parser("verify", help="re-read committed steps and check every chunk against its checksums")
+    v.add_argument("root")
+    v.add_argument("--step", default=None, help="a step number or 'latest' (default: every committed step)")
+    v.add_argument("--json", action="store_true")
+    _storage_flags(v)
+
+    g = sub.add_parser("gc", help="delete old and unfinished steps, keeping the newest N committed")
+    g.add_argument("root")
+    g.add_argument("--keep", type=int, required=True)
+    g.add_argument("--dry-run", action="store_true")
+    _storage_flags(g)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "demo":
+            from ckptd.daemon.demo import run_demo
+
+            return run_demo(root=args.root, as_json=args.json, ranks=args.ranks, steps=args.steps,
+                            save_every=args.save_every)
+        return asyncio.run(_offline(args))
+    except CkptdError as exc:
+        print(f"ckptd {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ckptd.daemon.config import load_config
+    from ckptd.daemon.server import Daemon
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "log_level")}
+    storage = _storage_options(args)
+    cfg = load_config(flags, os.environ, args.config)
+    if storage:
+        cfg = type(cfg)(**{**cfg.__dict__, "storage_options": {**cfg.storage_options, **storage}})
+    return asyncio.run(Daemon(cfg).run())
+
+
+async def _offline(args: argparse.Namespace) -> int:
+    from ckptd.writer.commit import CheckpointRoot
+    from ckptd.writer.store import normalize_root, open_store
+
+    url = normalize_root(args.root)
+    store = await open_store(url, _storage_options(args), create=False)
+    root = CheckpointRoot(store, url)
+    if args.command == "ls":
+        return await _ls(root, args.json)
+    if args.command == "verify":
+        return await _verify(root, args.step, args.json)
+    if args.command == "gc":
+        return await _gc(root, args.keep, args.dry_run)
+    raise AssertionError(args.command)
+
+
+async def _ls(root: Any, as_json: bool) -> int:
+    rows = []
+    committed = set(await root.committed_steps())
+    for step in await root.steps():
+        row: dict[str, Any] = {"step": step, "committed": step in committed}
+        if step in committed:
+            c = await root.read_commit(step)
+            row.update(bytes=c.nbytes, arrays=len(c.arrays), nodes=c.num_nodes, world_size=c.world_size,
+                       committed_at=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)))
+        rows.append(row)
+    if as_json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'step':>8}  {'state':<11} {'size':>10} {'arrays':>7} {'nodes':>5} {'world':>5}  committed at")
+    for r in rows:
+        state = "committed" if r["committed"] else "incomplete"
+        size = f"{r['bytes'] / 2**20:.1f}MiB" if "bytes" in r else "-"
+        print(f"{r['step']:>8}  {state:<11} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
+              f"{r.get('world_size', '-'):>5}  {r.get('committed_at', '-')}")
+    return 0
+
+
+async def _verify(root: Any, which: str | None, as_json: bool) -> int:
+    from ckptd.writer.arrays import verify_array
+    from ckptd.writer.errors import CorruptCheckpointError
+    from ckptd.writer.format import step_dir
+
+    if which is None:
+        steps = await root.committed_steps()
+    else:
+        steps = [await root.resolve(which if which == "latest" else int(which))]
+    if not steps:
+        print("no committed steps to verify", file=sys.stderr)
+        return 1
+    failures = 0
+    results = []
+    for step in steps:
+        commit = await root.read_commit(step)
+        t0 = time.perf_counter()
+        verified, errors = 0, []
+        for rec in commit.arrays:
+            try:
+                verified += await verify_array(root.store, step_dir(step), rec)
+            except (CorruptCheckpointError, CkptdError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        failures += bool(errors)
+        results.append({"step": step, "ok": not errors, "bytes": verified, "arrays": len(commit.arrays),
+                        "seconds": round(time.perf_counter() - t0, 3), "errors": errors})
+        if not as_json:
+            status = "OK" if not errors else f"CORRUPT ({len(errors)} array(s))"
+            print(f"step {step}: {status}: {len(commit.arrays)} arrays, {verified / 2**20:.1f} MiB re-read and checked")
+            for e in errors:
+                print(f"  {e}")
+    if as_json:
+        print(json.dumps(results))
+    return 1 if failures else 0
+
+
+async def _gc(root: Any, keep: int, dry_run: bool) -> int:
+    if dry_run:
+        committed = await root.committed_steps()
+        newest = committed[-1] if committed else None
+        doomed = set(committed[: -max(1, keep)]) if committed else set()
+        doomed |= {s for s in await root.steps() if newest is not None and s < newest and s not in committed}
+        print("would remove steps:", sorted(doomed) or "none")
+        return 0
+    removed = await root.retain(keep)
+    print("removed steps:", removed or "none")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""A tiny, bit-reproducible Megatron GPT for tests and demos, plus a gloo rank launcher.
+
+Test/demo code only: the ckptd library never imports it. :func:`build_gpt` builds a real megatron-core
+``GPTModel`` (local layer spec, SwiGLU MLP, CPU initialization) wrapped in
+``DistributedDataParallel(use_distributed_optimizer=True)`` with Megatron's ``DistributedOptimizer``;
+:func:`spawn_ranks` runs a function in ``world_size`` real processes joined by a gloo process group.
+
+Determinism: the data of global micro-batch ``j`` at iteration ``i`` comes from a generator seeded with
+``(seed, i, j)`` only, and the loss a step reports is the mean of the per-micro-batch losses gathered
+over DP in global micro-batch order. The number of global micro-batches is fixed (a power of two), so
+the loss reported for a given set of parameters is bit-identical whatever the DP size, and each DP rank
+scales its gradients by powers of two only.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.pipeline_parallel",
+]
+
+
+class ToyGPT(NamedTuple):
+    """What :func:`build_gpt` returns; unpacks as ``model, optimizer, train_step``."""
+
+    model: list[torch.nn.Module]
+    optimizer: Any  # what get_megatron_optimizer returns (a ChainedOptimizer in megatron-core 0.16)
+    train_step: Callable[[int], float]
+
+
+def build_gpt(
+    tp: int = 1,
+    pp: int = 1,
+    bf16: bool = False,
+    overlap_grad_reduce: bool = False,
+    hidden: int = 64,
+    layers: int = 2,
+    vocab: int = 128,
+    seq: int = 16,
+    seed: int = 1234,
+    *,
+    heads: int = 4,
+    ffn_hidden: int | None = None,
+    bucket_size: int | None = None,
+    micro_batch_size: int = 2,
+    global_microbatches: int = 4,
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    clip_grad: float = 1.0,
+    share_embeddings: bool = True,
+    initialize_parallel: bool = True,
+) -> ToyGPT:
+    """Build the toy GPT on an already-initialized (gloo) default process group.
+
+    Calls ``parallel_state.initialize_model_parallel(tp, pp)`` (unless ``initialize_parallel`` is
+    False), installs the CPU shim when CUDA is unavailable, seeds every RNG from ``seed`` and returns
+    the model chunks, the optimizer exactly as ``get_megatron_optimizer`` returns it, and
+    ``train_step(iteration) -> loss``. ``bucket_size`` (elements) only matters with
+    ``overlap_grad_reduce=True``; a small one gives a buffer several buckets.
+    """
+    if not torch.cuda.is_available():
+        from ckptd.daemon.megatron_cpu import install_cpu_shim
+
+        install_cpu_shim()
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if global_microbatches & (global_microbatches - 1):
+        raise ValueError(f"global_microbatches must be a power of two, got {global_microbatches}")
+    if initialize_parallel:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    dp = ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
+    if global_microbatches % dp:
+        raise ValueError(f"global_microbatches={global_microbatches} is not divisible by DP={dp}")
+    local_microbatches = global_microbatches // dp
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn_hidden if ffn_hidden is not None else 2 * hidden,
+        num_attention_heads=heads,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        params_dtype=torch.float32,
+        bf16=bf16,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    pre = ps.is_pipeline_first_stage()
+    post = ps.is_pipeline_last_stage()
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=share_embeddings,
+    )
+    module: torch.nn.Module = Float16Module(config, gpt) if bf16 else gpt
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=True,
+        bucket_size=bucket_size,
+    )
+    chunk = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    model: list[torch.nn.Module] = [chunk]
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+
+    config.finalize_model_grads_func = finalize_model_grads
+    if overlap_grad_reduce:
+        config.no_sync_func = chunk.no_sync
+        config.grad_sync_func = chunk.start_grad_sync
+
+    forward_backward = get_forward_backward_func()
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+    positions = torch.arange(seq).unsqueeze(0).expand(micro_batch_size, seq)
+
+    def batch(iteration: int, j: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + iteration * 1_009 + j)
+        tokens = torch.randint(0, vocab, (micro_batch_size, seq + 1), generator=g)
+        return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    def forward_step(data_iterator: Any, model_chunk: torch.nn.Module) -> Any:
+        b = next(data_iterator)
+        out = model_chunk(b["tokens"], positions, mask, labels=b["labels"])
+        return out, loss_func
+
+    pp_group = ps.get_pipeline_model_parallel_group()
+    dp_group = ps.get_data_parallel_group()
+    last_pp_rank = dist.get_global_rank(pp_group, pp - 1) if pp > 1 else None
+
+    def train_step(iteration: int) -> float:
+        """One optimizer step; returns the mean loss of the global batch (before the update)."""
+        for c in model:
+            c.zero_grad_buffer()  # type: ignore[operator]
+        optimizer.zero_grad()
+        data = iter([batch(iteration, dp_rank * local_microbatches + i) for i in range(local_microbatches)])
+        reduced = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=model,
+            num_microbatches=local_microbatches,
+            seq_length=seq,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
+        ok, _grad_norm, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step {iteration} was skipped")
+        if post:
+            local = torch.stack([r["loss"] for r in reduced])
+            gathered = [torch.empty_like(local) for _ in range(dp)]
+            dist.all_gather(gathered, local, group=dp_group)
+            loss = torch.cat(gathered).double().sum() / global_microbatches
+        else:
+            loss = torch.zeros((), dtype=torch.float64)
+        if last_pp_rank is not None:
+            dist.broadcast(loss, src=last_pp_rank, group=pp_group)
+        return float(loss)
+
+    return ToyGPT(model, optimizer, train_step)
+
+
+# --- launcher --------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised; the message carries the child's traceback."""
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    result_dir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except ImportError:
+            pass
+        dist.destroy_process_group()
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    start_method: str = "forkserver",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined by a gloo group.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Returns each rank's return value
+    (passed back through ``torch.save``, so tensors and plain data work). If a rank fails, raises
+    :class:`RankFailedError` with the failing child's traceback. The default ``forkserver`` start
+    method imports torch and megatron-core once per test session (a clean server process with no
+    threads) and forks the ranks from it, which is much faster than ``spawn`` and safe in a
+    multi-threaded parent.
+    """
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+    import torch.multiprocessing as tmp
+
+    with tempfile.TemporaryDirectory(prefix="ckptd-ranks-") as result_dir:
+        port = free_port()
+        try:
+            tmp.start_processes(
+                functools.partial(_rank_main),
+                args=(world_size, port, result_dir, fn, args, timeout_s),
+                nprocs=world_size,
+                join=True,
+                start_method=start_method,
+            )
+        except tmp.ProcessRaisedException as exc:
+            raise RankFailedError(str(exc)) from None
+        except tmp.ProcessExitedException as exc:
+            errors = _read_errors(result_dir, world_size)
+            raise RankFailedError(f"{exc}\n{errors}") from None
+        return [
+            torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
+        ]
+
+
+def _read_errors(result_dir: str, world_size: int) -> str:
+    out = []
+    for r in range(world_size):
+        p = os.path.join(result_dir, f"rank{r}.err")
+        if os.path.exists(p):
+            with open(p) as f:
+                out.append(f"--- rank {r} ---\n{f.read()}")
+    return "\n".join(out)

@@ -1,0 +1,337 @@
+"""The daemon's work: validate saves, write staged shards as zarr chunks, write the node part, commit.
+
+One :class:`StepJob` per step on this node. Each accepted rank save becomes a task that writes its
+shards chunk by chunk (a daemon-wide semaphore bounds chunks in flight) and frees each shard's arena slot
+as soon as its chunks are written. When every local rank's save is written the node part manifest goes
+to storage; node 0's daemon then commits the step, the others wait for the marker. Nothing here touches
+the training process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from zarr.abc.store import Store
+
+from ckptd.client.protocol import SaveRequest, ShardMeta
+from ckptd.daemon.arena import Arena, Lease
+from ckptd.daemon.config import DaemonConfig
+from ckptd.writer.arrays import array_metadata, checksum, chunk_selection, open_for_write
+from ckptd.writer.commit import CheckpointRoot
+from ckptd.writer.errors import (
+    CkptdError,
+    DaemonShuttingDownError,
+    DuplicateSaveError,
+    InvalidRequestError,
+    LeaseError,
+    SaveTimeoutError,
+    ShardLayoutError,
+    StepCommittedError,
+    StepFailedError,
+    StorageError,
+)
+from ckptd.writer.format import (
+    FORMAT_VERSION,
+    ArrayRecord,
+    ChunkRecord,
+    PartManifest,
+    ShardRecord,
+    check_region,
+    chunk_key,
+    itemsize,
+    plan_chunks,
+    region_chunks,
+    step_dir,
+    storage_dtype,
+    validate_key,
+)
+
+log = logging.getLogger(__name__)
+
+FINAL_STATES = ("committed", "failed")
+
+
+@dataclass
+class RankSave:
+    request: SaveRequest
+    lease: Lease
+    records: list[tuple[ShardMeta, ShardRecord]] = field(default_factory=list)
+
+
+@dataclass
+class StepJob:
+    step: int
+    node: int
+    num_nodes: int
+    world_size: int
+    local_world_size: int
+    started: float = field(default_factory=time.monotonic)
+    saves: dict[int, RankSave] = field(default_factory=dict)
+    tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    written_keys: list[str] = field(default_factory=list)
+    state: str = "pending"
+    error: CkptdError | None = None
+    nbytes: int = 0
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    durable_at: float = 0.0
+
+    def fail(self, error: CkptdError) -> None:
+        if self.state in FINAL_STATES:
+            return
+        self.state, self.error = "failed", error
+        self.finished.set()
+
+
+class CheckpointService:
+    """Everything the daemon does with saves, independent of the socket that delivers them."""
+
+    def __init__(self, config: DaemonConfig, arena: Arena, store: Store) -> None:
+        self.config = config
+        self.arena = arena
+        self.root = CheckpointRoot(store, config.root)
+        self.jobs: dict[int, StepJob] = {}
+        self.draining = False
+        self._chunk_slots = asyncio.Semaphore(config.write_concurrency)
+        self._job_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # --- accepting saves --------------------------------------------------------------------------
+    async def accept(self, req: SaveRequest, owner: int) -> int:
+        """Validate a rank's save and start writing it. Returns the bytes accepted."""
+        if self.draining:
+            raise DaemonShuttingDownError("the daemon is shutting down and accepts no new saves")
+        lease = self.arena.get(req.lease_id, owner)
+        if lease is None:
+            raise LeaseError(f"lease {req.lease_id} was never granted to this connection (or is already used)")
+        self._validate(req, lease)
+        job = await self._job_for(req)
+        if req.rank in job.saves:
+            raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
+        if job.state != "pending":
+            raise StepFailedError(f"step {req.step} is already {job.state} on this node: {job.error}")
+        self.arena.adopt(lease)
+        save = RankSave(req, lease)
+        job.saves[req.rank] = save
+        nbytes = sum(lease.sizes[s.slot] for s in req.shards)
+        job.nbytes += nbytes
+        job.tasks[req.rank] = self._spawn(self._write_rank(job, save), f"write step={req.step} rank={req.rank}")
+        if len(job.saves) == job.local_world_size:
+            self._spawn(self._finish_node(job), f"finish step={req.step}")
+        return nbytes
+
+    def _validate(self, req: SaveRequest, lease: Lease) -> None:
+        if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):
+            raise InvalidRequestError(
+                f"rank {req.rank}/world {req.world_size}, node {req.node}/{req.num_nodes} is not a valid placement"
+            )
+        if req.local_world_size < 1 or req.local_world_size > req.world_size:
+            raise InvalidRequestError(f"local_world_size {req.local_world_size} outside [1, {req.world_size}]")
+        used: set[int] = set()
+        seen: set[tuple[str, tuple[int, ...]]] = set()
+        for meta in req.shards:
+            validate_key(meta.key)
+            if not 0 <= meta.slot < len(lease.sizes) or meta.slot in used:
+                raise LeaseError(f"{meta.key}: slot {meta.slot} is not a free slot of lease {req.lease_id}")
+            used.add(meta.slot)
+            size = math.prod(meta.shape) * itemsize(meta.dtype)
+            if size > lease.sizes[meta.slot]:
+                raise LeaseError(
+                    f"{meta.key}: {size} bytes do not fit slot {meta.slot} of {lease.sizes[meta.slot]} bytes"
+                )
+            if any(c <= 0 for c in meta.chunk_shape) or len(meta.chunk_shape) != len(meta.global_shape):
+                raise ShardLayoutError(f"{meta.key}: invalid chunk grid {meta.chunk_shape}")
+            check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, meta.chunk_shape)
+            where = (meta.key, tuple(meta.global_offset))
+            if where in seen:
+                raise ShardLayoutError(f"{meta.key}: region at {meta.global_offset} given twice")
+            seen.add(where)
+
+    async def _job_for(self, req: SaveRequest) -> StepJob:
+        async with self._job_lock:
+            job = self.jobs.get(req.step)
+            if job is None or job.state == "failed":  # a failed step may be saved again
+                if await self.root.is_committed(req.step):
+                    raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
+                await self.root.discard_part(req.step, req.node)
+                job = StepJob(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size)
+                self.jobs[req.step] = job
+                self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
+            placement = (job.node, job.num_nodes, job.world_size, job.local_world_size)
+            if placement != (req.node, req.num_nodes, req.world_size, req.local_world_size):
+                raise InvalidRequestError(
+                    f"step {req.step}: rank {req.rank} says node {req.node}/{req.num_nodes}, world "
+                    f"{req.world_size}, local world {req.local_world_size}; earlier ranks said node "
+                    f"{job.node}/{job.num_nodes}, world {job.world_size}, local world {job.local_world_size}"
+                )
+            return job
+
+    # --- writing ----------------------------------------------------------------------------------
+    async def _write_rank(self, job: StepJob, save: RankSave) -> None:
+        lease = save.lease
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for meta in save.request.shards:
+                    tg.create_task(self._write_shard(job, save, meta))
+        except* CkptdError as group:
+            job.fail(group.exceptions[0])  # type: ignore[arg-type]
+        except* OSError as group:
+            job.fail(StorageError(f"step {job.step}: writing failed: {group.exceptions[0]}"))
+        finally:
+            self.arena.release(lease)
+
+    async def _write_shard(self, job: StepJob, save: RankSave, meta: ShardMeta) -> None:
+        lease = save.lease
+        dtype = storage_dtype(meta.dtype)
+        item = itemsize(meta.dtype)
+        chunks = plan_chunks(meta.chunk_shape, item, self.config.chunk_bytes)
+        check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, chunks)
+        numel = math.prod(meta.shape)
+        data = np.frombuffer(self.arena.mm, dtype=dtype, count=numel, offset=lease.offsets[meta.slot])
+        data = data.reshape(meta.shape)
+        arr_meta = await array_metadata(meta.dtype, meta.global_shape, chunks, codec=self.config.codec)
+        path = f"{step_dir(job.step)}/{meta.key}"
+        arr = open_for_write(self.root.store, path, arr_meta)
+        coords_list = list(region_chunks(meta.global_offset, meta.shape, chunks))
+        records: list[ChunkRecord | None] = [None] * len(coords_list)
+
+        async def one(i: int, coords: tuple[int, ...]) -> None:
+            sel = chunk_selection(coords, chunks, meta.global_shape)
+            local = tuple(slice(s.start - o, s.stop - o) for s, o in zip(sel, meta.global_offset, strict=True))
+            block = data[local]
+            async with self._chunk_slots:
+                crc = await checksum(block)
+                await arr.setitem(sel, block)
+            records[i] = ChunkRecord(list(coords), block.nbytes, crc)
+            job.written_keys.append(f"{path}/{chunk_key(coords)}")
+
+        async with asyncio.TaskGroup() as tg:
+            for i, coords in enumerate(coords_list):
+                tg.create_task(one(i, coords))
+        self.arena.release_slot(lease, meta.slot)
+        rec = ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape), [r for r in records if r])
+        save.records.append((meta, rec))
+
+    async def _finish_node(self, job: StepJob) -> None:
+        await asyncio.gather(*job.tasks.values(), return_exceptions=True)
+        if job.state != "pending":
+            return
+        try:
+            await self.root.make_durable(job.written_keys)
+            part = self._part(job)
+            await self.root.write_part(part)
+            job.state, job.durable_at = "durable", time.monotonic()
+            if job.node == 0:
+                await self.root.commit(job.step, job.num_nodes, self.config.commit_timeout_s)
+                if self.config.keep:
+                    await self.root.retain(self.config.keep)
+            else:
+                await self.root.wait_committed(job.step, self.config.commit_timeout_s)
+        except CkptdError as exc:
+            job.fail(exc)
+            if job.node == 0:
+                await self._note_failure(job, exc)
+        except OSError as exc:
+            job.fail(StorageError(f"step {job.step}: storage failed while committing: {exc}"))
+        else:
+            job.state = "committed"
+            job.finished.set()
+        self._log_step(job)
+
+    async def _note_failure(self, job: StepJob, exc: CkptdError) -> None:
+        try:
+            await self.root.mark_failed(job.step, exc)
+        except (CkptdError, OSError) as note_exc:
+            log.warning("step=%d node=%d: could not record the failure: %s", job.step, job.node, note_exc)
+
+    def _part(self, job: StepJob) -> PartManifest:
+        arrays: dict[str, ArrayRecord] = {}
+        for save in job.saves.values():
+            for meta, rec in save.records:
+                chunks = plan_chunks(meta.chunk_shape, itemsize(meta.dtype), self.config.chunk_bytes)
+                prev = arrays.get(meta.key)
+                shards = [*(prev.shards if prev else []), rec]
+                arrays[meta.key] = ArrayRecord(
+                    meta.key, meta.dtype, list(meta.global_shape), list(chunks), shards, self.config.codec
+                )
+        return PartManifest(
+            format=FORMAT_VERSION,
+            step=job.step,
+            node=job.node,
+            num_nodes=job.num_nodes,
+            world_size=job.world_size,
+            ranks=sorted(job.saves),
+            arrays=sorted(arrays.values(), key=lambda a: a.name),
+            objects={str(r): s.request.objects for r, s in sorted(job.saves.items()) if s.request.objects},
+            nbytes=job.nbytes,
+            written_at=time.time(),
+        )
+
+    async def _watch_part_timeout(self, job: StepJob) -> None:
+        timeout = self.config.part_timeout_s
+        try:
+            await asyncio.wait_for(self._all_local_ranks(job), timeout)
+        except TimeoutError:
+            missing = job.local_world_size - len(job.saves)
+            err = SaveTimeoutError(
+                f"step {job.step} node {job.node}: {missing} of {job.local_world_size} local ranks never saved "
+                f"within {timeout:.0f}s; the step is abandoned (staged data of the others is released)"
+            )
+            job.fail(err)
+            for task in job.tasks.values():
+                task.cancel()
+            self._log_step(job)
+
+    async def _all_local_ranks(self, job: StepJob) -> None:
+        while len(job.saves) < job.local_world_size and job.state == "pending":
+            await asyncio.sleep(0.05)
+
+    # --- status -----------------------------------------------------------------------------------
+    async def status(self, step: int, wait_s: float) -> tuple[str, CkptdError | None]:
+        job = self.jobs.get(step)
+        if job is None:
+            if await self.root.is_committed(step):
+                return "committed", None
+            return "unknown", None
+        if wait_s > 0 and not job.finished.is_set():
+            try:
+                await asyncio.wait_for(job.finished.wait(), wait_s)
+            except TimeoutError:
+                pass
+        return job.state, job.error
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def in_flight(self) -> list[StepJob]:
+        return [j for j in self.jobs.values() if j.state not in FINAL_STATES]
+
+    async def drain(self, grace: float) -> bool:
+        """Stop accepting saves; wait up to ``grace`` seconds for in-flight steps. True if all finished."""
+        self.draining = True
+        pending = [j.finished.wait() for j in self.in_flight()]
+        if not pending:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending), grace)
+            return True
+        except TimeoutError:
+            return False
+
+    def _log_step(self, job: StepJob) -> None:
+        took = time.monotonic() - job.started
+        mib = job.nbytes / 2**20
+        log.info(
+            "step=%d node=%d state=%s bytes=%.1fMiB took=%.2fs throughput=%.0fMiB/s queue=%d arena_free=%.0fMiB%s",
+            job.step, job.node, job.state, mib, took, mib / took if took > 0 else 0.0, len(self.in_flight()),
+            self.arena.free_bytes / 2**20, f" error={job.error}" if job.error else "",
+        )

@@ -1,0 +1,298 @@
+"""The storage format, as pure functions and typed records: names, keys, dtypes, chunk grids, manifests.
+
+Nothing here performs I/O or imports zarr, so the client may use it to reject bad input before it
+stages a byte, and tests can check it exhaustively. ``docs/format.md`` is the prose version.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+
+from ckptd.writer.errors import InvalidKeyError, ShardLayoutError
+
+FORMAT_VERSION = 1
+
+COMMIT_MARKER = "COMMITTED"
+FAILED_MARKER = "FAILED"
+LATEST = "latest"
+PARTS_DIR = "_parts"
+ARRAY_ATTR = "ckptd"
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_KEY_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-+=:@,]*$")
+MAX_KEY_LEN = 1024
+
+
+# --- names ----------------------------------------------------------------------------------------
+def step_dir(step: int) -> str:
+    if step < 0:
+        raise InvalidKeyError(f"step must be >= 0, got {step}")
+    return f"step_{step}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def part_name(node: int) -> str:
+    return f"{PARTS_DIR}/node-{node}.json"
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is a safe relative array name; raise :class:`InvalidKeyError` otherwise.
+
+    Keys may contain ``/`` (nested groups). Each part must start with a letter or digit (names that start
+    with ``_`` or ``.`` are ckptd's or zarr's own) and use only ``[A-Za-z0-9._-+=:@,]``, which rules out
+    ``..``, absolute paths, empty parts, backslashes and control characters.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"key must be a non-empty string, got {key!r}")
+    if len(key) > MAX_KEY_LEN:
+        raise InvalidKeyError(f"key longer than {MAX_KEY_LEN} characters: {key[:60]!r}...")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or not _KEY_PART_RE.match(part) or part == "zarr.json":
+            raise InvalidKeyError(
+                f"unsafe key {key!r}: part {part!r} is empty, '.', '..', starts with '_' or '.', or uses "
+                "characters outside [A-Za-z0-9._-+=:@,]"
+            )
+    return key
+
+
+# --- dtypes ---------------------------------------------------------------------------------------
+# torch dtype name -> (numpy dtype stored in zarr, item size). Types numpy/zarr lack are stored as raw
+# bits of the same width; the torch dtype is recorded in the array attributes.
+_STORAGE_DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("float64", 8),
+    "float32": ("float32", 4),
+    "float16": ("float16", 2),
+    "bfloat16": ("uint16", 2),
+    "float8_e4m3fn": ("uint8", 1),
+    "float8_e5m2": ("uint8", 1),
+    "int64": ("int64", 8),
+    "int32": ("int32", 4),
+    "int16": ("int16", 2),
+    "int8": ("int8", 1),
+    "uint8": ("uint8", 1),
+    "bool": ("bool", 1),
+}
+
+
+def storage_dtype(torch_dtype: str) -> str:
+    try:
+        return _STORAGE_DTYPES[torch_dtype][0]
+    except KeyError:
+        raise InvalidKeyError(f"unsupported dtype {torch_dtype!r}; supported: {sorted(_STORAGE_DTYPES)}") from None
+
+
+def itemsize(torch_dtype: str) -> int:
+    storage_dtype(torch_dtype)
+    return _STORAGE_DTYPES[torch_dtype][1]
+
+
+def supported_dtypes() -> list[str]:
+    return sorted(_STORAGE_DTYPES)
+
+
+# --- chunk grids ----------------------------------------------------------------------------------
+def plan_chunks(base: Sequence[int], item: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
+    """Chunk shape for an array whose writers own blocks of shape ``base``.
+
+    Every writer's region is a whole number of chunks, so no chunk has two writers (two writers of one
+    chunk lose updates). Large blocks are split along their leading axes by the smallest divisor that
+    brings a chunk under ``target_bytes``; the result depends only on its arguments, so every rank and
+    node derives the same grid without talking to the others.
+    """
+    chunks = [max(1, int(n)) for n in base]
+    for axis, n in enumerate(chunks):
+        rest = math.prod(chunks[axis + 1 :]) * item
+        if math.prod(chunks) * item <= target_bytes:
+            break
+        for k in range(2, n + 1):
+            if n % k == 0 and (n // k) * rest <= target_bytes:
+                chunks[axis] = n // k
+                break
+        else:
+            chunks[axis] = 1
+    return tuple(chunks)
+
+
+def check_region(
+    key: str, shape: Sequence[int], offset: Sequence[int], local: Sequence[int], chunks: Sequence[int]
+) -> None:
+    """A writer's region must lie inside the array and start and end on chunk boundaries."""
+    if not (len(shape) == len(offset) == len(local) == len(chunks)):
+        raise ShardLayoutError(
+            f"{key}: rank mismatch: global_shape {tuple(shape)}, global_offset {tuple(offset)}, "
+            f"local shape {tuple(local)}"
+        )
+    for axis, (n, o, m, c) in enumerate(zip(shape, offset, local, chunks, strict=True)):
+        if o < 0 or m < 0 or o + m > n:
+            raise ShardLayoutError(
+                f"{key}: region [{o}, {o + m}) on axis {axis} lies outside global shape {tuple(shape)}"
+            )
+        if o % c or ((o + m) % c and o + m != n):
+            raise ShardLayoutError(
+                f"{key}: region [{o}, {o + m}) on axis {axis} does not follow the chunk grid {tuple(chunks)}; "
+                "shards of one tensor must be equal blocks (the last one along an axis may be shorter)"
+            )
+
+
+def region_chunks(offset: Sequence[int], local: Sequence[int], chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Chunk coordinates covered by an aligned region, in C order."""
+    ranges = [range(o // c, -(-(o + m) // c)) for o, m, c in zip(offset, local, chunks, strict=True)]
+    yield from _product(ranges)
+
+
+def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
+    if not ranges:
+        yield ()
+        return
+    for head in ranges[0]:
+        for tail in _product(ranges[1:]):
+            yield (head, *tail)
+
+
+def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:
+    return math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True)) if shape else 1
+
+
+def chunk_key(coords: Sequence[int]) -> str:
+    """zarr v3 default chunk key encoding (separator '/')."""
+    return "c/" + "/".join(str(c) for c in coords) if coords else "c"
+
+
+# --- manifests ------------------------------------------------------------------------------------
+class ChunkRecord(msgspec.Struct, frozen=True):
+    coords: list[int]
+    nbytes: int
+    crc32c: int
+
+
+class ShardRecord(msgspec.Struct, frozen=True):
+    rank: int
+    offset: list[int]
+    shape: list[int]
+    chunks: list[ChunkRecord]
+
+
+class ArrayRecord(msgspec.Struct, frozen=True):
+    name: str
+    torch_dtype: str
+    shape: list[int]
+    chunks: list[int]
+    shards: list[ShardRecord] = []
+    codec: str = "raw"  # "raw" or "zstd"; crc32c is always last
+
+
+class PartManifest(msgspec.Struct, frozen=True):
+    """``step_N/_parts/node-K.json``: what one node wrote for one step; written once all is durable."""
+
+    format: int
+    step: int
+    node: int
+    num_nodes: int
+    world_size: int
+    ranks: list[int]
+    arrays: list[ArrayRecord]
+    objects: dict[str, Any]
+    nbytes: int
+    written_at: float
+
+
+class CommitManifest(msgspec.Struct, frozen=True):
+    """``step_N/COMMITTED``: the global manifest, written last. Its presence makes the step a checkpoint."""
+
+    format: int
+    step: int
+    num_nodes: int
+    world_size: int
+    arrays: list[ArrayRecord]
+    objects: dict[str, Any]
+    nbytes: int
+    committed_at: float
+
+
+def encode_json(obj: object) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def decode_part(data: bytes) -> PartManifest:
+    return msgspec.json.decode(data, type=PartManifest)
+
+
+def decode_commit(data: bytes) -> CommitManifest:
+    return msgspec.json.decode(data, type=CommitManifest)
+
+
+def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
+    """Combine node parts into the global manifest, checking that together they form whole arrays.
+
+    Raises :class:`ShardLayoutError` when nodes disagree on an array's shape, dtype or chunk grid, or when
+    the shards of an array overlap or leave gaps. Pure: the coordinator calls it on manifests it read.
+    """
+    if not parts:
+        raise ShardLayoutError("no node parts to commit")
+    first = parts[0]
+    arrays: dict[str, ArrayRecord] = {}
+    shards: dict[str, list[ShardRecord]] = {}
+    owner: dict[str, dict[tuple[int, ...], int]] = {}
+    objects: dict[str, Any] = {}
+    for part in parts:
+        if (part.step, part.num_nodes, part.world_size) != (first.step, first.num_nodes, first.world_size):
+            raise ShardLayoutError(
+                f"node parts disagree: node {part.node} has step {part.step}, {part.num_nodes} nodes, world "
+                f"{part.world_size}; node {first.node} has {first.step}, {first.num_nodes}, {first.world_size}"
+            )
+        objects.update(part.objects)
+        for rec in part.arrays:
+            seen = arrays.setdefault(rec.name, rec)
+            if (seen.torch_dtype, seen.shape, seen.chunks, seen.codec) != (
+                rec.torch_dtype, rec.shape, rec.chunks, rec.codec
+            ):
+                raise ShardLayoutError(
+                    f"{rec.name}: ranks disagree on the array: dtype {seen.torch_dtype} shape {seen.shape} "
+                    f"chunks {seen.chunks} codec {seen.codec} vs dtype {rec.torch_dtype} shape {rec.shape} "
+                    f"chunks {rec.chunks} codec {rec.codec}"
+                )
+            taken = owner.setdefault(rec.name, {})
+            for shard in rec.shards:
+                for ch in shard.chunks:
+                    coords = tuple(ch.coords)
+                    if coords in taken:
+                        raise ShardLayoutError(
+                            f"{rec.name}: chunk {coords} written by ranks {taken[coords]} and {shard.rank} "
+                            "(overlapping shards)"
+                        )
+                    taken[coords] = shard.rank
+                shards.setdefault(rec.name, []).append(shard)
+    merged = []
+    for name in sorted(arrays):
+        rec = arrays[name]
+        want = chunk_count(rec.shape, rec.chunks)
+        if len(owner[name]) != want:
+            raise ShardLayoutError(
+                f"{name}: shards cover {len(owner[name])} of {want} chunks of shape {rec.shape} (a gap: some "
+                "region has no main-replica writer)"
+            )
+        merged.append(
+            ArrayRecord(
+                name, rec.torch_dtype, rec.shape, rec.chunks, sorted(shards[name], key=lambda s: s.offset), rec.codec
+            )
+        )
+    return CommitManifest(
+        format=FORMAT_VERSION,
+        step=first.step,
+        num_nodes=first.num_nodes,
+        world_size=first.world_size,
+        arrays=merged,
+        objects=objects,
+        nbytes=sum(p.nbytes for p in parts),
+        committed_at=0.0,
+    )
