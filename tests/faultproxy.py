@@ -152,7 +152,10 @@ class ProxyStats:
         return sum(self.faults.values())
 
     def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        # not dataclasses.asdict: it rebuilds a Counter from its items, counting the pairs
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["faults"] = dict(self.faults)
+        out["methods"] = dict(self.methods)
         out["statuses"] = {str(k): v for k, v in self.statuses.items()}
         out["total_faults"] = self.total_faults
         return out

@@ -157,9 +157,33 @@ def frame_length(header: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> int:
     return int(n)
 
 
+_PLAIN_LEAVES = (str, int, float, bool, type(None))
+
+
+def _check_plain(obj: object, path: str) -> None:
+    # msgspec also encodes sets, dataclasses, datetimes, bytes...; they would come back as other types.
+    if isinstance(obj, _PLAIN_LEAVES):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ProtocolError(f"non-tensor state at {path or '/'}: dict key {k!r} is not a string")
+            _check_plain(v, f"{path}/{k}")
+        return
+    if isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{path}[{i}]")
+        return
+    raise ProtocolError(
+        f"non-tensor state at {path or '/'} must be plain data (dict/list/str/int/float/bool/None), "
+        f"got {type(obj).__name__}"
+    )
+
+
 def encode_objects(objects: object) -> None:
     """Raise :class:`ProtocolError` unless ``objects`` is plain data msgpack can carry (no pickle)."""
+    _check_plain(objects, "")
     try:
         _encoder.encode(objects)
-    except TypeError as exc:
+    except (TypeError, OverflowError) as exc:
         raise ProtocolError(f"non-tensor state must be plain data (dict/list/str/int/float/bool/None): {exc}") from exc

@@ -85,6 +85,8 @@ def load_config(
             doc = tomllib.load(fh)
         section = doc.get("daemon", doc)
         for key, value in section.items():
+            if section is doc and key == "storage":  # a flat file's [storage] table, read below
+                continue
             name = key.replace("-", "_")
             if name not in _FIELDS:
                 raise InvalidRequestError(f"{path}: unknown option {key!r}; known: {sorted(_FIELDS)}")

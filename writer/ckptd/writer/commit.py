@@ -94,7 +94,7 @@ class CheckpointRoot:
     async def read_commit(self, step: int) -> CommitManifest:
         data = await get_bytes(self.store, f"{step_dir(step)}/{COMMIT_MARKER}")
         if data is None:
-            if await self.store.exists(f"{step_dir(step)}/zarr.json") or await self.read_parts(step):
+            if await list_dir(self.store, step_dir(step)):
                 raise UncommittedStepError(f"step {step} under {self.url} never committed: it is not a checkpoint")
             raise CheckpointNotFoundError(f"no checkpoint for step {step} under {self.url}")
         try:

@@ -33,6 +33,10 @@ class InvalidKeyError(InvalidRequestError):
     """A tensor key that is not a safe relative name (``..``, absolute, empty parts, bad characters)."""
 
 
+class UnsupportedDtypeError(InvalidRequestError, TypeError):
+    """A tensor dtype ckptd cannot store."""
+
+
 class ShardLayoutError(InvalidRequestError):
     """Shards of one array overlap, leave gaps, disagree on global shape or dtype, or cross chunks."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from ckptd.writer.errors import InvalidKeyError, ShardLayoutError
+from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError
 
 FORMAT_VERSION = 1
 
@@ -24,7 +24,7 @@ PARTS_DIR = "_parts"
 ARRAY_ATTR = "ckptd"
 DEFAULT_CHUNK_BYTES = 64 << 20
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what step_dir() writes
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-+=:@,]*$")
 MAX_KEY_LEN = 1024
 
@@ -37,7 +37,7 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -57,7 +57,7 @@ def validate_key(key: object) -> str:
     if len(key) > MAX_KEY_LEN:
         raise InvalidKeyError(f"key longer than {MAX_KEY_LEN} characters: {key[:60]!r}...")
     for part in key.split("/"):
-        if part in ("", ".", "..") or not _KEY_PART_RE.match(part) or part == "zarr.json":
+        if part in ("", ".", "..") or not _KEY_PART_RE.fullmatch(part) or part == "zarr.json":
             raise InvalidKeyError(
                 f"unsafe key {key!r}: part {part!r} is empty, '.', '..', starts with '_' or '.', or uses "
                 "characters outside [A-Za-z0-9._-+=:@,]"
@@ -88,7 +88,9 @@ def storage_dtype(torch_dtype: str) -> str:
     try:
         return _STORAGE_DTYPES[torch_dtype][0]
     except KeyError:
-        raise InvalidKeyError(f"unsupported dtype {torch_dtype!r}; supported: {sorted(_STORAGE_DTYPES)}") from None
+        raise UnsupportedDtypeError(
+            f"unsupported dtype {torch_dtype!r}; supported: {sorted(_STORAGE_DTYPES)}"
+        ) from None
 
 
 def itemsize(torch_dtype: str) -> int:

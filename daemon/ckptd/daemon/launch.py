@@ -1,0 +1,176 @@
+"""Start real training-rank processes joined by a gloo process group (for the demo, tests, benchmarks).
+
+Each rank is its own OS process (forkserver: torch is imported once, ranks fork from a clean server),
+gets torchrun-style environment variables, joins ``torch.distributed`` with gloo on 127.0.0.1 and runs
+``fn(rank, world_size, *args)``. Results and tracebacks come back over a pipe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+_PRELOAD = ["torch", "torch.distributed", "numpy"]
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; the message carries its traceback or exit code."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: Sequence[Any],
+    env: Mapping[str, str], conn: Connection, local_world_size: int,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
+        GROUP_RANK=str(rank // local_world_size), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+        result = fn(rank, world_size, *args)
+        conn.send(("ok", result))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    local_world_size: int | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 300.0,
+    may_exit: Sequence[int] = (),
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` ranks and return their results in rank order.
+
+    ``may_exit`` lists ranks allowed to end without a result (tests that kill a rank on purpose; their
+    result is None). Any other failure raises :class:`RankFailedError` with the rank's traceback.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    port = free_port()
+    procs, pipes = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_child,
+            args=(rank, world_size, port, fn, args, dict(env or {}), child, local_world_size or world_size),
+            name=f"rank{rank}",
+        )
+        p.start()
+        child.close()
+        procs.append(p)
+        pipes.append(parent)
+    results: list[Any] = [None] * world_size
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(world_size))
+    while pending:
+        for rank in list(pending):
+            conn = pipes[rank]
+            if conn.poll(0.05):
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    status, value = "exit", None
+                if status == "ok":
+                    results[rank] = value
+                elif status == "error":
+                    errors.append(f"rank {rank} failed:\n{value}")
+                elif rank not in may_exit:
+                    procs[rank].join(5)
+                    errors.append(f"rank {rank} died (exit code {procs[rank].exitcode}) without a result")
+                pending.discard(rank)
+        if errors or time.monotonic() > deadline:
+            break
+    if pending and not errors:
+        errors.append(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f}s")
+    for p in procs:
+        p.join(1 if errors else 30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RankFailedError("\n".join(errors))
+    return results
+
+
+class DaemonProcess:
+    """A ``ckptd serve`` subprocess (the demo, tests and benchmarks run the daemon as users do)."""
+
+    def __init__(self, root: str, socket_path: str, *extra: str, env: Mapping[str, str] | None = None,
+                 log_path: str | None = None) -> None:
+        import subprocess
+        import sys
+
+        self.root = root
+        self.socket = socket_path
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", root, "--socket", socket_path, *extra]
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 60.0) -> DaemonProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RankFailedError(f"daemon exited with code {self.proc.returncode}: {self.log_tail()}")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(self.socket)
+                    return self
+                except OSError:
+                    time.sleep(0.05)
+        raise RankFailedError(f"daemon not ready within {timeout}s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as fh:
+            return fh.read().decode(errors="replace")[-n:]
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait for the drain; SIGKILL if it overstays. Returns the exit code."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
