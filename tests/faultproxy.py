@@ -64,6 +64,7 @@ _PIECE = 1 << 20  # bytes relayed per read: bounded memory per connection
 _HEAD_LIMIT = 1 << 20
 _CONTROL_PREFIX = "/__faultproxy__/"
 _READY_PREFIX = "CKPTD_FAULTPROXY_PORT="
+_HOP_BY_HOP = ("connection", "keep-alive", "proxy-connection")
 
 
 class Fault(enum.StrEnum):
@@ -137,6 +138,7 @@ class FaultConfig:
 class ProxyStats:
     """Counters since start or the last :meth:`FaultProxy.reset_stats`."""
 
+    connections: int = 0  # client connections accepted (fewer than requests: keep-alive works)
     requests: int = 0  # proxied requests received (control requests excluded)
     forwarded: int = 0  # requests sent on to the upstream
     delayed: int = 0  # requests that got added latency
@@ -204,10 +206,13 @@ class _Request:
         return "close" not in conn
 
     def encode(self, drop: Iterable[str] = ()) -> bytes:
-        dropped = {d.lower() for d in drop}
-        lines = [f"{self.method} {self.target} {self.version}"]
-        lines += [f"{k}: {v}" for k, v in self.headers if k.lower() not in dropped]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return _encode_head(f"{self.method} {self.target} {self.version}", self.headers, drop)
+
+
+def _encode_head(first_line: str, headers: list[tuple[str, str]], drop: Iterable[str] = ()) -> bytes:
+    dropped = {d.lower() for d in drop}
+    lines = [first_line, *(f"{k}: {v}" for k, v in headers if k.lower() not in dropped)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 def _parse_head(head: bytes) -> tuple[str, list[tuple[str, str]]]:
@@ -363,6 +368,7 @@ class FaultProxy:
         self._loop.call_soon(self._loop.stop)
 
     def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._count(connections=1)
         task = asyncio.get_running_loop().create_task(self._handle_client(reader, writer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -488,10 +494,10 @@ class FaultProxy:
         if expects:
             cwriter.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
-            uwriter.write(req.encode(drop=("expect",)))
+            uwriter.write(req.encode(drop=("expect", *_HOP_BY_HOP)))
             sent = await self._relay_body(creader, uwriter, framing, length)
             self._count(bytes_to_upstream=sent)
-            status_line, rheaders, rhead = await self._read_response_head(ureader)
+            status_line, rheaders = await self._read_response_head(ureader)
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             upstream.pop()[1].close()
             if creader.at_eof():
@@ -511,6 +517,12 @@ class FaultProxy:
         else:
             rframing, rlength = "eof", 0
         upstream_keeps = rframing != "eof" and "close" not in lowered.get("connection", "").lower()
+        # Connection is hop-by-hop: the client's keep-alive is ours to decide, whatever the upstream
+        # does (moto's server closes after every response; real S3 keeps connections open)
+        client_keeps = req.keep_alive and rframing != "eof"
+        rheaders = [(k, v) for k, v in rheaders if k.lower() not in _HOP_BY_HOP]
+        rheaders = [*rheaders, ("Connection", "keep-alive" if client_keeps else "close")]
+        rhead = _encode_head(status_line, rheaders, drop=_HOP_BY_HOP[1:])
 
         if fault is Fault.RESET_MID_RESPONSE:
             upstream.pop()[1].close()
@@ -534,16 +546,14 @@ class FaultProxy:
             upstream.pop()[1].close()
         if rframing == "eof":
             raise _Close  # the body ended with the connection: the client must see the close
-        return req.keep_alive and "close" not in lowered.get("connection", "").lower()
+        return client_keeps
 
-    async def _read_response_head(
-        self, ureader: asyncio.StreamReader
-    ) -> tuple[str, list[tuple[str, str]], bytes]:
+    async def _read_response_head(self, ureader: asyncio.StreamReader) -> tuple[str, list[tuple[str, str]]]:
         while True:
             head = await ureader.readuntil(b"\r\n\r\n")
             status_line, headers = _parse_head(head)
             if not status_line.split(" ", 2)[1].startswith("1"):
-                return status_line, headers, head
+                return status_line, headers
             # an interim 1xx we did not ask for (Expect was stripped): skip it
 
     async def _relay_body(

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptd.client import protocol as p
@@ -24,7 +24,7 @@ text = st.text(max_size=40)
 plain = st.recursive(
     st.none() | st.booleans() | i64 | finite | text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
-    max_leaves=20,
+    max_leaves=10,
 )
 
 shard_meta = st.builds(
@@ -40,7 +40,9 @@ shard_meta = st.builds(
 
 requests = st.one_of(
     st.builds(p.Hello, v=st.just(V), pid=i64, rank=i64),
-    st.builds(p.LeaseRequest, v=st.just(V), step=i64, rank=i64, sizes=st.lists(u32, max_size=8), timeout_s=finite),
+    st.builds(
+        p.LeaseRequest, v=st.just(V), step=i64, rank=i64, sizes=st.lists(u32, max_size=8), timeout_s=finite
+    ),
     st.builds(
         p.SaveRequest,
         v=st.just(V),
@@ -258,11 +260,14 @@ def test_frame_length_default_limit() -> None:
 
 
 # --- plain-data objects ---------------------------------------------------------------------------
+@settings(max_examples=50)
 @given(st.dictionaries(text, plain, max_size=6))
 def test_encode_objects_accepts_plain_data_and_it_survives_a_save_request(objects: dict[str, Any]) -> None:
     p.encode_objects(objects)
-    msg = p.SaveRequest(v=V, lease_id=1, step=1, rank=0, world_size=1, node=0, num_nodes=1, local_world_size=1,
-                        shards=[], objects=objects)
+    msg = p.SaveRequest(
+        v=V, lease_id=1, step=1, rank=0, world_size=1, node=0, num_nodes=1, local_world_size=1, shards=[],
+        objects=objects,
+    )
     assert p.decode_request(body(msg)) == msg
 
 

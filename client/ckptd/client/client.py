@@ -335,7 +335,7 @@ class CheckpointClient:
         """Like :meth:`save` for an already planned state (callers that cache their plan)."""
         t0 = time.perf_counter()
         encode_objects(plan.objects)
-        sizes = [s.nbytes for s in plan.shards] or [0]
+        sizes = [s.nbytes for s in plan.shards]
         timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
         try:
             grant = self._request(

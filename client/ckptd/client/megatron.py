@@ -44,10 +44,9 @@ import logging
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-
 from ckptd.client.state import Shard, dtype_name, torch_dtype
 from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, ShardLayoutError, StateMismatchError
 from ckptd.writer.format import validate_key
@@ -99,6 +98,17 @@ class ModelPiece:
     view_shape: tuple[int, ...]
     view_stride: tuple[int, ...]
     replica_id: tuple[int, ...]
+
+    def view_of(self, param: torch.Tensor) -> torch.Tensor:
+        """This piece of ``param`` (any contiguous tensor of the param's shape, e.g. a merged state)."""
+        if not param.is_contiguous():
+            raise InvalidRequestError(f"{self.key}: view_of needs a contiguous tensor")
+        return param.as_strided(self.view_shape, self.view_stride, param.storage_offset() + self.view_offset)
+
+    def region(self) -> tuple[slice, ...]:
+        """The piece's region in the global array (``prepend_axis_num`` leading axes of extent 1)."""
+        shape = (1,) * self.prepend_axis_num + self.view_shape
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offset, shape, strict=True))
 
 
 @dataclass(frozen=True)
@@ -255,73 +265,12 @@ class MegatronLayout:
         names = [_param_names(c) for c in chunks]
         pieces = [_model_pieces(c) for c in chunks]
         buffers: list[BufferLayout] = []
-        g = 0
         for oi, opt in enumerate(_distributed_optimizers(optimizer)):
             for gi, buffer in enumerate(opt.buffers):
                 c = _owning_chunk(chunks, buffer)
-                is_expert = any(buffer is b for b in getattr(chunks[c], "expert_parallel_buffers", []) or [])
-                dp_group = buffer.data_parallel_group
-                dp_size, dp_rank = dp_group.size(), dp_group.rank()
-                by_start = sorted(buffer.param_index_map.items(), key=lambda kv: kv[1][0])
-                buckets: list[BucketLayout] = []
-                for bi, bucket in enumerate(buffer.buckets):
-                    start, end = (int(x) for x in buffer.bucket_indices[bi])
-                    padded = int(bucket.grad_data.numel())
-                    if (start, end - start) != (int(bucket.offset), padded) or padded % dp_size:
-                        raise LayoutMismatchError(
-                            f"buffer {g} bucket {bi}: bucket_indices {(start, end)} disagree with bucket offset "
-                            f"{bucket.offset} / padded numel {padded} (DP {dp_size}); unsupported megatron-core"
-                        )
-                    params = []
-                    for p, (ps_, pe, pb) in by_start:
-                        if pb != bi:
-                            continue
-                        gidx, gord = opt.model_param_group_index_map.get(p, (None, None))
-                        params.append(
-                            ParamLayout(
-                                name=names[c][p],
-                                start=int(ps_),
-                                end=int(pe),
-                                bucket_id=int(pb),
-                                shape=tuple(int(n) for n in p.shape),
-                                model_pieces=tuple(pieces[c].get(p, ())),
-                                group_index=gidx,
-                                group_order=gord,
-                            )
-                        )
-                    buckets.append(
-                        BucketLayout(
-                            index=bi,
-                            start=start,
-                            end=end,
-                            numel_unpadded=int(bucket.numel_unpadded),
-                            params=tuple(params),
-                        )
-                    )
-                if is_expert:
-                    mp = (
-                        f"tp{ps.get_expert_tensor_parallel_rank()}.ep{ps.get_expert_model_parallel_rank()}"
-                        f".pp{ps.get_pipeline_model_parallel_rank()}"
-                    )
-                else:
-                    mp = f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}"
-                buf = BufferLayout(
-                    index=g,
-                    optimizer_index=oi,
-                    gbuf_index=gi,
-                    model_chunk=c,
-                    param_dtype=dtype_name(buffer.param_dtype),
-                    grad_dtype=dtype_name(buffer.grad_dtype),
-                    is_expert=is_expert,
-                    mp=mp,
-                    dp_size=dp_size,
-                    dp_rank=dp_rank,
-                    replica_id=int(getattr(opt, "distributed_optimizer_instance_id", 0)),
-                    buckets=tuple(buckets),
-                )
+                buf = _buffer_layout(len(buffers), oi, gi, opt, buffer, chunks, c, names[c], pieces[c])
                 _check_against_megatron(opt, gi, buffer, buf)
                 buffers.append(buf)
-                g += 1
         layout = cls(
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_size=ps.get_tensor_model_parallel_world_size(),
@@ -336,6 +285,15 @@ class MegatronLayout:
             for p in bucket.params:
                 for piece in p.model_pieces:
                     layout.model_key(piece.key)
+        logger.debug(
+            "megatron layout tp%d pp%d dp%d/%d: %d buffers, %d buckets",
+            layout.tp_rank,
+            layout.pp_rank,
+            layout.dp_rank,
+            layout.dp_size,
+            len(layout.buffers),
+            sum(len(b.buckets) for b in layout.buffers),
+        )
         return layout
 
 
@@ -417,7 +375,8 @@ def _iter_sharded(obj: Any) -> Iterator[Any]:
 
 
 def _sharded_leaves(chunk: torch.nn.Module) -> list[Any]:
-    return list(_iter_sharded(_unwrap(chunk).sharded_state_dict()))
+    module: Any = _unwrap(chunk)
+    return list(_iter_sharded(module.sharded_state_dict()))
 
 
 def _is_sharded_tensor(obj: Any) -> bool:
@@ -433,9 +392,7 @@ def _replica_tuple(rid: Any) -> tuple[int, ...]:
 def _model_pieces(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, list[ModelPiece]]:
     """Map each param to the built ShardedTensors that view it (by storage and element range)."""
     params = list(_unwrap(chunk).parameters())
-    spans: list[tuple[int, int, int, torch.nn.Parameter]] = []
-    for p in params:
-        spans.append((p.untyped_storage().data_ptr(), p.storage_offset(), p.storage_offset() + p.numel(), p))
+    spans = [(*_storage_span(p), p) for p in params]
     out: dict[torch.nn.Parameter, list[ModelPiece]] = {}
     for st in _sharded_leaves(chunk):
         if not _is_sharded_tensor(st) or st.flattened_range is not None:
@@ -464,6 +421,71 @@ def _model_pieces(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, list[Model
     return out
 
 
+def _buffer_layout(
+    index: int,
+    optimizer_index: int,
+    gbuf_index: int,
+    opt: Any,
+    buffer: Any,
+    chunks: Sequence[torch.nn.Module],
+    chunk: int,
+    names: Mapping[torch.nn.Parameter, str],
+    pieces: Mapping[torch.nn.Parameter, list[ModelPiece]],
+) -> BufferLayout:
+    from megatron.core import parallel_state as ps
+
+    is_expert = any(buffer is b for b in getattr(chunks[chunk], "expert_parallel_buffers", None) or [])
+    dp_group = buffer.data_parallel_group
+    dp_size, dp_rank = dp_group.size(), dp_group.rank()
+    by_start = sorted(buffer.param_index_map.items(), key=lambda kv: kv[1][0])
+    buckets: list[BucketLayout] = []
+    for bi, bucket in enumerate(buffer.buckets):
+        start, end = (int(x) for x in buffer.bucket_indices[bi])
+        padded = int(bucket.grad_data.numel())
+        if (start, end - start) != (int(bucket.offset), padded) or padded % dp_size:
+            raise LayoutMismatchError(
+                f"buffer {index} bucket {bi}: bucket_indices {(start, end)} disagree with bucket offset "
+                f"{bucket.offset} / padded numel {padded} (DP {dp_size}); unsupported megatron-core"
+            )
+        params = []
+        for param, (p_start, p_end, p_bucket) in by_start:
+            if p_bucket != bi:
+                continue
+            group_index, group_order = opt.model_param_group_index_map.get(param, (None, None))
+            params.append(
+                ParamLayout(
+                    name=names[param],
+                    start=int(p_start),
+                    end=int(p_end),
+                    bucket_id=int(p_bucket),
+                    shape=tuple(int(n) for n in param.shape),
+                    model_pieces=tuple(pieces.get(param, ())),
+                    group_index=group_index,
+                    group_order=group_order,
+                )
+            )
+        buckets.append(BucketLayout(bi, start, end, int(bucket.numel_unpadded), tuple(params)))
+    pp = ps.get_pipeline_model_parallel_rank()
+    if is_expert:
+        mp = f"tp{ps.get_expert_tensor_parallel_rank()}.ep{ps.get_expert_model_parallel_rank()}.pp{pp}"
+    else:
+        mp = f"tp{ps.get_tensor_model_parallel_rank()}.pp{pp}"
+    return BufferLayout(
+        index=index,
+        optimizer_index=optimizer_index,
+        gbuf_index=gbuf_index,
+        model_chunk=chunk,
+        param_dtype=dtype_name(buffer.param_dtype),
+        grad_dtype=dtype_name(buffer.grad_dtype),
+        is_expert=is_expert,
+        mp=mp,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        replica_id=int(getattr(opt, "distributed_optimizer_instance_id", 0)),
+        buckets=tuple(buckets),
+    )
+
+
 def _check_against_megatron(opt: Any, gi: int, buffer: Any, buf: BufferLayout) -> None:
     """Our per-rank ranges must equal the DistributedOptimizer's own ``gbuf_ranges``."""
     key = (buffer.param_dtype, buffer.grad_dtype)
@@ -483,8 +505,8 @@ def _check_against_megatron(opt: Any, gi: int, buffer: Any, buf: BufferLayout) -
             )
         if mine != theirs:
             raise LayoutMismatchError(
-                f"buffer {buf.index} bucket {bucket.index}: the slice ranges derived from param_index_map differ "
-                "from megatron's DistributedOptimizer.gbuf_ranges; unsupported megatron-core version"
+                f"buffer {buf.index} bucket {bucket.index}: slice ranges derived from param_index_map "
+                "differ from DistributedOptimizer.gbuf_ranges; unsupported megatron-core version"
             )
 
 
@@ -582,11 +604,13 @@ def model_state(
 
 def _expert_storage_spans(chunk: torch.nn.Module) -> list[tuple[int, int, int]]:
     """Storage spans of expert params (``allreduce=False``), which replicate over the expert-DP group."""
-    spans = []
-    for p in _unwrap(chunk).parameters():
-        if getattr(p, "allreduce", True) is False:
-            spans.append((p.untyped_storage().data_ptr(), p.storage_offset(), p.storage_offset() + p.numel()))
-    return spans
+    return [_storage_span(p) for p in _unwrap(chunk).parameters() if getattr(p, "allreduce", True) is False]
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage address, first element, one past the last element) of a contiguous tensor."""
+    off = int(t.storage_offset())
+    return t.untyped_storage().data_ptr(), off, off + t.numel()
 
 
 def _views_any(t: torch.Tensor, spans: list[tuple[int, int, int]]) -> bool:
@@ -630,16 +654,32 @@ def _split_replicated(shard: Shard, dp_size: int, dp_rank: int, min_split_bytes:
 
 
 # --- optimizer state -----------------------------------------------------------------------------------
+class _Owned(NamedTuple):
+    """A param slice this DP rank owns: where it sits in the rank's bucket slice, and its main shard."""
+
+    param: ParamLayout
+    lo: int  # [lo, hi) in this rank's slice of the bucket
+    hi: int
+    main: torch.Tensor  # the fp32 main param shard the inner optimizer steps
+    inner: Any  # the inner torch optimizer (its ``state`` is looked up at use: load_state_dict replaces it)
+    group: int
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state[self.main]
+
+    def get(self, name: str) -> Any:
+        return self.inner.state.get(self.main, {}).get(name)
+
+
 @dataclass
 class _Bound:
-    """A layout bound to a live DistributedOptimizer: per bucket, the owned params and their main shards."""
+    """A layout bound to a live (chained) DistributedOptimizer, cached per optimizer object."""
 
     layout: MegatronLayout
-    # per (buffer.index, bucket.index): [(param layout, (slice lo, hi), main param, state dict)]
-    owned: dict[tuple[int, int], list[tuple[ParamLayout, tuple[int, int], torch.Tensor, Any]]]
-    inner: dict[int, Any]  # buffer.index -> inner torch optimizer
-    dist: dict[int, Any]  # buffer.index -> DistributedOptimizer
-    staging: dict[str, torch.Tensor] = field(default_factory=dict)
+    owned: dict[tuple[int, int], list[_Owned]]  # (buffer.index, bucket.index) -> owned slices
+    dist: dict[int, Any]  # optimizer_index -> DistributedOptimizer
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)  # reused bucket slices, by key
 
 
 _BOUND: weakref.WeakKeyDictionary[Any, _Bound] = weakref.WeakKeyDictionary()
@@ -650,40 +690,37 @@ def _bind(optimizer: Any, layout: MegatronLayout) -> _Bound:
     if bound is not None and bound.layout is layout:
         return bound
     opts = _distributed_optimizers(optimizer)
-    owned: dict[tuple[int, int], list[tuple[ParamLayout, tuple[int, int], torch.Tensor, Any]]] = {}
-    inner: dict[int, Any] = {}
+    owned: dict[tuple[int, int], list[_Owned]] = {}
     dist: dict[int, Any] = {}
     for buf in layout.buffers:
         if buf.optimizer_index >= len(opts) or buf.gbuf_index >= len(opts[buf.optimizer_index].buffers):
             raise LayoutMismatchError(f"layout buffer {buf.index} does not exist in this optimizer")
         opt = opts[buf.optimizer_index]
+        dist[buf.optimizer_index] = opt
         buffer = opt.buffers[buf.gbuf_index]
-        if (
-            buffer.data_parallel_group.rank() != buf.dp_rank
-            or buffer.data_parallel_group.size() != buf.dp_size
-        ):
+        group = buffer.data_parallel_group
+        if (group.rank(), group.size()) != (buf.dp_rank, buf.dp_size):
             raise LayoutMismatchError(f"layout buffer {buf.index} was computed for another DP rank/size")
         by_range = {(int(s), int(e)): p for p, (s, e, _b) in buffer.param_index_map.items()}
-        inner[buf.index] = opt.optimizer
-        dist[buf.index] = opt
         for bucket in buf.buckets:
             entries = []
             for p in bucket.params:
                 r = _owned_range(buf, bucket, p)
                 if r is None:
                     continue
+                (lo, hi), _ = r
                 model_param = by_range.get((p.start, p.end))
                 if model_param is None or tuple(model_param.shape) != p.shape:
                     raise LayoutMismatchError(f"{p.name}: not at [{p.start}, {p.end}) of buffer {buf.index}")
                 gi, go = opt.model_param_group_index_map[model_param]
                 main = opt.optimizer.param_groups[gi]["params"][go]
-                if main.numel() != r[0][1] - r[0][0]:
+                if main.numel() != hi - lo:
                     raise LayoutMismatchError(
-                        f"{p.name}: main shard has {main.numel()} elements, layout expects {r[0][1] - r[0][0]}"
+                        f"{p.name}: main shard has {main.numel()} elements, layout expects {hi - lo}"
                     )
-                entries.append((p, r[0], main, opt.optimizer.state))
+                entries.append(_Owned(p, lo, hi, main, opt.optimizer, gi))
             owned[(buf.index, bucket.index)] = entries
-    bound = _Bound(layout, owned, inner, dist)
+    bound = _Bound(layout, owned, dist)
     _BOUND[optimizer] = bound
     return bound
 
@@ -693,9 +730,9 @@ def _state_names(bound: _Bound) -> tuple[list[str], list[str]]:
     elem: dict[str, None] = {}
     scalar: dict[str, None] = {}
     for entries in bound.owned.values():
-        for _p, _r, main, state in entries:
-            for name, v in state.get(main, {}).items():
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(main.shape):
+        for o in entries:
+            for name, v in o.inner.state.get(o.main, {}).items():
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(o.main.shape):
                     elem[name] = None
                 else:
                     scalar[name] = None
@@ -727,28 +764,26 @@ def optimizer_state(optimizer: Any, layout: MegatronLayout) -> dict[str, Any]:
         entries = bound.owned[(buf.index, bucket.index)]
         for name in (MAIN_PARAM, *elem_names):
             key = layout.bucket_key(buf, bucket, name)
-            tensors = []
-            for _p, (lo, hi), main, state in entries:
-                t = main if name == MAIN_PARAM else state.get(main, {}).get(name)
-                if t is None:
-                    raise StateMismatchError(f"{key}: a param of this bucket has no {name!r} state")
-                tensors.append((lo, hi, t))
+            pieces = [(o, o.main if name == MAIN_PARAM else o.get(name)) for o in entries]
+            missing = [o.param.name for o, t in pieces if t is None]
+            if missing:
+                raise StateMismatchError(f"{key}: no {name!r} state for {', '.join(missing)}")
             staging = bound.staging.get(key)
             if staging is None:
-                ref = tensors[0][2] if tensors else _first_main(bound)
+                ref = pieces[0][1] if pieces else _any_main(bound)
                 staging = torch.zeros(s, dtype=ref.dtype, device=ref.device)
                 bound.staging[key] = staging
-            for lo, hi, t in tensors:
-                staging[lo:hi].copy_(t.detach().view(-1))
+            for o, t in pieces:
+                staging[o.lo : o.hi].copy_(t.detach().view(-1))
             out[key] = Shard(key, staging, (bucket.padded_numel,), (buf.dp_rank * s,), buf.replica_id, (s,))
     out[OPTIM_META] = _optimizer_meta(bound, layout, scalar_names)
     return out
 
 
-def _first_main(bound: _Bound) -> torch.Tensor:
+def _any_main(bound: _Bound) -> torch.Tensor:
     for entries in bound.owned.values():
-        for _p, _r, main, _s in entries:
-            return main
+        for o in entries:
+            return o.main
     return torch.zeros(0, dtype=torch.float32)
 
 
@@ -771,11 +806,8 @@ def _plain(obj: Any, where: str) -> Any:
 
 
 def _optimizer_meta(bound: _Bound, layout: MegatronLayout, scalar_names: list[str]) -> dict[str, Any]:
-    opts: dict[int, Any] = {}
-    for buf in layout.buffers:
-        opts.setdefault(buf.optimizer_index, bound.dist[buf.index])
     meta: dict[str, Any] = {"layout_version": LAYOUT_VERSION, "optimizers": {}}
-    for oi, opt in sorted(opts.items()):
+    for oi, opt in sorted(bound.dist.items()):
         groups = [
             {k: _plain(v, f"param_groups[{i}].{k}") for k, v in g.items() if k != "params"}
             for i, g in enumerate(opt.optimizer.param_groups)
@@ -784,19 +816,16 @@ def _optimizer_meta(bound: _Bound, layout: MegatronLayout, scalar_names: list[st
         for name in scalar_names:
             values: dict[str, Any] = {}
             dtype: str | None = None
-            for buf in layout.buffers:
-                if buf.optimizer_index != oi:
-                    continue
+            for buf in (b for b in layout.buffers if b.optimizer_index == oi):
                 for bucket in buf.buckets:
-                    for p, _r, main, state in bound.owned[(buf.index, bucket.index)]:
-                        v = state.get(main, {}).get(name)
+                    for o in bound.owned[(buf.index, bucket.index)]:
+                        v = o.get(name)
                         if v is None:
                             continue
                         if isinstance(v, torch.Tensor):
                             dtype = dtype_name(v.dtype)
-                        values[_param_id(buf, p)] = _plain(v, f"state.{name}")
-            distinct = {json.dumps(v, sort_keys=True) for v in values.values()}
-            if len(distinct) == 1:
+                        values[_param_id(buf, o.param)] = _plain(v, f"state.{name}")
+            if len({json.dumps(v, sort_keys=True) for v in values.values()}) == 1:
                 scalars[name] = {"dtype": dtype, "value": next(iter(values.values()))}
             elif values:
                 scalars[name] = {"dtype": dtype, "by_param": values}
@@ -808,20 +837,23 @@ def _optimizer_meta(bound: _Bound, layout: MegatronLayout, scalar_names: list[st
     return meta
 
 
-def optimizer_read_regions(layout: MegatronLayout) -> dict[str, tuple[int, int]]:
-    """For each optimizer array this rank loads: ``[start, stop)`` of the stored 1-D array to read.
+def _bucket_prefix(layout: MegatronLayout, buf: BufferLayout, bucket: BucketLayout) -> str:
+    return layout.bucket_key(buf, bucket, MAIN_PARAM)[: -len(MAIN_PARAM)]
 
-    The region is this rank's slice ``[d*S, (d+1)*S)`` of its *own* padded bucket. A checkpoint saved at
-    another DP size has another padding, so clip ``stop`` to the stored length; what lies beyond is
-    padding (no param sits there) and :func:`apply_optimizer_state` treats it as zero. The state names
-    to read are those stored for the bucket (``param`` plus the inner optimizer's), so keys end at the
-    bucket: ``optim/<mp>/buf<g>/bucket<b>/`` + state.
+
+def optimizer_read_regions(layout: MegatronLayout) -> dict[str, tuple[int, int]]:
+    """What this rank loads: ``{bucket key prefix: (start, stop)}`` of each stored 1-D bucket array.
+
+    The prefix is ``optim/<mp>/buf<g>/bucket<b>/``; read every state stored under it (``param`` plus the
+    inner optimizer's). The region is this rank's slice ``[d*S, (d+1)*S)`` of its *own* padded bucket. A
+    checkpoint saved at another DP size was padded differently (to ``lcm(DP, 128)``), so clip ``stop`` to
+    the stored length: what lies beyond is padding (no param sits there), and
+    :func:`apply_optimizer_state` treats it as zero.
     """
     out: dict[str, tuple[int, int]] = {}
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
-        prefix = layout.bucket_key(buf, bucket, MAIN_PARAM)[: -len(MAIN_PARAM)]
-        out[prefix] = (buf.dp_rank * s, (buf.dp_rank + 1) * s)
+        out[_bucket_prefix(layout, buf, bucket)] = (buf.dp_rank * s, (buf.dp_rank + 1) * s)
     return out
 
 
@@ -833,7 +865,7 @@ def apply_optimizer_state(
     copy_to_model: bool = True,
     sync_params: bool = False,
 ) -> None:
-    """Write loaded bucket slices (and plain data) back into the optimizer. Inverse of :func:`optimizer_state`.
+    """Write loaded bucket slices and plain data back into the optimizer; inverse of :func:`optimizer_state`.
 
     ``slices`` maps each optimizer key (``optim/<mp>/buf<g>/bucket<b>/<state>``) to a 1-D tensor holding
     the stored array's elements from ``d*S`` on, where ``d``/``S`` are this (loading) rank's — see
@@ -845,52 +877,50 @@ def apply_optimizer_state(
 
     Afterwards main params are copied into the model params this rank owns (``copy_to_model``), as
     Megatron does after a step; with ``sync_params`` the model chunks' param all-gather runs too (a DP
-    collective), otherwise the model params must come from the model checkpoint.
+    collective), otherwise the other ranks' slices of the model params must come from the model
+    checkpoint.
     """
     bound = _bind(optimizer, layout)
     meta_in = slices.get(OPTIM_META)
     metas: list[Mapping[str, Any]] = (
         [] if meta_in is None else list(meta_in) if isinstance(meta_in, (list, tuple)) else [meta_in]
     )
-    prefixes = optimizer_read_regions(layout)
-    by_bucket: dict[str, dict[str, torch.Tensor]] = {p: {} for p in prefixes}
+    by_bucket: dict[str, dict[str, torch.Tensor]] = {p: {} for p in optimizer_read_regions(layout)}
     for key, value in slices.items():
         if key == OPTIM_META:
             continue
         prefix, _, state = key.rpartition("/")
-        prefix += "/"
-        if prefix not in by_bucket:
+        if prefix + "/" not in by_bucket:
             raise StateMismatchError(f"{key}: no such optimizer bucket in this rank's layout")
         if not isinstance(value, torch.Tensor) or value.dim() != 1:
             raise InvalidRequestError(f"{key}: expected a 1-D tensor slice")
-        by_bucket[prefix][state] = value
+        by_bucket[prefix + "/"][state] = value
     with torch.no_grad():
         for buf, bucket in layout.buckets():
-            prefix = layout.bucket_key(buf, bucket, MAIN_PARAM)[: -len(MAIN_PARAM)]
+            prefix = _bucket_prefix(layout, buf, bucket)
             loaded = by_bucket[prefix]
             entries = bound.owned[(buf.index, bucket.index)]
-            if MAIN_PARAM not in loaded and entries:
+            if entries and MAIN_PARAM not in loaded:
                 raise StateMismatchError(f"{prefix}{MAIN_PARAM}: missing from the loaded optimizer state")
             for name, src in loaded.items():
-                for p, (lo, hi), main, state in entries:
-                    if hi > src.numel():
+                for o in entries:
+                    if o.hi > src.numel():
                         raise ShardLayoutError(
-                            f"{prefix}{name}: {p.name} needs elements [{lo}, {hi}) of this rank's slice, "
-                            f"but only {src.numel()} were loaded"
+                            f"{prefix}{name}: {o.param.name} needs elements [{o.lo}, {o.hi}) of this rank's "
+                            f"slice, but only {src.numel()} were loaded"
                         )
-                    piece = src[lo:hi]
+                    piece = src[o.lo : o.hi]
                     if name == MAIN_PARAM:
-                        main.copy_(piece)
+                        o.main.copy_(piece)
                         continue
-                    st = state[main]
-                    dst = st.get(name)
-                    if dst is None or tuple(dst.shape) != tuple(main.shape):
-                        dst = torch.zeros_like(main, dtype=src.dtype)
-                        st[name] = dst
+                    dst = o.get(name)
+                    if not isinstance(dst, torch.Tensor) or tuple(dst.shape) != tuple(o.main.shape):
+                        dst = torch.zeros_like(o.main, dtype=src.dtype)
+                        o.state[name] = dst
                     dst.copy_(piece)
         _apply_meta(bound, layout, metas)
         if copy_to_model:
-            for opt in {id(o): o for o in bound.dist.values()}.values():
+            for opt in bound.dist.values():
                 opt._copy_main_params_to_model_params()
                 if sync_params:
                     for chunk in opt.model_chunks:
@@ -903,58 +933,55 @@ def _apply_meta(bound: _Bound, layout: MegatronLayout, metas: Sequence[Mapping[s
     for m in metas:
         if m.get("layout_version") != LAYOUT_VERSION:
             raise InvalidRequestError(f"unsupported optimizer metadata version {m.get('layout_version')!r}")
-    first = metas[0]["optimizers"]
-    for buf in layout.buffers:
-        entry = first.get(str(buf.optimizer_index))
+    saved = metas[0]["optimizers"]
+    for oi, opt in bound.dist.items():
+        entry = saved.get(str(oi))
         if entry is None:
-            raise StateMismatchError(
-                f"no saved optimizer metadata for DistributedOptimizer {buf.optimizer_index}"
-            )
-        for name, spec in entry["scalar_state"].items():
-            merged: dict[str, Any] = {}
-            uniform = "value" in spec
-            for m in metas:
-                s2 = m["optimizers"].get(str(buf.optimizer_index), {}).get("scalar_state", {}).get(name, {})
-                merged.update(s2.get("by_param", {}))
-            dtype = torch_dtype(spec["dtype"]) if spec.get("dtype") else None
-            for bucket in buf.buckets:
-                for p, _r, main, state in bound.owned[(buf.index, bucket.index)]:
-                    pid = _param_id(buf, p)
-                    if uniform:
-                        value = spec["value"]
-                    elif pid in merged:
-                        value = merged[pid]
-                    else:
-                        raise StateMismatchError(f"{name}: no saved value for {pid}")
-                    st = state[main]
-                    if dtype is None:
-                        st[name] = value
-                    else:
-                        old = st.get(name)
-                        device = old.device if isinstance(old, torch.Tensor) else torch.device("cpu")
-                        # a fresh tensor per param: never one tensor shared by all params
-                        st[name] = torch.tensor(value, dtype=dtype, device=device)
-    opts = {b.optimizer_index: bound.dist[b.index] for b in layout.buffers}
-    for oi_str, entry in first.items():
-        opt = opts.get(int(oi_str))
-        if opt is None:
-            continue
+            raise StateMismatchError(f"no saved optimizer metadata for DistributedOptimizer {oi}")
         groups = opt.optimizer.param_groups
-        saved = entry["param_groups"]
-        if len(saved) != len(groups):
+        if len(entry["param_groups"]) != len(groups):
             raise StateMismatchError(
-                f"optimizer {oi_str}: {len(saved)} saved param groups, {len(groups)} live"
+                f"optimizer {oi}: {len(entry['param_groups'])} saved param groups, {len(groups)} live"
             )
-        for g, s in zip(groups, saved, strict=True):
-            for k, v in s.items():
+        for g, sg in zip(groups, entry["param_groups"], strict=True):
+            for k, v in sg.items():
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+        for name, spec in entry["scalar_state"].items():
+            by_param: dict[str, Any] = {}
+            for m in metas:
+                found = m["optimizers"].get(str(oi), {}).get("scalar_state", {}).get(name, {})
+                by_param.update(found.get("by_param", {}))
+            dtype = torch_dtype(spec["dtype"]) if spec.get("dtype") else None
+            for buf in (b for b in layout.buffers if b.optimizer_index == oi):
+                for bucket in buf.buckets:
+                    for o in bound.owned[(buf.index, bucket.index)]:
+                        pid = _param_id(buf, o.param)
+                        if "value" in spec:
+                            value = spec["value"]
+                        elif pid in by_param:
+                            value = by_param[pid]
+                        else:
+                            raise StateMismatchError(f"{name}: no saved value for {pid}")
+                        o.state[name] = value if dtype is None else _scalar_tensor(o, name, value, dtype)
         scaler = getattr(opt, "grad_scaler", None)
         if scaler is not None and "grad_scaler" in entry:
-            sd = scaler.state_dict()
-            restored = {
-                k: torch.tensor(v, dtype=sd[k].dtype, device=sd[k].device)
-                if isinstance(sd.get(k), torch.Tensor)
-                else v
-                for k, v in entry["grad_scaler"].items()
-            }
-            scaler.load_state_dict(restored)
+            live = scaler.state_dict()
+            scaler.load_state_dict(
+                {
+                    k: torch.tensor(v, dtype=live[k].dtype, device=live[k].device)
+                    if isinstance(live.get(k), torch.Tensor)
+                    else v
+                    for k, v in entry["grad_scaler"].items()
+                }
+            )
+
+
+def _scalar_tensor(o: _Owned, name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh scalar tensor per param (never one shared by all params), where the optimizer keeps it."""
+    old = o.get(name)
+    if isinstance(old, torch.Tensor):
+        device = old.device
+    else:  # torch Adam: on the param's device only when capturable or fused, else on the CPU
+        group = o.inner.param_groups[o.group]
+        device = o.main.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
+    return torch.tensor(value, dtype=dtype, device=device)

@@ -100,6 +100,7 @@ def load_config(
     for name, value in flags.items():
         if value is not None and name in _FIELDS:
             values[name] = value
+    values.setdefault("socket", default_socket_path(env))
     if "root" not in values:
         raise InvalidRequestError("no checkpoint root: pass --root, set CKPTD_ROOT, or set root in the config file")
     return DaemonConfig(**{k: _coerce(k, v) for k, v in values.items()})

@@ -181,16 +181,20 @@ def _patch_torch_cuda() -> None:
     def reset_peak_memory_stats(device: Any = None) -> None:
         return None
 
-    cuda.current_device = current_device  # type: ignore[assignment]
-    cuda.synchronize = synchronize  # type: ignore[assignment]
-    cuda.empty_cache = empty_cache  # type: ignore[assignment]
-    cuda.set_device = set_device  # type: ignore[assignment]
-    cuda.Stream = _Stream  # type: ignore[assignment,misc]
-    cuda.Event = _Event  # type: ignore[assignment,misc]
-    cuda.current_stream = current_stream  # type: ignore[assignment]
-    cuda.default_stream = default_stream  # type: ignore[assignment]
-    cuda.stream = _null_stream_ctx  # type: ignore[assignment]
-    cuda.reset_peak_memory_stats = reset_peak_memory_stats  # type: ignore[assignment]
+    patches: dict[str, Any] = {
+        "current_device": current_device,
+        "synchronize": synchronize,
+        "empty_cache": empty_cache,
+        "set_device": set_device,
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": current_stream,
+        "default_stream": default_stream,
+        "stream": _null_stream_ctx,
+        "reset_peak_memory_stats": reset_peak_memory_stats,
+    }
+    for name, value in patches.items():
+        setattr(cuda, name, value)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, name, _zero_fn(name))
 
@@ -219,8 +223,8 @@ def _patch_megatron_rng() -> None:
     def fork(self: Any, name: str = "model-parallel-rng") -> Iterator[None]:
         yield
 
-    mrandom.CudaRNGStatesTracker.add = add  # type: ignore[method-assign]
-    mrandom.CudaRNGStatesTracker.fork = fork  # type: ignore[method-assign]
+    setattr(mrandom.CudaRNGStatesTracker, "add", add)  # noqa: B010 - patching a class on purpose
+    setattr(mrandom.CudaRNGStatesTracker, "fork", fork)  # noqa: B010
 
 
 def install_cpu_shim() -> None:
@@ -232,7 +236,7 @@ def install_cpu_shim() -> None:
         _patch_torch_cuda()
         _patch_megatron_rng()
         _mode = _CudaToCpuMode()
-        _mode.__enter__()  # stays pushed for the life of the thread
+        _mode.__enter__()  # type: ignore[no-untyped-call]  # stays pushed for the thread's life
         _installed = True
 
 

@@ -6,15 +6,13 @@ Test/demo code only: the ckptd library never imports it. :func:`build_gpt` build
 :func:`spawn_ranks` runs a function in ``world_size`` real processes joined by a gloo process group.
 
 Determinism: the data of global micro-batch ``j`` at iteration ``i`` comes from a generator seeded with
-``(seed, i, j)`` only, and the loss a step reports is the mean of the per-micro-batch losses gathered
-over DP in global micro-batch order. The number of global micro-batches is fixed (a power of two), so
-the loss reported for a given set of parameters is bit-identical whatever the DP size, and each DP rank
-scales its gradients by powers of two only.
+``(data_seed, i, j)`` only, and the loss a step reports is the mean of the per-micro-batch losses
+gathered over DP in global micro-batch order. The number of global micro-batches is fixed, so the loss
+reported for a given set of parameters is bit-identical whatever the DP size.
 """
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
 import os
 import socket
@@ -68,6 +66,7 @@ def build_gpt(
     clip_grad: float = 1.0,
     share_embeddings: bool = True,
     initialize_parallel: bool = True,
+    data_seed: int | None = None,
 ) -> ToyGPT:
     """Build the toy GPT on an already-initialized (gloo) default process group.
 
@@ -75,7 +74,11 @@ def build_gpt(
     False), installs the CPU shim when CUDA is unavailable, seeds every RNG from ``seed`` and returns
     the model chunks, the optimizer exactly as ``get_megatron_optimizer`` returns it, and
     ``train_step(iteration) -> loss``. ``bucket_size`` (elements) only matters with
-    ``overlap_grad_reduce=True``; a small one gives a buffer several buckets.
+    ``overlap_grad_reduce=True``; a small one gives a buffer several buckets. ``data_seed`` (default
+    ``seed``) seeds the data alone, so a model built with another ``seed`` sees the same batches.
+
+    ``global_microbatches`` must be divisible by DP; with a power of two, gradients are also
+    bit-identical across DP sizes (every rescaling is by a power of two).
     """
     if not torch.cuda.is_available():
         from ckptd.daemon.megatron_cpu import install_cpu_shim
@@ -93,8 +96,7 @@ def build_gpt(
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
-    if global_microbatches & (global_microbatches - 1):
-        raise ValueError(f"global_microbatches must be a power of two, got {global_microbatches}")
+    data_seed = seed if data_seed is None else data_seed
     if initialize_parallel:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -171,7 +173,7 @@ def build_gpt(
     positions = torch.arange(seq).unsqueeze(0).expand(micro_batch_size, seq)
 
     def batch(iteration: int, j: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + iteration * 1_009 + j)
+        g = torch.Generator().manual_seed(data_seed * 1_000_003 + iteration * 1_009 + j)
         tokens = torch.randint(0, vocab, (micro_batch_size, seq + 1), generator=g)
         return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
@@ -285,21 +287,21 @@ def spawn_ranks(
     """
     if start_method == "forkserver":
         multiprocessing.set_forkserver_preload(_PRELOAD)
-    import torch.multiprocessing as tmp
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
     with tempfile.TemporaryDirectory(prefix="ckptd-ranks-") as result_dir:
         port = free_port()
         try:
-            tmp.start_processes(
-                functools.partial(_rank_main),
+            start_processes(  # type: ignore[no-untyped-call]
+                _rank_main,
                 args=(world_size, port, result_dir, fn, args, timeout_s),
                 nprocs=world_size,
                 join=True,
                 start_method=start_method,
             )
-        except tmp.ProcessRaisedException as exc:
+        except ProcessRaisedException as exc:
             raise RankFailedError(str(exc)) from None
-        except tmp.ProcessExitedException as exc:
+        except ProcessExitedException as exc:
             errors = _read_errors(result_dir, world_size)
             raise RankFailedError(f"{exc}\n{errors}") from None
         return [

@@ -175,8 +175,8 @@ class Daemon:
             case LeaseRequest():
                 if self.service.draining:
                     raise DaemonShuttingDownError("the daemon is shutting down and grants no staging space")
-                if any(n < 0 for n in req.sizes) or not req.sizes:
-                    raise InvalidRequestError(f"lease sizes must be a non-empty list of sizes >= 0: {req.sizes[:8]}")
+                if any(n < 0 for n in req.sizes):
+                    raise InvalidRequestError(f"lease sizes must be >= 0: {req.sizes[:8]}")
                 lease = await self.arena.lease(conn, req.sizes, max(0.0, req.timeout_s))
                 return LeaseGranted(v=v, lease_id=lease.lease_id, offsets=lease.offsets)
             case SaveRequest():

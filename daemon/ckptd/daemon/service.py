@@ -55,6 +55,7 @@ from ckptd.writer.format import (
 log = logging.getLogger(__name__)
 
 FINAL_STATES = ("committed", "failed")
+KEEP_FINISHED_JOBS = 64
 
 
 @dataclass
@@ -155,12 +156,15 @@ class CheckpointService:
     async def _job_for(self, req: SaveRequest) -> StepJob:
         async with self._job_lock:
             job = self.jobs.get(req.step)
+            if job is not None and job.state == "committed":
+                raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
             if job is None or job.state == "failed":  # a failed step may be saved again
                 if await self.root.is_committed(req.step):
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
                 await self.root.discard_part(req.step, req.node)
                 job = StepJob(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size)
                 self.jobs[req.step] = job
+                self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
             placement = (job.node, job.num_nodes, job.world_size, job.local_world_size)
             if placement != (req.node, req.num_nodes, req.world_size, req.local_world_size):
@@ -170,6 +174,12 @@ class CheckpointService:
                     f"{job.node}/{job.num_nodes}, world {job.world_size}, local world {job.local_world_size}"
                 )
             return job
+
+    def _forget_old_jobs(self) -> None:
+        """Keep the records of the newest finished steps only (status of older ones comes from storage)."""
+        finished = sorted(s for s, j in self.jobs.items() if j.state in FINAL_STATES)
+        for step in finished[:-KEEP_FINISHED_JOBS]:
+            del self.jobs[step]
 
     # --- writing ----------------------------------------------------------------------------------
     async def _write_rank(self, job: StepJob, save: RankSave) -> None:
@@ -250,15 +260,16 @@ class CheckpointService:
             log.warning("step=%d node=%d: could not record the failure: %s", job.step, job.node, note_exc)
 
     def _part(self, job: StepJob) -> PartManifest:
-        arrays: dict[str, ArrayRecord] = {}
-        for save in job.saves.values():
-            for meta, rec in save.records:
-                chunks = plan_chunks(meta.chunk_shape, itemsize(meta.dtype), self.config.chunk_bytes)
-                prev = arrays.get(meta.key)
-                shards = [*(prev.shards if prev else []), rec]
-                arrays[meta.key] = ArrayRecord(
-                    meta.key, meta.dtype, list(meta.global_shape), list(chunks), shards, self.config.codec
-                )
+        # One record per (rank, array): the coordinator's merge checks that all ranks agree on each array.
+        arrays = [
+            ArrayRecord(
+                meta.key, meta.dtype, list(meta.global_shape),
+                list(plan_chunks(meta.chunk_shape, itemsize(meta.dtype), self.config.chunk_bytes)), [rec],
+                self.config.codec,
+            )
+            for save in job.saves.values()
+            for meta, rec in save.records
+        ]
         return PartManifest(
             format=FORMAT_VERSION,
             step=job.step,
@@ -266,7 +277,7 @@ class CheckpointService:
             num_nodes=job.num_nodes,
             world_size=job.world_size,
             ranks=sorted(job.saves),
-            arrays=sorted(arrays.values(), key=lambda a: a.name),
+            arrays=sorted(arrays, key=lambda a: (a.name, a.shards[0].rank)),
             objects={str(r): s.request.objects for r, s in sorted(job.saves.items()) if s.request.objects},
             nbytes=job.nbytes,
             written_at=time.time(),

@@ -267,6 +267,9 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
             for shard in rec.shards:
                 for ch in shard.chunks:
                     coords = tuple(ch.coords)
+                    grid = [-(-n // c) for n, c in zip(rec.shape, rec.chunks, strict=True)]
+                    if len(coords) != len(grid) or any(not 0 <= x < g for x, g in zip(coords, grid, strict=True)):
+                        raise ShardLayoutError(f"{rec.name}: chunk {coords} lies outside the chunk grid {grid}")
                     if coords in taken:
                         raise ShardLayoutError(
                             f"{rec.name}: chunk {coords} written by ranks {taken[coords]} and {shard.rank} "
