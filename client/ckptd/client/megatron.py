@@ -333,9 +333,7 @@ def _distributed_optimizers(optimizer: Any) -> list[Any]:
         if getattr(opt.ddp_config, "use_megatron_fsdp", False):
             raise InvalidRequestError("Megatron FSDP buffers are not supported")
         if getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-            raise InvalidRequestError(
-                "precision-aware optimizers (TE FusedAdam master weights) are not supported"
-            )
+            raise InvalidRequestError("precision-aware optimizers (TE FusedAdam master weights) are not supported")
         out.append(opt)
     return out
 
@@ -513,14 +511,14 @@ def _check_against_megatron(opt: Any, gi: int, buffer: Any, buf: BufferLayout) -
 def _owned_range(
     buf: BufferLayout, bucket: BucketLayout, p: ParamLayout
 ) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """((lo, hi) in this rank's slice, (lo, hi) in the flattened param), or None if not owned."""
+    """((lo, hi) in this rank's bucket slice, (lo, hi) in the flattened param), or None if not owned."""
     s = buf.slice_numel(bucket)
     r0 = buf.dp_rank * s
-    ps_, pe = p.start - bucket.start, p.end - bucket.start
-    lo, hi = max(ps_, r0), min(pe, r0 + s)
+    p0, p1 = p.start - bucket.start, p.end - bucket.start
+    lo, hi = max(p0, r0), min(p1, r0 + s)
     if hi <= lo:
         return None
-    return (lo - r0, hi - r0), (lo - ps_, hi - ps_)
+    return (lo - r0, hi - r0), (lo - p0, hi - p0)
 
 
 # --- model state ---------------------------------------------------------------------------------------
@@ -582,9 +580,7 @@ def model_state(
                 for s in shards:
                     path = f"{s.key}@{','.join(str(o) for o in s.global_offset)}"
                     if path in out and _replica_tuple(s.replica_id) == _replica_tuple(out[path].replica_id):
-                        raise ShardLayoutError(
-                            f"{s.key}: region at {s.global_offset} appears twice in the model"
-                        )
+                        raise ShardLayoutError(f"{s.key}: region at {s.global_offset} appears twice in the model")
                     out[path] = s
             elif isinstance(leaf, ShardedObject):
                 if leaf.data is None or any(_replica_tuple(leaf.replica_id)):
@@ -627,15 +623,13 @@ def _split_replicated(shard: Shard, dp_size: int, dp_rank: int, min_split_bytes:
         return [shard]
     local = tuple(shard.data.shape)
     grid = shard.grid
-    for axis, (n, g, o, c) in enumerate(
-        zip(local, shard.global_shape, shard.global_offset, grid, strict=True)
-    ):
+    for axis, (n, g, o, c) in enumerate(zip(local, shard.global_shape, shard.global_offset, grid, strict=True)):
         if n < 2:
             continue
         k = -(-n // dp_size)  # rows per DP rank
         # blocks of k must tile this rank's region on the array-wide grid: k divides the block grid,
         # or the region is the whole axis (the last block may then be shorter)
-        if not (c % k == 0 and n % k == 0) and not (o == 0 and n == g):
+        if not (c % k == 0 and n % k == 0 and o % k == 0) and not (o == 0 and n == g):
             continue
         pieces = -(-n // k)
         base_rid = (*rid[:-1], 0)
@@ -645,11 +639,7 @@ def _split_replicated(shard: Shard, dp_size: int, dp_rank: int, min_split_bytes:
         lo = dp_rank * k
         hi = min(n, lo + k)
         off = tuple(x + lo if a == axis else x for a, x in enumerate(shard.global_offset))
-        return [
-            Shard(
-                shard.key, shard.data.narrow(axis, lo, hi - lo), shard.global_shape, off, base_rid, new_grid
-            )
-        ]
+        return [Shard(shard.key, shard.data.narrow(axis, lo, hi - lo), shard.global_shape, off, base_rid, new_grid)]
     return [shard]
 
 
@@ -737,9 +727,7 @@ def _state_names(bound: _Bound) -> tuple[list[str], list[str]]:
                 else:
                     scalar[name] = None
     if MAIN_PARAM in elem:
-        raise InvalidRequestError(
-            f"the inner optimizer keeps a state named {MAIN_PARAM!r}, which ckptd reserves"
-        )
+        raise InvalidRequestError(f"the inner optimizer keeps a state named {MAIN_PARAM!r}, which ckptd reserves")
     return list(elem), list(scalar)
 
 

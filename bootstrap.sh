@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One command from a fresh clone: set up .venv (Python 3.11; torch 2.13.0 CPU first, then ckptd and its
+# pinned dependencies from .ci/constraints.txt), then run what was asked:
+#   ./bootstrap.sh demo [ckptd demo flags]     the main job: daemon + 4 Megatron ranks, save, reload
+#   ./bootstrap.sh test [pytest args]          the test suite (what CI runs)
+#   ./bootstrap.sh bench [benchmarks/run.py flags]
+#   ./bootstrap.sh setup                       only set up
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3.11}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.ckptd-installed
+want=$(cat pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: installing into .venv (torch 2.13.0 CPU first, then ckptd[all,test])" >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+  .venv/bin/pip install --quiet --disable-pip-version-check -c .ci/constraints.txt -e ".[all,test]"
+  echo "$want" > "$stamp"
+fi
+what=${1:-setup}
+[ $# -gt 0 ] && shift
+case "$what" in
+  demo)  exec .venv/bin/ckptd demo "$@" ;;
+  test)  exec .venv/bin/python -m pytest "$@" ;;
+  bench) exec .venv/bin/python benchmarks/run.py "$@" ;;
+  setup) echo "bootstrap: ready (.venv/bin/ckptd)" >&2 ;;
+  *) echo "usage: $0 demo|test|bench|setup [args]" >&2; exit 2 ;;
+esac
