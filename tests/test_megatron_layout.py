@@ -28,7 +28,7 @@ from ckptd.client.megatron import (
     optimizer_state,
 )
 from ckptd.client.state import Shard, plan_state
-from ckptd.daemon.megatron_toy import build_gpt, spawn_ranks
+from ckptd.daemon.megatron_toy import RankFailedError, build_gpt, spawn_ranks
 
 pytestmark = pytest.mark.megatron
 
@@ -263,9 +263,7 @@ def _round_trip_rank(rank: int, world: int, build: dict[str, Any]) -> dict[str, 
     for it in range(3):
         train_step(it)
     saved = _snapshot(optimizer_state(optimizer, get_layout(model, optimizer)))
-    weights = {
-        k: v.clone() for k, v in unwrap_model(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
-    }
+    weights = {k: v.clone() for k, v in unwrap_model(model[0]).state_dict().items() if isinstance(v, torch.Tensor)}
     expected = [train_step(3), train_step(4)]
 
     # a fresh model and optimizer (other init seed, same data), then load and continue
@@ -305,9 +303,7 @@ def _save_rank(rank: int, world: int, out: str, build: dict[str, Any]) -> float:
     }
     if rank == 0:
         record["weights"] = {
-            k: v.clone()
-            for k, v in unwrap_model(model[0]).state_dict().items()
-            if isinstance(v, torch.Tensor)
+            k: v.clone() for k, v in unwrap_model(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
         }
     torch.save(record, Path(out) / f"rank{rank}.pt")
     return train_step(3)
@@ -353,3 +349,40 @@ def test_round_trip_changes_dp(tmp_path: Path, saved_dp: int, loaded_dp: int) ->
     assert sum(r["owned"] for r in loaded) >= 1
     if loaded_dp == 3:  # padding grows from lcm(2,128) to lcm(3,128): the last rank reads past the stored end
         assert any(r["clipped"] for r in loaded)
+
+
+def _shim_rank(rank: int, world: int) -> dict[str, Any]:
+    from ckptd.daemon.megatron_cpu import install_cpu_shim
+
+    install_cpu_shim()
+    install_cpu_shim()  # idempotent
+    t = torch.ones(3, device="cuda")
+    return {
+        "device": str(t.device),
+        "moved": str(torch.zeros(2).cuda().device),
+        "to": str(torch.zeros(2).to("cuda:0").device),
+        "type": t.type(),
+        "bf16_type": t.bfloat16().type(),
+        "current_device": torch.cuda.current_device(),
+        "stream_is_class": isinstance(torch.cuda.Stream(), torch.cuda.Stream),
+    }
+
+
+def _failing_rank(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one refuses")
+
+
+def test_cpu_shim_and_launcher() -> None:
+    (r,) = spawn_ranks(_shim_rank, 1)
+    assert r == {
+        "device": "cpu",
+        "moved": "cpu",
+        "to": "cpu",
+        "type": "torch.cuda.FloatTensor",
+        "bf16_type": "torch.cuda.BFloat16Tensor",
+        "current_device": 0,
+        "stream_is_class": True,
+    }
+    with pytest.raises(RankFailedError, match=r"(?s)ValueError: rank one refuses.*_failing_rank"):
+        spawn_ranks(_failing_rank, 2)

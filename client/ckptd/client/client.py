@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 Policy = Literal["wait", "fail", "skip"]
 _ERRORS = error_classes()
 _POLL_S = 0.5
+_MADV_POPULATE_WRITE = 23
 
 
 def _raise_reply(reply: ErrorReply) -> None:
@@ -242,6 +243,8 @@ class CheckpointClient:
             self._arena = mmap.mmap(fd, welcome.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        with contextlib.suppress(OSError, AttributeError):
+            self._arena.madvise(_MADV_POPULATE_WRITE)  # map the daemon's pages now, not during save()
         self._arena_t = torch.frombuffer(self._arena, dtype=torch.uint8)
         self._pinned = False
 

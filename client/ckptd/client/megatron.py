@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+
 from ckptd.client.state import Shard, dtype_name, torch_dtype
 from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, ShardLayoutError, StateMismatchError
 from ckptd.writer.format import validate_key

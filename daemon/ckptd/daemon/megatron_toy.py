@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
+__all__ = ["RankFailedError", "ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
 
 _PRELOAD = [
     "torch",
@@ -304,9 +304,7 @@ def spawn_ranks(
         except ProcessExitedException as exc:
             errors = _read_errors(result_dir, world_size)
             raise RankFailedError(f"{exc}\n{errors}") from None
-        return [
-            torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
-        ]
+        return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
 def _read_errors(result_dir: str, world_size: int) -> str:

@@ -22,7 +22,7 @@ FAILED_MARKER = "FAILED"
 LATEST = "latest"
 PARTS_DIR = "_parts"
 ARRAY_ATTR = "ckptd"
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what step_dir() writes
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-+=:@,]*$")
