@@ -46,6 +46,7 @@ from ckptd.client.protocol import (
     frame_length,
 )
 from ckptd.client.state import Plan, Shard, dtype_name, plan_state
+from ckptd.writer.format import sidecar_name
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
@@ -199,6 +200,7 @@ class CheckpointClient:
         self._pinned = False
         self._welcome: Welcome | None = None
         self._handles: list[SaveHandle] = []
+        self._sidecars_sent: set[str] = set()
         self._connect()
 
     # --- connection -------------------------------------------------------------------------------
@@ -228,6 +230,7 @@ class CheckpointClient:
             sock.close()
             raise DaemonUnavailableError(f"no ckptd daemon at {self.socket_path}: {exc}") from exc
         self._sock = sock
+        self._sidecars_sent = set()  # a new daemon may serve another root
         reply = self._request(Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=self.placement.rank))
         assert isinstance(reply, Welcome)
         self._welcome = reply
@@ -324,18 +327,24 @@ class CheckpointClient:
         return reply
 
     # --- save -------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Stage ``state`` for ``step`` and return once it is copied; the caller may then overwrite it.
+
+        ``sidecars`` are JSON documents stored once per root under their content hash (e.g. a model
+        layout); reference them from ``state`` by :func:`ckptd.writer.format.sidecar_name`. Each is sent
+        to the daemon once per connection.
 
         Raises the error of an earlier save that failed in the background, typed errors for bad input,
         and (policy ``"fail"``) :class:`BackpressureError` when the arena is still full.
         """
         self._raise_background_errors()
         plan = plan_state(state, self.placement.rank)
-        return self.save_plan(step, plan)
+        return self.save_plan(step, plan, sidecars=sidecars)
 
-    def save_plan(self, step: int, plan: Plan) -> SaveHandle:
+    def save_plan(self, step: int, plan: Plan, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Like :meth:`save` for an already planned state (callers that cache their plan)."""
+        docs = {sidecar_name(t): t for t in sidecars}
+        docs = {n: t for n, t in docs.items() if n not in self._sidecars_sent}
         t0 = time.perf_counter()
         encode_objects(plan.objects)
         sizes = [s.nbytes for s in plan.shards]
@@ -358,8 +367,10 @@ class CheckpointClient:
                     v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
                     node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size,
                     shards=[_meta(s, i) for i, s in enumerate(plan.shards)], objects=plan.objects,
+                    sidecars=docs,
                 )
             )
+            self._sidecars_sent.update(docs)
         except BaseException:
             with contextlib.suppress(CkptdError):
                 self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))

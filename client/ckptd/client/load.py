@@ -70,6 +70,16 @@ async def load_async(
     return _with_objects(template, objects)
 
 
+def read_sidecar(root: str, name: str, storage_options: Mapping[str, Any] | None = None) -> str:
+    """A content-addressed document stored with :meth:`CheckpointClient.save` (``sidecars=``)."""
+
+    async def go() -> str:
+        store = await open_store(normalize_root(root), storage_options, create=False)
+        return await CheckpointRoot(store, root).read_sidecar(name)
+
+    return asyncio.run(go())
+
+
 def plan_reads(commit: CommitManifest, template: Mapping[str, Any]) -> list[Shard]:
     """Every region the template asks for, checked against the manifest first. Pure."""
     arrays: dict[str, ArrayRecord] = {rec.name: rec for rec in commit.arrays}

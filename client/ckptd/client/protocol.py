@@ -59,6 +59,9 @@ class SaveRequest(_Msg, tag="save"):
     local_world_size: int
     shards: list[ShardMeta]
     objects: dict[str, Any]
+    # Content-addressed documents written once per root (e.g. a Megatron layout): name -> JSON text.
+    # Names are "<sha256 of the text>.json"; the daemon checks the hash and skips ones already stored.
+    sidecars: dict[str, str] = {}
 
 
 class ReleaseRequest(_Msg, tag="release"):

@@ -43,6 +43,7 @@ from ckptd.writer.format import (
     PartManifest,
     ShardRecord,
     check_region,
+    check_sidecar,
     chunk_key,
     itemsize,
     plan_chunks,
@@ -101,6 +102,7 @@ class CheckpointService:
         self._chunk_slots = asyncio.Semaphore(config.write_concurrency)
         self._job_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
+        self._sidecars_stored: set[str] = set()
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -111,11 +113,17 @@ class CheckpointService:
         if lease is None:
             raise LeaseError(f"lease {req.lease_id} was never granted to this connection (or is already used)")
         self._validate(req, lease)
+        for name, text in req.sidecars.items():
+            check_sidecar(name, text)
         job = await self._job_for(req)
         if req.rank in job.saves:
             raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
         if job.state != "pending":
             raise StepFailedError(f"step {req.step} is already {job.state} on this node: {job.error}")
+        for name, text in req.sidecars.items():
+            if name not in self._sidecars_stored:
+                await self.root.write_sidecar(name, text)
+                self._sidecars_stored.add(name)
         self.arena.adopt(lease)
         save = RankSave(req, lease)
         job.saves[req.rank] = save

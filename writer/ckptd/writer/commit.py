@@ -28,6 +28,7 @@ from ckptd.writer.errors import (
     CorruptCheckpointError,
     SaveTimeoutError,
     StepCommittedError,
+    CkptdError,
     StepFailedError,
     UncommittedStepError,
     error_classes,
@@ -38,6 +39,7 @@ from ckptd.writer.format import (
     FORMAT_VERSION,
     LATEST,
     PARTS_DIR,
+    SIDECAR_DIR,
     CommitManifest,
     PartManifest,
     decode_commit,
@@ -45,6 +47,7 @@ from ckptd.writer.format import (
     encode_json,
     merge_parts,
     parse_step_dir,
+    check_sidecar,
     part_name,
     step_dir,
 )
@@ -118,6 +121,27 @@ class CheckpointRoot:
         key = f"{step_dir(part.step)}/{part_name(part.node)}"
         await put_bytes(self.store, key, encode_json(part))
         await fsync(self.store, [key])
+
+    async def write_sidecar(self, name: str, text: str) -> bool:
+        """Store a content-addressed document once; False if it was already there."""
+        check_sidecar(name, text)
+        key = f"{SIDECAR_DIR}/{name}"
+        if await self.store.exists(key):
+            return False
+        await put_bytes(self.store, key, text.encode())
+        await fsync(self.store, [key])
+        return True
+
+    async def read_sidecar(self, name: str) -> str:
+        data = await get_bytes(self.store, f"{SIDECAR_DIR}/{name}")
+        if data is None:
+            raise CheckpointNotFoundError(f"sidecar {name} not found under {self.url}")
+        text = data.decode()
+        try:
+            check_sidecar(name, text)
+        except CkptdError as exc:
+            raise CorruptCheckpointError(f"sidecar {name} does not match its hash") from exc
+        return text
 
     async def make_durable(self, keys: Iterable[str]) -> None:
         await fsync(self.store, keys)

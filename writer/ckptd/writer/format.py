@@ -6,6 +6,7 @@ stages a byte, and tests can check it exhaustively. ``docs/format.md`` is the pr
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ COMMIT_MARKER = "COMMITTED"
 FAILED_MARKER = "FAILED"
 LATEST = "latest"
 PARTS_DIR = "_parts"
+SIDECAR_DIR = "_sidecars"
 ARRAY_ATTR = "ckptd"
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -43,6 +45,16 @@ def parse_step_dir(name: str) -> int | None:
 
 def part_name(node: int) -> str:
     return f"{PARTS_DIR}/node-{node}.json"
+
+
+def sidecar_name(text: str) -> str:
+    """The content address of a sidecar document."""
+    return hashlib.sha256(text.encode()).hexdigest() + ".json"
+
+
+def check_sidecar(name: str, text: str) -> None:
+    if name != sidecar_name(text):
+        raise InvalidKeyError(f"sidecar name {name[:80]!r} is not the sha256 of its content")
 
 
 def validate_key(key: object) -> str:
