@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
@@ -23,13 +23,15 @@ def sockdir() -> Iterator[str]:
 
 @pytest.fixture
 def start_daemon(sockdir: str, tmp_path: os.PathLike[str]) -> Iterator[Callable[..., DaemonProcess]]:
-    """``start_daemon(root, name="d0", *flags)`` starts ``ckptd serve`` and waits until it listens."""
+    """``start_daemon(root, name="d0", *flags, env=None)`` starts ``ckptd serve`` and waits until it listens."""
     started: list[DaemonProcess] = []
 
-    def start(root: str, name: str = "d0", *flags: str, arena: str = "64MiB") -> DaemonProcess:
+    def start(
+        root: str, name: str = "d0", *flags: str, arena: str = "64MiB", env: Mapping[str, str] | None = None
+    ) -> DaemonProcess:
         d = DaemonProcess(
             root, os.path.join(sockdir, f"{name}.sock"), "--arena-size", arena, "--no-prefault", *flags,
-            log_path=os.path.join(str(tmp_path), f"{name}.log"),
+            env=env, log_path=os.path.join(str(tmp_path), f"{name}.log"),
         )
         started.append(d)
         return d.wait_ready()

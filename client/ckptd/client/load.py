@@ -18,7 +18,7 @@ from ckptd.writer.arrays import open_array, read_region
 from ckptd.writer.commit import CheckpointRoot
 from ckptd.writer.errors import StateMismatchError
 from ckptd.writer.format import ArrayRecord, CommitManifest, step_dir, validate_key
-from ckptd.writer.store import normalize_root, open_store
+from ckptd.writer.store import close_store, normalize_root, open_store
 
 READ_CONCURRENCY = 8
 
@@ -51,7 +51,16 @@ async def load_async(
 ) -> dict[str, Any]:
     url = normalize_root(root)
     store = await open_store(url, storage_options, create=False)
-    ckpt = CheckpointRoot(store, url)
+    try:
+        return await _load(CheckpointRoot(store, url), step, template, rank)
+    finally:
+        await close_store(store)
+
+
+async def _load(
+    ckpt: CheckpointRoot, step: int | Literal["latest"], template: Mapping[str, Any], rank: int
+) -> dict[str, Any]:
+    store = ckpt.store
     commit = await ckpt.read_commit(await ckpt.resolve(step))
     targets = plan_reads(commit, template)
     sem = asyncio.Semaphore(READ_CONCURRENCY)
@@ -75,7 +84,10 @@ def read_sidecar(root: str, name: str, storage_options: Mapping[str, Any] | None
 
     async def go() -> str:
         store = await open_store(normalize_root(root), storage_options, create=False)
-        return await CheckpointRoot(store, root).read_sidecar(name)
+        try:
+            return await CheckpointRoot(store, root).read_sidecar(name)
+        finally:
+            await close_store(store)
 
     return asyncio.run(go())
 

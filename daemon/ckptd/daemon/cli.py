@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ckptd.writer.errors import CkptdError
+from ckptd.writer.errors import CkptdError, InvalidRequestError
 
 log = logging.getLogger("ckptd")
 
@@ -25,16 +25,47 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _storage_flags(p: argparse.ArgumentParser) -> None:
+_STORAGE_FLAGS = ("endpoint_url", "region", "profile", "addressing_style", "max_attempts", "fs_retries",
+                  "retry_mode", "connect_timeout", "read_timeout")
+
+
+def _storage_flags(p: argparse.ArgumentParser, *, config: bool = False) -> None:
     p.add_argument("--endpoint-url", help="S3-compatible endpoint URL (credentials come from the AWS chain)")
     p.add_argument("--region", help="S3 region")
     p.add_argument("--profile", help="AWS profile name")
     p.add_argument("--addressing-style", choices=["auto", "virtual", "path"], help="S3 addressing style")
+    p.add_argument("--max-attempts", type=int, help="S3: HTTP attempts per request, retries included (default 5)")
+    p.add_argument("--fs-retries", type=int, help="S3: outer retry loop of s3fs per operation (default 3)")
+    p.add_argument("--retry-mode", choices=["standard", "adaptive"], help="S3: botocore retry mode")
+    p.add_argument("--connect-timeout", type=float, help="S3: seconds per connection attempt (default 10)")
+    p.add_argument("--read-timeout", type=float, help="S3: seconds per read (default 60)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other storage option, e.g. conditional_put=false (repeatable)")
+    if config:
+        p.add_argument("--config", help="TOML config file; its [storage] table gives the storage options")
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts = {k: getattr(args, k, None) for k in ("endpoint_url", "region", "profile", "addressing_style")}
-    return {k: v for k, v in opts.items() if v is not None}
+    """Storage options from the flags; lower layers (config file [storage]) are merged by the caller."""
+    opts: dict[str, Any] = {}
+    for item in getattr(args, "storage_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InvalidRequestError(f"--storage-option wants KEY=VALUE, got {item!r}")
+        opts[key.strip().replace("-", "_")] = value.strip()
+    for k in _STORAGE_FLAGS:
+        if getattr(args, k, None) is not None:
+            opts[k] = getattr(args, k)
+    return opts
+
+
+def _file_storage_options(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    import tomllib
+
+    with open(path, "rb") as fh:
+        return dict(tomllib.load(fh).get("storage", {}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--arena-size", help="staging arena size, e.g. 8GiB (default 2GiB)")
     s.add_argument("--write-concurrency", type=int, help="chunks written at once (default 8)")
     s.add_argument("--chunk-bytes", help="largest chunk, e.g. 64MiB")
+    s.add_argument("--pack-bytes", help="arrays up to this size that one node holds whole become one object "
+                   "(default 1MiB on S3, 0 = off on local disks)")
     s.add_argument("--codec", choices=["raw", "zstd"], help="chunk compression (default raw)")
     s.add_argument("--keep", type=int, help="keep the newest N committed steps (default: all)")
     s.add_argument("--part-timeout", dest="part_timeout_s", type=float, help="seconds to wait for all local ranks")
@@ -67,19 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list checkpoints under ROOT")
     ls.add_argument("root")
     ls.add_argument("--json", action="store_true")
-    _storage_flags(ls)
+    _storage_flags(ls, config=True)
 
     v = sub.add_parser("verify", help="re-read committed steps and check every chunk against its checksums")
     v.add_argument("root")
     v.add_argument("--step", default=None, help="a step number or 'latest' (default: every committed step)")
     v.add_argument("--json", action="store_true")
-    _storage_flags(v)
+    _storage_flags(v, config=True)
 
     g = sub.add_parser("gc", help="delete old and unfinished steps, keeping the newest N committed")
     g.add_argument("root")
     g.add_argument("--keep", type=int, required=True)
     g.add_argument("--dry-run", action="store_true")
-    _storage_flags(g)
+    _storage_flags(g, config=True)
     return parser
 
 
@@ -106,7 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
     from ckptd.daemon.config import load_config
     from ckptd.daemon.server import Daemon
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "log_level")}
+    flags = {k: v for k, v in vars(args).items()
+             if k not in ("command", "config", "log_level", "storage_option", *_STORAGE_FLAGS)}
     storage = _storage_options(args)
     cfg = load_config(flags, os.environ, args.config)
     if storage:
@@ -116,18 +150,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 async def _offline(args: argparse.Namespace) -> int:
     from ckptd.writer.commit import CheckpointRoot
-    from ckptd.writer.store import normalize_root, open_store
+    from ckptd.writer.store import close_store, normalize_root, open_store
 
     url = normalize_root(args.root)
-    store = await open_store(url, _storage_options(args), create=False)
-    root = CheckpointRoot(store, url)
-    if args.command == "ls":
-        return await _ls(root, args.json)
-    if args.command == "verify":
-        return await _verify(root, args.step, args.json)
-    if args.command == "gc":
-        return await _gc(root, args.keep, args.dry_run)
-    raise AssertionError(args.command)
+    options = {**_file_storage_options(args.config or os.environ.get("CKPTD_CONFIG")), **_storage_options(args)}
+    store = await open_store(url, options, create=False)
+    try:
+        root = CheckpointRoot(store, url)
+        if args.command == "ls":
+            return await _ls(root, args.json)
+        if args.command == "verify":
+            return await _verify(root, args.step, args.json)
+        if args.command == "gc":
+            return await _gc(root, args.keep, args.dry_run)
+        raise AssertionError(args.command)
+    finally:
+        await close_store(store)
 
 
 async def _ls(root: Any, as_json: bool) -> int:

@@ -37,6 +37,7 @@ class DaemonConfig:
     arena_size: int = 2 << 30
     write_concurrency: int = 8
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    pack_bytes: int | None = None  # small arrays a node holds whole -> one object; None: 1MiB on S3, off locally
     codec: str = "raw"
     keep: int = 0  # committed steps to keep; 0 keeps all
     part_timeout_s: float = 600.0
@@ -53,12 +54,14 @@ class DaemonConfig:
         for name in ("arena_size", "write_concurrency", "chunk_bytes", "max_frame_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pack_bytes is not None and self.pack_bytes < 0:
+            raise InvalidRequestError(f"pack_bytes must be >= 0, got {self.pack_bytes}")
         if self.keep < 0:
             raise InvalidRequestError(f"keep must be >= 0, got {self.keep}")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
-_SIZES = {"arena_size", "chunk_bytes", "max_frame_bytes"}
+_SIZES = {"arena_size", "chunk_bytes", "max_frame_bytes", "pack_bytes"}
 
 
 def _coerce(name: str, value: Any) -> Any:

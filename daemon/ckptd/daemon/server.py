@@ -18,6 +18,8 @@ import socket
 import stat
 import struct
 
+from zarr.abc.store import Store
+
 from ckptd.client.protocol import (
     HEADER,
     PROTOCOL_VERSION,
@@ -25,8 +27,8 @@ from ckptd.client.protocol import (
     Hello,
     LeaseGranted,
     LeaseRequest,
-    ReleaseRequest,
     Released,
+    ReleaseRequest,
     Reply,
     Request,
     SaveAccepted,
@@ -42,7 +44,7 @@ from ckptd.daemon.arena import Arena, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.service import CheckpointService
 from ckptd.writer.errors import CkptdError, DaemonShuttingDownError, InvalidRequestError, ProtocolError
-from ckptd.writer.store import open_store
+from ckptd.writer.store import close_store, open_store, retry_metrics
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,17 @@ class Daemon:
         stale = remove_stale_arenas()
         if stale:
             log.info("removed %d stale arena file(s) of dead daemons: %s", len(stale), ", ".join(stale))
-        store = await open_store(cfg.root, cfg.storage_options)
+        store = await open_store(cfg.root, cfg.storage_options)  # checks the bucket: fails loudly, typed
+        try:
+            return await self._run(store, ready)
+        finally:
+            metrics = retry_metrics(store)
+            if metrics is not None:
+                log.info("S3 requests retried since start: %s", metrics.describe())
+            await close_store(store)
+
+    async def _run(self, store: Store, ready: asyncio.Event | None) -> int:
+        cfg = self.config
         self.arena = Arena(cfg.arena_size, prefault=cfg.prefault)
         self.service = CheckpointService(cfg, self.arena, store)
         prepare_socket_dir(cfg.socket)

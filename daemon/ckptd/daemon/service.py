@@ -10,19 +10,23 @@ the training process group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 from zarr.abc.store import Store
 
 from ckptd.client.protocol import SaveRequest, ShardMeta
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
-from ckptd.writer.arrays import array_metadata, checksum, chunk_selection, open_for_write
+from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
+from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
 from ckptd.writer.commit import CheckpointRoot
 from ckptd.writer.errors import (
     CkptdError,
@@ -34,7 +38,6 @@ from ckptd.writer.errors import (
     ShardLayoutError,
     StepCommittedError,
     StepFailedError,
-    StorageError,
 )
 from ckptd.writer.format import (
     FORMAT_VERSION,
@@ -52,11 +55,13 @@ from ckptd.writer.format import (
     storage_dtype,
     validate_key,
 )
+from ckptd.writer.store import is_local, retry_metrics, storage_error
 
 log = logging.getLogger(__name__)
 
 FINAL_STATES = ("committed", "failed")
 KEEP_FINISHED_JOBS = 64
+PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting for the node's ranks
 
 
 @dataclass
@@ -82,6 +87,9 @@ class StepJob:
     nbytes: int = 0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     durable_at: float = 0.0
+    held: dict[str, list[HeldBlock]] = field(default_factory=dict)  # small arrays waiting to be packed
+    held_bytes: int = 0
+    retries_before: Any = None  # the store's retry counters when the step began
 
     def fail(self, error: CkptdError) -> None:
         if self.state in FINAL_STATES:
@@ -103,6 +111,10 @@ class CheckpointService:
         self._job_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
         self._sidecars_stored: set[str] = set()
+        self._sink = ChunkSink(store)
+        pack = config.pack_bytes if config.pack_bytes is not None else (0 if is_local(config.root) else 1 << 20)
+        self._pack_bytes = min(pack, config.chunk_bytes)
+        self._pack_budget = min(PACK_BUDGET_BYTES, config.arena_size // 4)
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -115,14 +127,16 @@ class CheckpointService:
         self._validate(req, lease)
         for name, text in req.sidecars.items():
             check_sidecar(name, text)
-        job = await self._job_for(req)
+        with self._typed_storage_errors():
+            job = await self._job_for(req)
         if req.rank in job.saves:
             raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
         if job.state != "pending":
             raise StepFailedError(f"step {req.step} is already {job.state} on this node: {job.error}")
         for name, text in req.sidecars.items():
             if name not in self._sidecars_stored:
-                await self.root.write_sidecar(name, text)
+                with self._typed_storage_errors():
+                    await self.root.write_sidecar(name, text)
                 self._sidecars_stored.add(name)
         self.arena.adopt(lease)
         save = RankSave(req, lease)
@@ -171,6 +185,8 @@ class CheckpointService:
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
                 await self.root.discard_part(req.step, req.node)
                 job = StepJob(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size)
+                metrics = retry_metrics(self.root.store)
+                job.retries_before = metrics.snapshot() if metrics is not None else None
                 self.jobs[req.step] = job
                 self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
@@ -196,25 +212,56 @@ class CheckpointService:
             async with asyncio.TaskGroup() as tg:
                 for meta in save.request.shards:
                     tg.create_task(self._write_shard(job, save, meta))
-        except* CkptdError as group:
-            job.fail(group.exceptions[0])  # type: ignore[arg-type]
-        except* OSError as group:
-            job.fail(StorageError(f"step {job.step}: writing failed: {group.exceptions[0]}"))
+        except* Exception as group:
+            job.fail(storage_error(_first_leaf(group), self.config.root))
         finally:
             self.arena.release(lease)
 
     async def _write_shard(self, job: StepJob, save: RankSave, meta: ShardMeta) -> None:
         lease = save.lease
-        dtype = storage_dtype(meta.dtype)
-        item = itemsize(meta.dtype)
-        chunks = plan_chunks(meta.chunk_shape, item, self.config.chunk_bytes)
-        check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, chunks)
         numel = math.prod(meta.shape)
-        data = np.frombuffer(self.arena.mm, dtype=dtype, count=numel, offset=lease.offsets[meta.slot])
+        offset = lease.offsets[meta.slot]
+        data = np.frombuffer(self.arena.mm, dtype=storage_dtype(meta.dtype), count=numel, offset=offset)
         data = data.reshape(meta.shape)
-        arr_meta = await array_metadata(meta.dtype, meta.global_shape, chunks, codec=self.config.codec)
+        if self._hold_for_packing(job, save, meta, data):
+            self.arena.release_slot(lease, meta.slot)
+            return
+        await self._write_block(job, save, meta, data)
+        self.arena.release_slot(lease, meta.slot)
+
+    def _hold_for_packing(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> bool:
+        """Keep a copy of a small array's block until the node's other ranks arrived (see packing.py)."""
+        if not packable(meta, self._pack_bytes) or job.held_bytes + data.nbytes > self._pack_budget:
+            return False
+        job.held.setdefault(meta.key, []).append(HeldBlock(save.request.rank, meta, data.copy()))
+        job.held_bytes += data.nbytes
+        return True
+
+    async def _write_held(self, job: StepJob) -> None:
+        """Write the held small-array blocks: one object per array the node holds whole, else as they came."""
+        held, job.held, job.held_bytes = job.held, {}, 0
+        async with asyncio.TaskGroup() as tg:
+            for blocks in held.values():
+                if covers_whole(blocks):
+                    first = min(blocks, key=lambda b: b.rank)
+                    shape = list(first.meta.global_shape)
+                    whole = msgspec.structs.replace(
+                        first.meta, global_offset=[0] * len(shape), shape=shape, chunk_shape=shape
+                    )
+                    tg.create_task(self._write_block(job, job.saves[first.rank], whole, assemble(blocks)))
+                else:
+                    for b in blocks:
+                        tg.create_task(self._write_block(job, job.saves[b.rank], b.meta, b.data))
+
+    async def _write_block(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> None:
+        """Write one block (whole chunks of its array) and record it for the node part."""
+        chunks = plan_chunks(meta.chunk_shape, itemsize(meta.dtype), self.config.chunk_bytes)
+        check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, chunks)
         path = f"{step_dir(job.step)}/{meta.key}"
-        arr = open_for_write(self.root.store, path, arr_meta)
+        arr = None
+        if self.config.codec != "raw":  # compressed chunks go through zarr's codec pipeline
+            arr_meta = await array_metadata(meta.dtype, meta.global_shape, chunks, codec=self.config.codec)
+            arr = open_for_write(self.root.store, path, arr_meta)
         coords_list = list(region_chunks(meta.global_offset, meta.shape, chunks))
         records: list[ChunkRecord | None] = [None] * len(coords_list)
 
@@ -222,16 +269,19 @@ class CheckpointService:
             sel = chunk_selection(coords, chunks, meta.global_shape)
             local = tuple(slice(s.start - o, s.stop - o) for s, o in zip(sel, meta.global_offset, strict=True))
             block = data[local]
+            key = f"{path}/{chunk_key(coords)}"
             async with self._chunk_slots:
-                crc = await checksum(block)
-                await arr.setitem(sel, block)
+                if arr is None:
+                    crc = await self._sink.put(key, block)
+                else:
+                    crc = await checksum(block)
+                    await arr.setitem(sel, block)
             records[i] = ChunkRecord(list(coords), block.nbytes, crc)
-            job.written_keys.append(f"{path}/{chunk_key(coords)}")
+            job.written_keys.append(key)
 
         async with asyncio.TaskGroup() as tg:
             for i, coords in enumerate(coords_list):
                 tg.create_task(one(i, coords))
-        self.arena.release_slot(lease, meta.slot)
         rec = ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape), [r for r in records if r])
         save.records.append((meta, rec))
 
@@ -240,22 +290,28 @@ class CheckpointService:
         if job.state != "pending":
             return
         try:
-            await self.root.make_durable(job.written_keys)
+            try:
+                await self._write_held(job)
+            except* Exception as group:
+                raise _first_leaf(group) from group
+            written = time.monotonic()
+            await self.root.make_durable(job.written_keys, synced=self.config.codec == "raw")
             part = self._part(job)
             await self.root.write_part(part)
             job.state, job.durable_at = "durable", time.monotonic()
+            log.debug("step=%d node=%d data written %.3fs after the first save, durable %.3fs later",
+                      job.step, job.node, written - job.started, job.durable_at - written)
             if job.node == 0:
                 await self.root.commit(job.step, job.num_nodes, self.config.commit_timeout_s)
                 if self.config.keep:
                     await self.root.retain(self.config.keep)
             else:
                 await self.root.wait_committed(job.step, self.config.commit_timeout_s)
-        except CkptdError as exc:
-            job.fail(exc)
+        except Exception as exc:
+            err = storage_error(exc, self.config.root)
+            job.fail(err)
             if job.node == 0:
-                await self._note_failure(job, exc)
-        except OSError as exc:
-            job.fail(StorageError(f"step {job.step}: storage failed while committing: {exc}"))
+                await self._note_failure(job, err)
         else:
             job.state = "committed"
             job.finished.set()
@@ -264,7 +320,7 @@ class CheckpointService:
     async def _note_failure(self, job: StepJob, exc: CkptdError) -> None:
         try:
             await self.root.mark_failed(job.step, exc)
-        except (CkptdError, OSError) as note_exc:
+        except Exception as note_exc:
             log.warning("step=%d node=%d: could not record the failure: %s", job.step, job.node, note_exc)
 
     def _part(self, job: StepJob) -> PartManifest:
@@ -314,14 +370,14 @@ class CheckpointService:
     async def status(self, step: int, wait_s: float) -> tuple[str, CkptdError | None]:
         job = self.jobs.get(step)
         if job is None:
-            if await self.root.is_committed(step):
+            with self._typed_storage_errors():
+                committed = await self.root.is_committed(step)
+            if committed:
                 return "committed", None
             return "unknown", None
         if wait_s > 0 and not job.finished.is_set():
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(job.finished.wait(), wait_s)
-            except TimeoutError:
-                pass
         return job.state, job.error
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -349,8 +405,30 @@ class CheckpointService:
     def _log_step(self, job: StepJob) -> None:
         took = time.monotonic() - job.started
         mib = job.nbytes / 2**20
+        retries = ""
+        metrics = retry_metrics(self.root.store)
+        if metrics is not None and job.retries_before is not None:  # S3: retried requests during the step
+            retries = f" s3_retries={metrics.since(job.retries_before).describe()}"
         log.info(
-            "step=%d node=%d state=%s bytes=%.1fMiB took=%.2fs throughput=%.0fMiB/s queue=%d arena_free=%.0fMiB%s",
+            "step=%d node=%d state=%s bytes=%.1fMiB took=%.2fs throughput=%.0fMiB/s queue=%d arena_free=%.0fMiB%s%s",
             job.step, job.node, job.state, mib, took, mib / took if took > 0 else 0.0, len(self.in_flight()),
-            self.arena.free_bytes / 2**20, f" error={job.error}" if job.error else "",
+            self.arena.free_bytes / 2**20, retries, f" error={job.error}" if job.error else "",
         )
+
+    @contextlib.contextmanager
+    def _typed_storage_errors(self) -> Iterator[None]:
+        """Storage failures outside a step's own writes (lookups while accepting a save, status) reach the
+        client as typed errors instead of breaking its connection."""
+        try:
+            yield
+        except CkptdError:
+            raise
+        except Exception as exc:
+            raise storage_error(exc, self.config.root) from exc
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first real exception inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

@@ -51,7 +51,7 @@ from ckptd.writer.format import (
     part_name,
     step_dir,
 )
-from ckptd.writer.store import fsync, get_bytes, list_dir, put_bytes
+from ckptd.writer.store import abort_uploads, fsync, get_bytes, list_dir, put_bytes, put_if_absent
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,9 @@ class CheckpointRoot:
             raise CorruptCheckpointError(f"sidecar {name} does not match its hash") from exc
         return text
 
-    async def make_durable(self, keys: Iterable[str]) -> None:
-        await fsync(self.store, keys)
+    async def make_durable(self, keys: Iterable[str], *, synced: bool = False) -> None:
+        """fsync written chunks (unless ``synced``: already done as they were written) and their folders."""
+        await fsync(self.store, keys, files=not synced)
 
     async def discard_part(self, step: int, node: int) -> None:
         """Drop a stale part of this node (left by a crashed attempt) before the step is written again."""
@@ -204,9 +205,11 @@ class CheckpointRoot:
         return final
 
     async def _write_marker(self, step: int, data: bytes) -> None:
+        # Create-once (conditional PUT on S3, link on local disks): of two racing coordinators exactly
+        # one commits; the other learns it here instead of overwriting the manifest.
         key = f"{step_dir(step)}/{COMMIT_MARKER}"
-        await put_bytes(self.store, key, data)
-        await fsync(self.store, [key])
+        if not await put_if_absent(self.store, key, data):
+            raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
         current = await self._latest_hint()
         if current is None or step >= current:
             await put_bytes(self.store, LATEST, str(step).encode())
@@ -243,10 +246,17 @@ class CheckpointRoot:
 
     # --- retention --------------------------------------------------------------------------------
     async def delete_step(self, step: int) -> None:
-        """Remove a step; the commit marker goes first so a half-deleted step is never 'committed'."""
+        """Remove a step; the commit marker goes first so a half-deleted step is never 'committed'.
+
+        On S3 the unfinished multipart uploads under the step (left by a writer that died mid-upload)
+        are aborted too: they are invisible to listings but kept, and billed, until aborted.
+        """
         prefix = step_dir(step)
         await self.store.delete(f"{prefix}/{COMMIT_MARKER}")
         await self.store.delete_dir(prefix)
+        aborted = await abort_uploads(self.store, prefix)
+        if aborted:
+            log.info("step=%d: aborted %d unfinished multipart upload(s)", step, aborted)
 
     async def retain(self, keep: int) -> list[int]:
         """Keep the newest ``keep`` committed steps; drop older ones and unfinished steps older than the

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -41,6 +43,7 @@ from ckptd.writer.errors import (
 )
 
 __all__ = [
+    "S3Metrics",
     "S3Options",
     "abort_incomplete_uploads",
     "check_bucket",
@@ -49,6 +52,8 @@ __all__ = [
     "open_s3_filesystem",
     "open_s3_store",
     "put_if_absent",
+    "s3_metrics",
+    "s3_options",
     "split_s3_url",
 ]
 
@@ -145,6 +150,9 @@ class S3Options:
     request_checksums:
         ``"when_supported"`` (botocore's default) sends a CRC32 of every upload body, which the server
         verifies; ``"when_required"`` skips it to save client CPU (bodies then rely on TCP alone).
+    conditional_put:
+        Write commit markers with ``If-None-Match: *`` (see :func:`put_if_absent`). Turn it off only
+        for endpoints that silently ignore the header; racing coordinators are then not excluded.
     """
 
     endpoint_url: str | None = None
@@ -160,6 +168,7 @@ class S3Options:
     multipart_concurrency: int = 8
     anonymous: bool = False
     request_checksums: Literal["when_supported", "when_required"] = "when_supported"
+    conditional_put: bool = True
 
     def __post_init__(self) -> None:
         if self.addressing_style not in ("auto", "virtual", "path"):
@@ -181,17 +190,57 @@ class S3Options:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> S3Options:
-        """Build from a plain mapping (config file, CLI); unknown keys are an error, not ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        """Build from a plain mapping (config file, CLI); unknown keys are an error, not ignored.
+
+        Strings are converted to the field's type (CLI flags and environment values arrive as text);
+        ``None`` means "not given".
+        """
+        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(kinds))
         if unknown:
-            raise InvalidRequestError(f"unknown S3 options {unknown}; known: {sorted(known)}")
-        return cls(**dict(values))
+            raise InvalidRequestError(f"unknown S3 options {unknown}; known: {sorted(kinds)}")
+        given = {k: _coerce_option(k, kinds[k], v) for k, v in values.items() if v is not None}
+        return cls(**given)
 
     @property
     def worst_case_requests(self) -> int:
         """HTTP requests one logical operation may cost before it fails."""
         return self.max_attempts * self.fs_retries
+
+
+@dataclass
+class S3Metrics:
+    """What one filesystem's HTTP client went through: retried attempts and the faults that caused them.
+
+    ``faults`` counts failed attempts by S3 error code (``SlowDown``, ``Throttling``, ``InternalError``)
+    or exception class (``ConnectionClosedError``, ``ReadTimeoutError``); only 5xx, 429 and connection
+    failures count, not ordinary answers such as a 404 to an existence check.
+    """
+
+    retries: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+
+    def snapshot(self) -> S3Metrics:
+        return S3Metrics(self.retries, Counter(self.faults))
+
+    def since(self, earlier: S3Metrics) -> S3Metrics:
+        return S3Metrics(self.retries - earlier.retries, self.faults - earlier.faults)
+
+    def describe(self) -> str:
+        kinds = ",".join(f"{k}:{n}" for k, n in sorted(self.faults.items()))
+        return f"{self.retries}" + (f" ({kinds})" if kinds else "")
+
+
+def s3_metrics(fs: Any) -> S3Metrics | None:
+    """The retry counters of a filesystem made by :func:`open_s3_filesystem` (``None`` for others)."""
+    metrics = getattr(fs, "ckptd_metrics", None)
+    return metrics if isinstance(metrics, S3Metrics) else None
+
+
+def s3_options(fs: Any) -> S3Options | None:
+    """The options a filesystem made by :func:`open_s3_filesystem` was opened with."""
+    options = getattr(fs, "ckptd_options", None)
+    return options if isinstance(options, S3Options) else None
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
@@ -253,7 +302,12 @@ async def open_s3_filesystem(url: str, options: S3Options) -> s3fs.S3FileSystem:
         client = await fs.set_session()
     except Exception as exc:
         raise classify_error(exc, url) from exc
+    metrics = S3Metrics()
     client.meta.events.register_first("needs-retry.s3", _treat_429_as_throttling)
+    client.meta.events.register_first("needs-retry.s3", functools.partial(_count_fault, metrics))
+    client.meta.events.register("request-created.s3", functools.partial(_count_retry, metrics))
+    fs.ckptd_metrics = metrics
+    fs.ckptd_options = options
     return fs
 
 
@@ -408,6 +462,13 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
             code, status = _error_code(exc), _error_status(exc)
             if code == "PreconditionFailed" or status == 412 or isinstance(exc, FileExistsError):
                 return await _holds(fs, bucket, key, data, url)
+            if code == "NotImplemented" or status == 501:
+                logger.warning(
+                    "%s: the endpoint rejects conditional PUTs (If-None-Match); falling back to a "
+                    "check-then-put, which does not exclude a racing writer",
+                    _where(url),
+                )
+                return await put_if_absent(fs, path, data, conditional=False)
             if code == "ConditionalRequestConflict" or status == 409:
                 await asyncio.sleep(0.1 * 2**attempt)  # a concurrent conditional write is in progress
                 continue
@@ -416,6 +477,49 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
 
 
 # --- internals ------------------------------------------------------------------------------------
+def _coerce_option(name: str, kind: str, value: Any) -> Any:
+    if not isinstance(value, str) or kind not in ("int", "float", "bool"):
+        return value
+    if kind == "bool":
+        lowered = value.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise InvalidRequestError(f"S3 option {name} must be true or false, got {value!r}")
+    try:
+        return int(value) if kind == "int" else float(value)
+    except ValueError:
+        raise InvalidRequestError(f"S3 option {name} must be a number, got {value!r}") from None
+
+
+def _count_retry(metrics: S3Metrics, request: Any = None, **_kwargs: Any) -> None:
+    """``request-created`` runs once per attempt; attempts after the first are retries."""
+    context = getattr(request, "context", None) or {}
+    attempt = context.get("retries", {}).get("attempt", 1)
+    if attempt > 1:
+        metrics.retries += 1
+
+
+def _count_fault(
+    metrics: S3Metrics, response: Any = None, caught_exception: BaseException | None = None, **_kwargs: Any
+) -> None:
+    """Runs on ``needs-retry`` after every attempt; counts the failures a retry may follow."""
+    if caught_exception is not None:
+        metrics.faults[type(caught_exception).__name__] += 1
+        logger.debug("S3 attempt failed: %s", type(caught_exception).__name__)
+        return
+    if not isinstance(response, tuple) or len(response) != 2:
+        return
+    http, parsed = response
+    status = getattr(http, "status_code", None)
+    if isinstance(status, int) and (status >= 500 or status == 429):
+        error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
+        code = str(error.get("OriginalCode") or error.get("Code") or status)
+        metrics.faults[code] += 1
+        logger.debug("S3 attempt failed: HTTP %s %s", status, code)
+
+
 def _treat_429_as_throttling(response: Any = None, **_kwargs: Any) -> None:
     """Make botocore retry every HTTP 429, not only those whose error code it knows.
 
