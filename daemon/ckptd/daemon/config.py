@@ -47,6 +47,7 @@ class DaemonConfig:
     read_timeout_s: float = 30.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     prefault: bool = True
+    nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:

@@ -92,6 +92,8 @@ class Daemon:
 
     async def _run(self, store: Store, ready: asyncio.Event | None) -> int:
         cfg = self.config
+        if cfg.nice:
+            os.nice(cfg.nice)  # before any worker thread exists, so they all inherit it
         self.arena = Arena(cfg.arena_size, prefault=cfg.prefault)
         self.service = CheckpointService(cfg, self.arena, store)
         prepare_socket_dir(cfg.socket)
