@@ -337,12 +337,12 @@ class CheckpointClient:
         Raises the error of an earlier save that failed in the background, typed errors for bad input,
         and (policy ``"fail"``) :class:`BackpressureError` when the arena is still full.
         """
-        self._raise_background_errors()
         plan = plan_state(state, self.placement.rank)
         return self.save_plan(step, plan, sidecars=sidecars)
 
     def save_plan(self, step: int, plan: Plan, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Like :meth:`save` for an already planned state (callers that cache their plan)."""
+        self._raise_background_errors()
         docs = {sidecar_name(t): t for t in sidecars}
         docs = {n: t for n, t in docs.items() if n not in self._sidecars_sent}
         t0 = time.perf_counter()
@@ -389,7 +389,7 @@ class CheckpointClient:
         for shard, off in zip(shards, offsets, strict=True):
             n = shard.nbytes
             dst = self._arena_t[off : off + n].view(shard.data.dtype).view(shard.data.shape)
-            dst.copy_(shard.data, non_blocking=cuda)
+            shard.stage_into(dst, non_blocking=cuda)
         if cuda:
             torch.cuda.current_stream().synchronize()
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard
+from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard, torch_dtype
 from ckptd.writer.arrays import open_array, read_region
 from ckptd.writer.commit import CheckpointRoot
 from ckptd.writer.errors import StateMismatchError
@@ -79,6 +79,65 @@ async def _load(
     return _with_objects(template, objects)
 
 
+def read_commit(
+    root: str, step: int | Literal["latest"], *, storage_options: Mapping[str, Any] | None = None
+) -> CommitManifest:
+    """The commit manifest of a committed step (``"latest"`` resolves to the newest committed step)."""
+
+    async def go() -> CommitManifest:
+        url = normalize_root(root)
+        ckpt = CheckpointRoot(await open_store(url, storage_options, create=False), url)
+        return await ckpt.read_commit(await ckpt.resolve(step))
+
+    return asyncio.run(go())
+
+
+def read_flat(
+    root: str,
+    commit: CommitManifest,
+    regions: Mapping[str, tuple[int, int]],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Elements ``[start, stop)`` of 1-D arrays of a committed step, clipped to each array's length.
+
+    Returns fresh tensors of the stored torch dtype (shorter than ``stop - start``, possibly empty,
+    where the array ends earlier). Raises :class:`StateMismatchError` for an array the step does not
+    hold or one that is not 1-D. Used to read DP slices when the DP size changed since the save.
+    """
+    arrays = {rec.name: rec for rec in commit.arrays}
+    clipped: dict[str, tuple[int, int, str]] = {}
+    for key, (start, stop) in regions.items():
+        rec = arrays.get(validate_key(key))
+        if rec is None:
+            raise StateMismatchError(f"{key}: not in checkpoint step {commit.step}")
+        if len(rec.shape) != 1:
+            raise StateMismatchError(f"{key}: expected a 1-D array, the checkpoint has shape {tuple(rec.shape)}")
+        lo = min(max(0, start), rec.shape[0])
+        clipped[key] = (lo, max(lo, min(stop, rec.shape[0])), rec.torch_dtype)
+    out = {k: torch.empty(hi - lo, dtype=torch_dtype(dt)) for k, (lo, hi, dt) in clipped.items()}
+
+    async def go() -> None:
+        url = normalize_root(root)
+        store = await open_store(url, storage_options, create=False)
+        sem = asyncio.Semaphore(READ_CONCURRENCY)
+        prefix = step_dir(commit.step)
+
+        async def one(key: str, lo: int, hi: int) -> None:
+            if hi == lo:
+                return
+            async with sem:
+                arr = await open_array(store, f"{prefix}/{key}")
+                copy_into(out[key], await read_region(arr, (lo,), (hi - lo,)))
+
+        async with asyncio.TaskGroup() as tg:
+            for key, (lo, hi, _dt) in clipped.items():
+                tg.create_task(one(key, lo, hi))
+
+    asyncio.run(go())
+    return out
+
+
 def read_sidecar(root: str, name: str, storage_options: Mapping[str, Any] | None = None) -> str:
     """A content-addressed document stored with :meth:`CheckpointClient.save` (``sidecars=``)."""
 
@@ -109,7 +168,9 @@ def plan_reads(commit: CommitManifest, template: Mapping[str, Any]) -> list[Shar
                 f"{shard.key}: checkpoint has global shape {tuple(rec.shape)}, the template {shard.global_shape}"
             )
         if rec.torch_dtype != dtype_name(shard.data.dtype):
-            raise StateMismatchError(f"{shard.key}: checkpoint has dtype {rec.torch_dtype}, the template {shard.data.dtype}")
+            raise StateMismatchError(
+                f"{shard.key}: checkpoint has dtype {rec.torch_dtype}, the template {shard.data.dtype}"
+            )
         end = [o + n for o, n in zip(shard.global_offset, shard.data.shape, strict=True)]
         if any(o < 0 or e > g for o, e, g in zip(shard.global_offset, end, rec.shape, strict=True)):
             raise StateMismatchError(f"{shard.key}: region {shard.global_offset}..{end} outside {rec.shape}")

@@ -48,26 +48,32 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckptd.client.state import Shard, dtype_name, torch_dtype
+from ckptd.client.state import Plan, Shard, dtype_name, plan_state, torch_dtype
 from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, ShardLayoutError, StateMismatchError
-from ckptd.writer.format import validate_key
+from ckptd.writer.format import sidecar_name, validate_key
 
 __all__ = [
+    "CHECKPOINT_VERSION",
     "LAYOUT_VERSION",
     "MAIN_PARAM",
     "MODEL_PREFIX",
     "OPTIM_META",
     "OPTIM_PREFIX",
     "BucketLayout",
+    "BucketSliceShard",
     "BufferLayout",
+    "LoadedCheckpoint",
     "MegatronLayout",
     "ModelPiece",
     "ParamLayout",
     "apply_optimizer_state",
     "get_layout",
+    "load_checkpoint",
     "model_state",
     "optimizer_read_regions",
+    "optimizer_shards",
     "optimizer_state",
+    "save_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -974,3 +980,452 @@ def _scalar_tensor(o: _Owned, name: str, value: Any, dtype: torch.dtype) -> torc
         group = o.inner.param_groups[o.group]
         device = o.main.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
     return torch.tensor(value, dtype=dtype, device=device)
+
+
+# --- staging bucket slices straight from the optimizer ------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class BucketSliceShard(Shard):
+    """This DP rank's slice of one padded bucket for one state, assembled while it is staged.
+
+    :meth:`stage_into` copies every owned param's tensor (the main param, or the inner optimizer's state
+    of that name, looked up at staging time) into its place in the staging slot and zeroes the padding:
+    one copy per byte, no intermediate buffer. ``data`` is a zero-stride placeholder that only carries
+    the slice's shape, dtype and device; it holds no memory and must not be read (use
+    :meth:`materialize` for a real tensor).
+    """
+
+    entries: tuple[_Owned, ...] = ()
+    state: str = MAIN_PARAM
+    gaps: tuple[tuple[int, int], ...] = ()
+
+    def stage_into(self, dst: torch.Tensor, non_blocking: bool = False) -> None:
+        for lo, hi in self.gaps:
+            dst[lo:hi].zero_()
+        for o in self.entries:
+            t = o.main if self.state == MAIN_PARAM else o.get(self.state)
+            if not isinstance(t, torch.Tensor):
+                raise StateMismatchError(f"{self.key}: no {self.state!r} state for {o.param.name}")
+            dst[o.lo : o.hi].copy_(t.detach().view(-1), non_blocking=non_blocking)
+
+    def materialize(self) -> torch.Tensor:
+        out = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device)
+        self.stage_into(out)
+        return out
+
+
+def _gaps(entries: Sequence[_Owned], numel: int) -> tuple[tuple[int, int], ...]:
+    gaps, pos = [], 0
+    for o in sorted(entries, key=lambda e: e.lo):
+        if o.lo > pos:
+            gaps.append((pos, o.lo))
+        pos = max(pos, o.hi)
+    if pos < numel:
+        gaps.append((pos, numel))
+    return tuple(gaps)
+
+
+def optimizer_shards(optimizer: Any, layout: MegatronLayout) -> dict[str, BucketSliceShard]:
+    """The shards of :func:`optimizer_state` without its copy: each one stages itself from the live state.
+
+    Same keys, global shapes, offsets and chunk grids as :func:`optimizer_state`; the data is read from
+    the optimizer when the client copies the shard into the daemon's staging slot, so the save's only
+    copy is that one. Plain data (:data:`OPTIM_META`) is not included. No communication.
+    """
+    bound = _bind(optimizer, layout)
+    elem_names, _scalar = _state_names(bound)
+    out: dict[str, BucketSliceShard] = {}
+    for buf, bucket in layout.buckets():
+        s = buf.slice_numel(bucket)
+        entries = tuple(bound.owned[(buf.index, bucket.index)])
+        gaps = _gaps(entries, s)
+        for name in (MAIN_PARAM, *elem_names):
+            key = layout.bucket_key(buf, bucket, name)
+            ref = _state_ref(entries, name) if entries else _any_main(bound)
+            placeholder = torch.empty((), dtype=ref.dtype, device=ref.device).expand(s)
+            out[key] = BucketSliceShard(
+                key, placeholder, (bucket.padded_numel,), (buf.dp_rank * s,), buf.replica_id, (s,),
+                entries=entries, state=name, gaps=gaps,
+            )
+    return out
+
+
+def _state_ref(entries: Sequence[_Owned], name: str) -> torch.Tensor:
+    for o in entries:
+        t = o.main if name == MAIN_PARAM else o.get(name)
+        if isinstance(t, torch.Tensor):
+            return t
+    raise StateMismatchError(f"no {name!r} state for {', '.join(o.param.name for o in entries)}")
+
+
+# --- checkpoint entry points ---------------------------------------------------------------------------
+CHECKPOINT_VERSION = 1
+MEGATRON_RECORD = "megatron"  # per-rank plain data: layout sidecar name, parallel ranks and sizes
+RNG_PREFIX = "rng/"
+EXTRA = "extra"
+
+
+@dataclass
+class _SavePlan:
+    """What does not change between saves of one (model, optimizer): computed once, then reused."""
+
+    chunk_ids: tuple[int, ...]
+    signature: tuple[int, ...]  # storage addresses of every param: a moved param invalidates the plan
+    elem_names: tuple[str, ...]
+    layout_json: str
+    record: dict[str, Any]
+    shards: list[Shard]  # model and optimizer shards this rank writes (main replicas), validated
+
+
+_SAVE_PLANS: weakref.WeakKeyDictionary[Any, _SavePlan] = weakref.WeakKeyDictionary()
+
+
+def _param_signature(model_chunks: Sequence[torch.nn.Module]) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for c in model_chunks for p in c.parameters())
+
+
+def _save_plan(model_chunks: Sequence[torch.nn.Module], optimizer: Any, rank: int) -> _SavePlan:
+    layout = get_layout(model_chunks, optimizer)
+    bound = _bind(optimizer, layout)
+    elem_names = tuple(_state_names(bound)[0])
+    chunk_ids = tuple(id(c) for c in model_chunks)
+    signature = _param_signature(model_chunks)
+    plan = _SAVE_PLANS.get(optimizer)
+    if plan is not None and (plan.chunk_ids, plan.signature, plan.elem_names) == (chunk_ids, signature, elem_names):
+        return plan
+    model = model_state(model_chunks)
+    objects = {k: v for k, v in model.items() if not isinstance(v, Shard)}
+    if objects:  # e.g. Transformer Engine's _extra_state: not stored yet (see docs/megatron.md)
+        logger.warning("rank %d: model ShardedObjects %s are not saved by ckptd", rank, sorted(objects)[:5])
+    state = {k: v for k, v in model.items() if isinstance(v, Shard)}
+    state.update(optimizer_shards(optimizer, layout))
+    shards = plan_state(state, rank).shards  # validates keys, dtypes and chunk grids; drops replicas
+    layout_json = layout.to_json()
+    record: dict[str, Any] = {
+        "version": CHECKPOINT_VERSION,
+        "layout": sidecar_name(layout_json),
+        "tp": layout.tp_rank,
+        "tp_size": layout.tp_size,
+        "pp": layout.pp_rank,
+        "pp_size": layout.pp_size,
+        "dp": layout.dp_rank,
+        "dp_size": layout.dp_size,
+        "megatron_core": layout.megatron_core_version,
+    }
+    plan = _SavePlan(chunk_ids, signature, elem_names, layout_json, record, shards)
+    _SAVE_PLANS[optimizer] = plan
+    logger.info(
+        "rank %d: planned Megatron save: %d shards, %.1f MiB, layout %s",
+        rank, len(shards), sum(s.nbytes for s in shards) / 2**20, record["layout"][:12],
+    )
+    return plan
+
+
+def save_checkpoint(
+    client: Any,
+    step: int,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> Any:
+    """Stage this rank's model shards, DP-local optimizer slices, RNG state and ``extra`` for ``step``.
+
+    Call it on every rank, like Megatron-LM's ``save_checkpoint(iteration, model, optimizer, ...)``
+    (``model_chunks`` is its ``model`` list of DDP-wrapped chunks, ``optimizer`` what
+    ``get_megatron_optimizer`` returned). Returns the :class:`~ckptd.client.client.SaveHandle` as soon as
+    the data is in the daemon's shared memory; training may go on and overwrite its tensors at once.
+    ``handle.wait()`` blocks until the step committed (or raises why it did not).
+
+    - model: ``sharded_state_dict()`` in model space (``model/<key>``), DP-replicated tensors split
+      across DP ranks;
+    - optimizer: one contiguous slice per (buffer, bucket, state) of the padded bucket
+      (``optim/<mp>/buf<g>/bucket<b>/<state>``), copied straight from the optimizer into the slot, plus
+      its plain data (param groups, ``step``, grad scaler);
+    - RNG (``rng=True``): torch (and CUDA, and Megatron's CUDA RNG tracker) states as per-rank arrays,
+      Python's and NumPy's as plain data;
+    - ``extra``: plain data (dict/list/str/int/float/bool/None): iteration, scheduler ``state_dict()``,
+      consumed samples...;
+    - the :class:`MegatronLayout` as a content-addressed sidecar, named in this rank's ``megatron``
+      record (sent once per connection, stored once per root).
+
+    Everything static (keys, shapes, bucket layout, the planned shard list) is computed on the first
+    call and reused; a later call does the copy and two short socket round trips. No collective.
+    """
+    p = client.placement
+    plan = _save_plan(model_chunks, optimizer, p.rank)
+    bound = _bind(optimizer, get_layout(model_chunks, optimizer))
+    objects: dict[str, Any] = {
+        MEGATRON_RECORD: plan.record,
+        OPTIM_META: _optimizer_meta(bound, bound.layout, _state_names(bound)[1]),
+    }
+    if extra is not None:
+        objects[EXTRA] = dict(extra)
+    shards = list(plan.shards)
+    if rng:
+        rng_shards, objects["rng"] = _rng_state(p.rank, p.world_size)
+        shards += rng_shards
+    return client.save_plan(step, Plan(shards, objects), sidecars=[plan.layout_json])
+
+
+def _rng_state(rank: int, world: int) -> tuple[list[Shard], dict[str, Any]]:
+    import random
+
+    import numpy as np
+
+    shards = [Shard.per_rank(f"{RNG_PREFIX}torch", torch.get_rng_state(), rank, world)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        shards.append(Shard.per_rank(f"{RNG_PREFIX}cuda", torch.cuda.get_rng_state(), rank, world))
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        for name, st in sorted(get_cuda_rng_tracker().get_states().items()):
+            if isinstance(st, torch.Tensor):
+                key = validate_key(f"{RNG_PREFIX}cuda_tracker/{name}")
+                shards.append(Shard.per_rank(key, st.cpu(), rank, world))
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    plain = {
+        "python": [version, list(internal), gauss],
+        "numpy": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+    }
+    return shards, plain
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` restored besides the tensors it filled in place."""
+
+    step: int
+    extra: Any  # the ``extra`` plain data given to save_checkpoint (None if there was none)
+    source_rank: int  # the saved rank whose RNG state and ``extra`` were restored
+
+
+def _root_of(root_or_client: Any, storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+    if isinstance(root_or_client, str):
+        return root_or_client, storage_options
+    return str(root_or_client.root), storage_options or getattr(root_or_client, "storage_options", None)
+
+
+def _saved_records(commit: Any) -> dict[int, dict[str, Any]]:
+    out = {}
+    for rank, objects in commit.objects.items():
+        rec = objects.get(MEGATRON_RECORD) if isinstance(objects, Mapping) else None
+        if isinstance(rec, Mapping):
+            if rec.get("version") != CHECKPOINT_VERSION:
+                raise InvalidRequestError(f"step {commit.step}: unsupported Megatron record {rec.get('version')!r}")
+            out[int(rank)] = dict(rec)
+    if not out:
+        raise StateMismatchError(f"step {commit.step} was not written by save_checkpoint: no Megatron layout record")
+    return out
+
+
+def load_checkpoint(
+    root_or_client: Any,
+    step: int | str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    *,
+    strict: bool = True,
+    rng: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> LoadedCheckpoint:
+    """Restore model, optimizer and RNG state saved by :func:`save_checkpoint`, in place, on every rank.
+
+    ``root_or_client`` is the checkpoint root (path or URL) or a ``CheckpointClient``; ``step`` an int
+    or ``"latest"``. The tensor-parallel and pipeline-parallel sizes must equal the saving run's; the
+    data-parallel size may differ (each rank reads its own slice of every stored bucket, clipped to the
+    stored padding). No collective.
+
+    Everything is checked before any live tensor is written: another TP/PP raises
+    :class:`LayoutMismatchError` (such a checkpoint needs the merged layout: ``ckptd merge``); a model
+    key missing from the checkpoint, another global shape or dtype, a param that sits elsewhere in the
+    grad buffers, or (``strict``) a checkpoint key the model lacks raises :class:`StateMismatchError`
+    naming it. Model params come from the model arrays; the optimizer's fp32 main params and states
+    from the bucket slices. RNG state (``rng``) and ``extra`` come from the saved rank with this rank's
+    TP/PP/DP coordinates (the same TP/PP and DP rank 0 when that DP rank did not exist).
+    """
+    from ckptd.client.load import load, plan_reads, read_commit, read_flat, read_sidecar
+
+    root, opts = _root_of(root_or_client, storage_options)
+    commit = read_commit(root, step if step == "latest" else int(step), storage_options=opts)  # type: ignore[arg-type]
+    layout = get_layout(model_chunks, optimizer)
+    records = _saved_records(commit)
+    _check_parallel_sizes(commit.step, records, layout)
+    same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
+    if not same_mp:
+        raise LayoutMismatchError(
+            f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
+        )
+    source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
+    saved_layout = MegatronLayout.from_json(read_sidecar(root, records[source]["layout"], opts))
+
+    # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
+    template = _model_template(model_chunks)
+    plan_reads(commit, template)
+    if strict:
+        _check_no_extra_keys(commit, saved_layout, template)
+    _check_structure(saved_layout, layout)
+    regions = _optimizer_regions(commit, layout, optimizer)
+    rng_template = _rng_template(commit, source) if rng else {}
+
+    # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place
+    slices: dict[str, Any] = dict(read_flat(root, commit, regions, storage_options=opts))
+    slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
+    load(root, commit.step, {**template, **rng_template}, storage_options=opts)
+    _drop_unsaved_state(optimizer, layout, slices)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    source_objects = commit.objects[str(source)]
+    if rng:
+        _restore_rng(rng_template, source_objects.get("rng"))
+    logger.info(
+        "loaded step %d (tp%d pp%d dp%d/%d, saved at DP %d)",
+        commit.step, layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.dp_size, records[source]["dp_size"],
+    )
+    return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source)
+
+
+def _check_parallel_sizes(step: int, records: Mapping[int, Mapping[str, Any]], layout: MegatronLayout) -> None:
+    sizes = {(rec["tp_size"], rec["pp_size"]) for rec in records.values()}
+    if sizes != {(layout.tp_size, layout.pp_size)}:
+        saved = ", ".join(f"TP={t} PP={p}" for t, p in sorted(sizes))
+        raise LayoutMismatchError(
+            f"step {step} was saved with {saved}; this model runs TP={layout.tp_size} PP={layout.pp_size}. Its "
+            "optimizer state is in the DP layout, which loads only with the same TP/PP (any DP). To change TP/PP, "
+            f"build the merged (fully reshardable) layout first: `ckptd merge ROOT --step {step}`, then load that"
+        )
+
+
+def _model_template(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Shard]:
+    """Every model tensor of this rank as a Shard whose data is a view of the live tensor (no copy)."""
+    storages = {t.untyped_storage().data_ptr() for c in model_chunks for t in (*c.parameters(), *c.buffers())}
+    template = {}
+    for path, leaf in model_state(model_chunks, split_replicas=False).items():
+        if not isinstance(leaf, Shard):
+            continue
+        if leaf.data.untyped_storage().data_ptr() not in storages:
+            raise InvalidRequestError(f"{leaf.key}: the model's ShardedTensor is a copy; it cannot be loaded in place")
+        template[path] = leaf
+    return template
+
+
+def _check_no_extra_keys(commit: Any, saved: MegatronLayout, template: Mapping[str, Shard]) -> None:
+    have = {s.key for s in template.values()}
+    expected = {saved.model_key(piece.key) for _b, bucket in saved.buckets() for p in bucket.params
+                for piece in p.model_pieces}
+    if saved.pp_size == 1 and not any(b.is_expert for b in saved.buffers):
+        expected |= {rec.name for rec in commit.arrays if rec.name.startswith(saved.model_prefix)}
+    extra = sorted(expected - have)
+    if extra:
+        raise StateMismatchError(
+            f"{extra[0]}: in checkpoint step {commit.step} but not in the model"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            + "; pass strict=False to ignore checkpoint keys the model lacks"
+        )
+
+
+def _check_structure(saved: MegatronLayout, live: MegatronLayout) -> None:
+    """Same buffers, buckets and params at the same bucket-relative offsets (the DP size may differ)."""
+    if len(saved.buffers) != len(live.buffers):
+        raise StateMismatchError(f"the checkpoint has {len(saved.buffers)} grad buffers, the model {len(live.buffers)}")
+    for sb, lb in zip(saved.buffers, live.buffers, strict=True):
+        what = ("optimizer_index", "gbuf_index", "param_dtype", "grad_dtype", "is_expert", "mp")
+        s_attrs, l_attrs = ([getattr(b, a) for a in what] for b in (sb, lb))
+        if s_attrs != l_attrs:
+            raise StateMismatchError(f"grad buffer {lb.index}: checkpoint {s_attrs} vs model {l_attrs} ({what})")
+        if len(sb.buckets) != len(lb.buckets):
+            raise StateMismatchError(
+                f"grad buffer {lb.index}: the checkpoint has {len(sb.buckets)} buckets, the model {len(lb.buckets)} "
+                "(another bucket_size or overlap_grad_reduce setting?)"
+            )
+        for sk, lk in zip(sb.buckets, lb.buckets, strict=True):
+            s_params = [(p.name, p.start - sk.start, p.end - sk.start, p.shape) for p in sk.params]
+            l_params = [(p.name, p.start - lk.start, p.end - lk.start, p.shape) for p in lk.params]
+            for sp, lp in zip(s_params, l_params, strict=False):
+                if sp != lp:
+                    raise StateMismatchError(
+                        f"{lp[0]}: buffer {lb.index} bucket {lk.index} has it at {lp[1:]} (offset, end, shape); "
+                        f"the checkpoint has {sp[0]} at {sp[1:]}"
+                    )
+            if len(s_params) != len(l_params):
+                longer = s_params if len(s_params) > len(l_params) else l_params
+                raise StateMismatchError(
+                    f"{longer[min(len(s_params), len(l_params))][0]}: buffer {lb.index} bucket {lk.index} holds "
+                    f"{len(s_params)} params in the checkpoint, {len(l_params)} in the model"
+                )
+
+
+def _optimizer_regions(commit: Any, layout: MegatronLayout, optimizer: Any) -> dict[str, tuple[int, int]]:
+    """Every stored state of every bucket of this rank, with the region this rank reads."""
+    arrays = {rec.name: rec for rec in commit.arrays}
+    bound = _bind(optimizer, layout)
+    regions: dict[str, tuple[int, int]] = {}
+    for buf, bucket in layout.buckets():
+        prefix = _bucket_prefix(layout, buf, bucket)
+        start, stop = buf.dp_rank * buf.slice_numel(bucket), (buf.dp_rank + 1) * buf.slice_numel(bucket)
+        names = [n for n in arrays if n.startswith(prefix) and "/" not in n[len(prefix) :]]
+        main_key = prefix + MAIN_PARAM
+        if main_key not in arrays:
+            raise StateMismatchError(f"{main_key}: not in checkpoint step {commit.step}")
+        for name in names:
+            rec = arrays[name]
+            if len(rec.shape) != 1 or rec.shape[0] < bucket.numel_unpadded:
+                raise StateMismatchError(
+                    f"{name}: the checkpoint holds shape {tuple(rec.shape)}, the model's bucket has "
+                    f"{bucket.numel_unpadded} elements"
+                )
+            entries = bound.owned[(buf.index, bucket.index)]
+            if name == main_key and entries and rec.torch_dtype != dtype_name(entries[0].main.dtype):
+                raise StateMismatchError(
+                    f"{name}: the checkpoint has dtype {rec.torch_dtype}, the main params {entries[0].main.dtype}"
+                )
+            regions[name] = (start, stop)
+    return regions
+
+
+def _drop_unsaved_state(optimizer: Any, layout: MegatronLayout, slices: Mapping[str, Any]) -> None:
+    """Forget per-param state the checkpoint does not have (saved before the first step, say)."""
+    bound = _bind(optimizer, layout)
+    saved_elem = {k.rpartition("/")[2] for k in slices if k != OPTIM_META}
+    metas = slices.get(OPTIM_META) or []
+    saved_scalar = {n for m in metas for e in m.get("optimizers", {}).values() for n in e.get("scalar_state", {})}
+    keep = saved_elem | saved_scalar
+    for entries in bound.owned.values():
+        for o in entries:
+            state = o.inner.state.get(o.main)
+            if state:
+                for name in [n for n in state if n not in keep]:
+                    del state[name]
+
+
+def _rng_template(commit: Any, source: int) -> dict[str, Shard]:
+    out = {}
+    for rec in commit.arrays:
+        if rec.name.startswith(RNG_PREFIX) and len(rec.shape) == 2 and source < rec.shape[0]:
+            data = torch.empty((1, rec.shape[1]), dtype=torch_dtype(rec.torch_dtype))
+            out[rec.name] = Shard(rec.name, data, (rec.shape[0], rec.shape[1]), (source, 0))
+    return out
+
+
+def _restore_rng(tensors: Mapping[str, Shard], plain: Any) -> None:
+    import random
+
+    import numpy as np
+
+    if f"{RNG_PREFIX}torch" in tensors:
+        torch.set_rng_state(tensors[f"{RNG_PREFIX}torch"].data[0].clone())
+    if torch.cuda.is_available() and f"{RNG_PREFIX}cuda" in tensors:
+        torch.cuda.set_rng_state(tensors[f"{RNG_PREFIX}cuda"].data[0].clone())
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        prefix = f"{RNG_PREFIX}cuda_tracker/"
+        states = {k[len(prefix) :]: s.data[0].clone() for k, s in tensors.items() if k.startswith(prefix)}
+        if states:
+            tracker = get_cuda_rng_tracker()
+            tracker.set_states({**tracker.get_states(), **states})
+    if isinstance(plain, Mapping):
+        if "python" in plain:
+            version, internal, gauss = plain["python"]
+            random.setstate((version, tuple(internal), gauss))
+        if "numpy" in plain:
+            name, keys, pos, has_gauss, cached = plain["numpy"]
+            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -63,6 +63,14 @@ class Shard:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def stage_into(self, dst: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy the block into ``dst`` (a staging slot of ``data``'s shape and dtype).
+
+        Subclasses that assemble the block from several tensors at staging time override this (the
+        Megatron integration stages each bucket slice straight from the optimizer's per-param state).
+        """
+        dst.copy_(self.data, non_blocking=non_blocking)
+
     @classmethod
     def per_rank(cls, key: str, data: torch.Tensor, rank: int, world_size: int) -> Shard:
         """A tensor that differs per rank (RNG state, ...), stored as ``(world_size, *shape)``."""

@@ -12,17 +12,26 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from ckptd.writer.errors import CkptdError, InvalidRequestError
 
 log = logging.getLogger("ckptd")
 
 
+# HTTP/S3 client libraries log request headers (signed credentials) and call arguments at DEBUG.
+_QUIET_BELOW_INFO = ("botocore", "aiobotocore", "boto3", "s3fs", "urllib3", "aiohttp", "fsspec")
+
+
 def _setup_logging(level: str) -> None:
+    numeric = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
+        level=numeric,
         format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s",
         stream=sys.stderr,
     )
+    for name in _QUIET_BELOW_INFO:
+        logging.getLogger(name).setLevel(max(numeric, logging.INFO))
 
 
 _STORAGE_FLAGS = ("endpoint_url", "region", "profile", "addressing_style", "max_attempts", "fs_retries",
@@ -109,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     _storage_flags(v, config=True)
 
+    m = sub.add_parser("merge", help="build the fully-reshardable layout of a committed step (offline)")
+    m.add_argument("root")
+    m.add_argument("--step", default="latest", help="a step number or 'latest' (default)")
+    m.add_argument("--workers", type=int, default=2, help="buckets merged at once (memory: ~1 bucket each)")
+    m.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _storage_flags(m, config=True)
+
     g = sub.add_parser("gc", help="delete old and unfinished steps, keeping the newest N committed")
     g.add_argument("root")
     g.add_argument("--keep", type=int, required=True)
@@ -164,17 +180,22 @@ async def _offline(args: argparse.Namespace) -> int:
             return await _verify(root, args.step, args.json)
         if args.command == "gc":
             return await _gc(root, args.keep, args.dry_run)
+        if args.command == "merge":
+            return await _merge(root, args.step, args.workers, args.json)
         raise AssertionError(args.command)
     finally:
         await close_store(store)
 
 
 async def _ls(root: Any, as_json: bool) -> int:
+    from ckptd.daemon.merge import read_merged
+
     rows = []
     committed = set(await root.committed_steps())
     for step in await root.steps():
-        row: dict[str, Any] = {"step": step, "committed": step in committed}
+        row: dict[str, Any] = {"step": step, "committed": step in committed, "merged": False}
         if step in committed:
+            row["merged"] = await read_merged(root, step) is not None
             c = await root.read_commit(step)
             row.update(bytes=c.nbytes, arrays=len(c.arrays), nodes=c.num_nodes, world_size=c.world_size,
                        committed_at=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)))
@@ -182,16 +203,17 @@ async def _ls(root: Any, as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows))
         return 0
-    print(f"{'step':>8}  {'state':<11} {'size':>10} {'arrays':>7} {'nodes':>5} {'world':>5}  committed at")
+    print(f"{'step':>8}  {'state':<17} {'size':>10} {'arrays':>7} {'nodes':>5} {'world':>5}  committed at")
     for r in rows:
-        state = "committed" if r["committed"] else "incomplete"
+        state = ("committed+merged" if r["merged"] else "committed") if r["committed"] else "incomplete"
         size = f"{r['bytes'] / 2**20:.1f}MiB" if "bytes" in r else "-"
-        print(f"{r['step']:>8}  {state:<11} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
+        print(f"{r['step']:>8}  {state:<17} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
               f"{r.get('world_size', '-'):>5}  {r.get('committed_at', '-')}")
     return 0
 
 
 async def _verify(root: Any, which: str | None, as_json: bool) -> int:
+    from ckptd.daemon.merge import read_merged
     from ckptd.writer.arrays import verify_array
     from ckptd.writer.errors import CorruptCheckpointError
     from ckptd.writer.format import step_dir
@@ -207,24 +229,44 @@ async def _verify(root: Any, which: str | None, as_json: bool) -> int:
     results = []
     for step in steps:
         commit = await root.read_commit(step)
+        merged = await read_merged(root, step)
         t0 = time.perf_counter()
         verified, errors = 0, []
-        for rec in commit.arrays:
+        for rec in [*commit.arrays, *(merged.arrays if merged else [])]:
             try:
                 verified += await verify_array(root.store, step_dir(step), rec)
             except (CorruptCheckpointError, CkptdError) as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
         failures += bool(errors)
-        results.append({"step": step, "ok": not errors, "bytes": verified, "arrays": len(commit.arrays),
+        n_arrays = len(commit.arrays) + (len(merged.arrays) if merged else 0)
+        results.append({"step": step, "ok": not errors, "bytes": verified, "arrays": n_arrays, "merged": bool(merged),
                         "seconds": round(time.perf_counter() - t0, 3), "errors": errors})
         if not as_json:
             status = "OK" if not errors else f"CORRUPT ({len(errors)} array(s))"
-            print(f"step {step}: {status}: {len(commit.arrays)} arrays, {verified / 2**20:.1f} MiB re-read and checked")
+            what = f"{n_arrays} arrays" + (" (incl. merged layout)" if merged else "")
+            print(f"step {step}: {status}: {what}, {verified / 2**20:.1f} MiB re-read and checked")
             for e in errors:
                 print(f"  {e}")
     if as_json:
         print(json.dumps(results))
     return 1 if failures else 0
+
+
+async def _merge(root: Any, which: str, workers: int, as_json: bool) -> int:
+    from ckptd.daemon.merge import run_merge
+
+    step: int | str = which if which == "latest" else int(which)
+    summary = await run_merge(root, step, workers=workers, progress=not as_json)
+    if as_json:
+        print(json.dumps(msgspec.to_builtins(summary)))
+    elif summary.already_merged:
+        print(f"step {summary.step}: already merged ({summary.arrays} arrays)")
+    else:
+        rate = summary.bytes_read / summary.seconds / 2**20 if summary.seconds else 0.0
+        print(f"step {summary.step}: merged {summary.tasks} bucket(s) ({summary.tasks_skipped} already done) into "
+              f"{summary.arrays} model-space arrays; read {summary.bytes_read / 2**20:.1f} MiB, wrote "
+              f"{summary.bytes_written / 2**20:.1f} MiB in {summary.seconds:.1f}s ({rate:.0f} MiB/s)")
+    return 0
 
 
 async def _gc(root: Any, keep: int, dry_run: bool) -> int:

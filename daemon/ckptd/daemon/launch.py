@@ -3,12 +3,16 @@
 Each rank is its own OS process (forkserver: torch is imported once, ranks fork from a clean server),
 gets torchrun-style environment variables, joins ``torch.distributed`` with gloo on 127.0.0.1 and runs
 ``fn(rank, world_size, *args)``. Results and tracebacks come back over a pipe.
+
+This is the one launcher: :func:`ckptd.daemon.megatron_toy.spawn_ranks` is a thin wrapper over
+:func:`run_ranks`.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -16,7 +20,19 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed", "numpy"]
+# Imported once by the forkserver, so forked ranks start warm. The server is one per parent process and
+# keeps the list it started with, so the (optional) megatron-core modules are in the default list: a
+# pytest session that first launches plain ranks still forks warm Megatron ranks later (~4 s per rank
+# saved). A module that does not import is skipped by the server.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.pipeline_parallel",
+]
 
 
 class RankFailedError(RuntimeError):
@@ -46,9 +62,11 @@ def _child(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
         result = fn(rank, world_size, *args)
-        conn.send(("ok", result))
+        # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory file
+        # descriptors, which the parent can no longer fetch once this process has exited
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -64,14 +82,18 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 300.0,
     may_exit: Sequence[int] = (),
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks and return their results in rank order.
 
-    ``may_exit`` lists ranks allowed to end without a result (tests that kill a rank on purpose; their
-    result is None). Any other failure raises :class:`RankFailedError` with the rank's traceback.
+    ``fn`` and ``args`` must be picklable (a module-level function); results come back by value
+    (tensors included). ``may_exit`` lists ranks allowed to end without a result (tests that kill a rank
+    on purpose; their result is None). Any other failure raises :class:`RankFailedError` with the rank's
+    traceback. ``preload`` adds modules for the forkserver to import, which takes effect only when this
+    call starts the server (the first launch in this process).
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload([*_PRELOAD, *(m for m in preload if m not in _PRELOAD)])
     port = free_port()
     procs, pipes = [], []
     for rank in range(world_size):
@@ -94,7 +116,7 @@ def run_ranks(
             conn = pipes[rank]
             if conn.poll(0.05):
                 try:
-                    status, value = conn.recv()
+                    status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     status, value = "exit", None
                 if status == "ok":

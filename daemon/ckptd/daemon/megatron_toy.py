@@ -3,7 +3,8 @@
 Test/demo code only: the ckptd library never imports it. :func:`build_gpt` builds a real megatron-core
 ``GPTModel`` (local layer spec, SwiGLU MLP, CPU initialization) wrapped in
 ``DistributedDataParallel(use_distributed_optimizer=True)`` with Megatron's ``DistributedOptimizer``;
-:func:`spawn_ranks` runs a function in ``world_size`` real processes joined by a gloo process group.
+:func:`spawn_ranks` runs a function in ``world_size`` real processes joined by a gloo process group
+(through :func:`ckptd.daemon.launch.run_ranks`, the one launcher).
 
 Determinism: the data of global micro-batch ``j`` at iteration ``i`` comes from a generator seeded with
 ``(data_seed, i, j)`` only, and the loss a step reports is the mean of the per-micro-batch losses
@@ -13,23 +14,17 @@ reported for a given set of parameters is bit-identical whatever the DP size.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import socket
-import tempfile
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ckptd.daemon.launch import RankFailedError, free_port, run_ranks
+
 __all__ = ["RankFailedError", "ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
 
 _PRELOAD = [
-    "torch",
-    "torch.distributed",
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
     "megatron.core.distributed",
@@ -223,95 +218,10 @@ def build_gpt(
 
 
 # --- launcher --------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a thin wrapper over
+    :func:`ckptd.daemon.launch.run_ranks` (forkserver with torch and megatron-core preloaded).
 
-
-class RankFailedError(RuntimeError):
-    """A rank raised; the message carries the child's traceback."""
-
-
-def _rank_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    result_dir: str,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    timeout_s: float,
-) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        try:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        except ImportError:
-            pass
-        dist.destroy_process_group()
-
-
-def spawn_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    timeout_s: float = 300.0,
-    start_method: str = "forkserver",
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined by a gloo group.
-
-    ``fn`` and ``args`` must be picklable (a module-level function). Returns each rank's return value
-    (passed back through ``torch.save``, so tensors and plain data work). If a rank fails, raises
-    :class:`RankFailedError` with the failing child's traceback. The default ``forkserver`` start
-    method imports torch and megatron-core once per test session (a clean server process with no
-    threads) and forks the ranks from it, which is much faster than ``spawn`` and safe in a
-    multi-threaded parent.
+    Returns each rank's return value; a failing rank raises :class:`RankFailedError` with its traceback.
     """
-    if start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(_PRELOAD)
-    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
-
-    with tempfile.TemporaryDirectory(prefix="ckptd-ranks-") as result_dir:
-        port = free_port()
-        try:
-            start_processes(  # type: ignore[no-untyped-call]
-                _rank_main,
-                args=(world_size, port, result_dir, fn, args, timeout_s),
-                nprocs=world_size,
-                join=True,
-                start_method=start_method,
-            )
-        except ProcessRaisedException as exc:
-            raise RankFailedError(str(exc)) from None
-        except ProcessExitedException as exc:
-            errors = _read_errors(result_dir, world_size)
-            raise RankFailedError(f"{exc}\n{errors}") from None
-        return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-
-
-def _read_errors(result_dir: str, world_size: int) -> str:
-    out = []
-    for r in range(world_size):
-        p = os.path.join(result_dir, f"rank{r}.err")
-        if os.path.exists(p):
-            with open(p) as f:
-                out.append(f"--- rank {r} ---\n{f.read()}")
-    return "\n".join(out)
+    return run_ranks(fn, world_size, *args, timeout_s=timeout_s, preload=_PRELOAD)

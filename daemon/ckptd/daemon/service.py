@@ -48,6 +48,7 @@ from ckptd.writer.format import (
     check_region,
     check_sidecar,
     chunk_key,
+    chunk_selection_of,
     itemsize,
     plan_chunks,
     region_chunks,
@@ -266,16 +267,14 @@ class CheckpointService:
         records: list[ChunkRecord | None] = [None] * len(coords_list)
 
         async def one(i: int, coords: tuple[int, ...]) -> None:
-            sel = chunk_selection(coords, chunks, meta.global_shape)
-            local = tuple(slice(s.start - o, s.stop - o) for s, o in zip(sel, meta.global_offset, strict=True))
-            block = data[local]
+            block = data[chunk_selection_of(coords, chunks, meta.global_shape, meta.global_offset)]
             key = f"{path}/{chunk_key(coords)}"
             async with self._chunk_slots:
                 if arr is None:
                     crc = await self._sink.put(key, block)
                 else:
                     crc = await checksum(block)
-                    await arr.setitem(sel, block)
+                    await arr.setitem(chunk_selection(coords, chunks, meta.global_shape), block)
             records[i] = ChunkRecord(list(coords), block.nbytes, crc)
             job.written_keys.append(key)
 

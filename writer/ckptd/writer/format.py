@@ -173,6 +173,15 @@ def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
             yield (head, *tail)
 
 
+def chunk_selection_of(
+    coords: Sequence[int], chunks: Sequence[int], shape: Sequence[int], origin: Sequence[int]
+) -> tuple[slice, ...]:
+    """A chunk's extent, relative to a region of the array that starts at ``origin``."""
+    return tuple(
+        slice(c * n - o, min((c + 1) * n, s) - o) for c, n, s, o in zip(coords, chunks, shape, origin, strict=True)
+    )
+
+
 def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:
     return math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True)) if shape else 1
 

@@ -1,0 +1,394 @@
+"""``ckptd merge``: build the fully-reshardable optimizer layout offline from the stored DP shards.
+
+Megatron makes its fully-reshardable optimizer checkpoint by gathering every DP rank's optimizer state
+inside the training job (~12 bytes per parameter of host memory per rank). ckptd rebuilds the same
+layout afterwards from what the daemons already stored, one bucket at a time:
+
+    state(param) = bucket_full[start - bucket_start : end - bucket_start].view(param.shape)
+
+then placed into model space at each of the param's model pieces (key, global shape, global offset,
+prepended layer axes, factory views such as SwiGLU's halves). The stored layout sidecars say where every
+param lives; Megatron's own checkpoints do not record it.
+
+Output, next to the step's model arrays (which are in model space already):
+
+    step_N/merged/optimizer.state.<state>.<model key>   zarr v3, the model array's global shape and grid
+    step_N/merged/_progress/<task>.json                  one per finished bucket (makes reruns resume)
+    step_N/merged/MERGED                                 manifest, written last: the merge's commit
+
+Memory is bounded by the work in flight: each worker holds one bucket's state array (plus the chunk
+being written), whatever the model size. Workers run over (model-parallel rank, buffer, bucket).
+Re-running a killed merge skips finished buckets and rewrites the rest identically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import msgspec
+import numpy as np
+import torch
+
+from ckptd.client.megatron import MegatronLayout, ModelPiece, ParamLayout
+from ckptd.writer.arrays import ChunkSink, array_metadata, open_array, read_region, write_group, write_metadata
+from ckptd.writer.commit import CheckpointRoot
+from ckptd.writer.errors import CheckpointNotFoundError, LayoutMismatchError, ShardLayoutError
+from ckptd.writer.format import (
+    FORMAT_VERSION,
+    ArrayRecord,
+    ChunkRecord,
+    CommitManifest,
+    ShardRecord,
+    check_region,
+    chunk_key,
+    chunk_selection_of,
+    encode_json,
+    region_chunks,
+    step_dir,
+)
+from ckptd.writer.store import close_store, get_bytes, list_dir, normalize_root, open_store, put_bytes
+
+log = logging.getLogger(__name__)
+
+MERGED_DIR = "merged"
+MERGED_MARKER = "MERGED"
+PROGRESS_DIR = "_progress"
+STATE_PREFIX = "optimizer.state."
+CONTENT = "fully_reshardable"
+_SIDECAR_RE = re.compile(r"^[0-9a-f]{64}\.json$")
+
+
+# --- planning (pure) ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MergedArray:
+    name: str  # relative to the step: merged/optimizer.state.<state>.<model key>
+    torch_dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Write param state ``[start, end)`` of a bucket, viewed through ``piece``, into ``array``."""
+
+    array: str
+    start: int  # relative to the bucket
+    end: int
+    shape: tuple[int, ...]
+    piece: ModelPiece
+
+
+@dataclass(frozen=True)
+class MergeTask:
+    """One bucket of one model-parallel rank: read each state once, write all its params' pieces."""
+
+    name: str  # e.g. tp0.pp1.buf0.bucket2
+    source_prefix: str  # optim/<mp>/buf<g>/bucket<b>
+    padded_numel: int
+    itemsize: int
+    states: tuple[str, ...]
+    placements: dict[str, tuple[Placement, ...]] = field(default_factory=dict)  # state -> placements
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded_numel * self.itemsize * len(self.states)
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    step: int
+    tasks: tuple[MergeTask, ...]
+    arrays: dict[str, MergedArray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tasks)
+
+
+def layout_names(objects: Mapping[str, Any]) -> dict[str, str]:
+    """rank -> the layout sidecar each saving rank referenced (``...{"layout": "<sha256>.json"}``)."""
+    found: dict[str, str] = {}
+
+    def walk(rank: str, obj: Any) -> None:
+        if isinstance(obj, Mapping):
+            for k, v in obj.items():
+                if k == "layout" and isinstance(v, str) and _SIDECAR_RE.match(v):
+                    found[rank] = v
+                else:
+                    walk(rank, v)
+
+    for rank, obj in objects.items():
+        walk(rank, obj)
+    return found
+
+
+def _is_main(piece: ModelPiece) -> bool:
+    # The merged state covers all DP ranks, so the DP component of the replica id does not matter.
+    rid = piece.replica_id
+    return all(r == 0 for r in rid[:-1]) if len(rid) > 1 else True
+
+
+def plan_merge(commit: CommitManifest, layouts: Iterable[MegatronLayout]) -> MergePlan:
+    """Turn the stored DP layout plus the layouts into bucket tasks and merged array shapes. Pure."""
+    stored = {rec.name: rec for rec in commit.arrays}
+    per_mp: dict[str, MegatronLayout] = {}
+    for layout in layouts:
+        for buf in layout.buffers:
+            if buf.replica_id == 0:
+                per_mp.setdefault(buf.mp, layout)
+    if not per_mp:
+        raise CheckpointNotFoundError(f"step {commit.step} has no Megatron layout: nothing to merge")
+    arrays: dict[str, MergedArray] = {}
+    tasks: list[MergeTask] = []
+    for mp in sorted(per_mp):
+        layout = per_mp[mp]
+        for buf, bucket in layout.buckets():
+            if buf.mp != mp or buf.replica_id != 0:
+                continue
+            prefix = f"optim/{mp}/buf{buf.index}/bucket{bucket.index}"
+            states = sorted(name.rsplit("/", 1)[1] for name in stored if name.startswith(prefix + "/"))
+            if not states:
+                raise CheckpointNotFoundError(f"step {commit.step}: no stored optimizer state under {prefix}")
+            first = stored[f"{prefix}/{states[0]}"]
+            if first.shape != [bucket.padded_numel]:
+                raise ShardLayoutError(
+                    f"{prefix}: stored bucket has shape {first.shape}, the layout says {bucket.padded_numel}"
+                )
+            placements: dict[str, list[Placement]] = {s: [] for s in states}
+            for param in bucket.params:
+                for piece in param.model_pieces:
+                    if not _is_main(piece):
+                        continue
+                    for state in states:
+                        rec = stored[f"{prefix}/{state}"]
+                        name = f"{MERGED_DIR}/{STATE_PREFIX}{state}.{piece.key}"
+                        arrays[name] = _merged_array(name, rec.torch_dtype, piece, stored, arrays.get(name))
+                        placements[state].append(_placement(name, param, bucket.start, piece))
+            tasks.append(MergeTask(
+                name=f"{mp}.buf{buf.index}.bucket{bucket.index}",
+                source_prefix=prefix,
+                padded_numel=bucket.padded_numel,
+                itemsize=torch.empty(0, dtype=getattr(torch, first.torch_dtype)).element_size(),
+                states=tuple(states),
+                placements={s: tuple(p) for s, p in placements.items()},
+            ))
+    for arr in arrays.values():
+        for task in tasks:
+            for pls in task.placements.values():
+                for p in pls:
+                    if p.array == arr.name:
+                        shape = (1,) * p.piece.prepend_axis_num + p.piece.view_shape
+                        check_region(arr.name, arr.shape, p.piece.global_offset, shape, arr.chunks)
+    return MergePlan(commit.step, tuple(tasks), arrays)
+
+
+def _placement(array: str, param: ParamLayout, bucket_start: int, piece: ModelPiece) -> Placement:
+    return Placement(array, param.start - bucket_start, param.end - bucket_start, param.shape, piece)
+
+
+def _merged_array(
+    name: str, torch_dtype: str, piece: ModelPiece, stored: Mapping[str, ArrayRecord], seen: MergedArray | None
+) -> MergedArray:
+    model = stored.get(f"model/{piece.key}")
+    if model is not None and tuple(model.shape) == piece.global_shape:
+        chunks = tuple(model.chunks)  # the model's own grid: any TP/PP reads its region by whole chunks
+    else:
+        chunks = (1,) * piece.prepend_axis_num + piece.view_shape
+    arr = MergedArray(name, torch_dtype, piece.global_shape, chunks)
+    if seen is not None and seen != arr:
+        raise ShardLayoutError(f"{name}: pieces disagree on the merged array ({seen} vs {arr})")
+    return arr
+
+
+# --- progress -------------------------------------------------------------------------------------
+class Progress:
+    """A bar with bytes and ETA on a terminal; one log line per bucket otherwise."""
+
+    def __init__(self, total: int, out: TextIO = sys.stderr) -> None:
+        self.total, self.done, self.out = max(total, 1), 0, out
+        self.t0 = time.monotonic()
+        self.tty = out.isatty()
+
+    def advance(self, nbytes: int, what: str) -> None:
+        self.done += nbytes
+        elapsed = time.monotonic() - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        pct = 100.0 * self.done / self.total
+        if self.tty:
+            bar = "#" * int(pct / 4)
+            self.out.write(f"\r[{bar:<25}] {pct:5.1f}% {self.done / 2**20:,.0f}/{self.total / 2**20:,.0f} MiB "
+                           f"{rate / 2**20:,.0f} MiB/s ETA {eta:,.0f}s ")
+            self.out.flush()
+        else:
+            log.info("merge: %s done, %.1f%% (%.0f/%.0f MiB, %.0f MiB/s, ETA %.0fs)", what, pct,
+                     self.done / 2**20, self.total / 2**20, rate / 2**20, eta)
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+
+
+# --- execution ------------------------------------------------------------------------------------
+class MergeSummary(msgspec.Struct, frozen=True):
+    step: int
+    arrays: int
+    tasks: int
+    tasks_skipped: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    already_merged: bool = False
+
+
+def merge(root: str, step: int | str = "latest", *, workers: int = 2,
+          storage_options: Mapping[str, Any] | None = None, progress: bool = True) -> MergeSummary:
+    """Synchronous entry point: merge one committed step under ``root``."""
+
+    async def go() -> MergeSummary:
+        url = normalize_root(root)
+        store = await open_store(url, storage_options, create=False)
+        try:
+            return await run_merge(CheckpointRoot(store, url), step, workers=workers, progress=progress)
+        finally:
+            await close_store(store)
+
+    return asyncio.run(go())
+
+
+async def run_merge(
+    ckpt: CheckpointRoot, step: int | str = "latest", *, workers: int = 2, progress: bool = True
+) -> MergeSummary:
+    t0 = time.monotonic()
+    store = ckpt.store
+    n = await ckpt.resolve(step)
+    commit = await ckpt.read_commit(n)
+    prefix = step_dir(n)
+    marker = f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}"
+    if await store.exists(marker):
+        done = msgspec.json.decode(await get_bytes(store, marker) or b"{}")
+        return MergeSummary(n, len(done.get("arrays", [])), 0, 0, 0, 0, time.monotonic() - t0, already_merged=True)
+    names = layout_names(commit.objects)
+    layouts = [MegatronLayout.from_json(await ckpt.read_sidecar(s)) for s in sorted(set(names.values()))]
+    plan = plan_merge(commit, layouts)
+    finished = await _finished_tasks(store, prefix)
+    todo = [t for t in plan.tasks if t.name not in finished]
+    bar = Progress(sum(t.nbytes for t in todo)) if progress else None
+    sink = ChunkSink(store)
+    sem = asyncio.Semaphore(max(1, workers))
+    records: dict[str, list[ShardRecord]] = {name: list(recs) for name, recs in _records_of(finished).items()}
+    written = 0
+
+    async def one(task: MergeTask) -> None:
+        nonlocal written
+        async with sem:
+            out = await _merge_task(store, sink, prefix, task, plan.arrays)
+        doc = {name: [msgspec.to_builtins(r) for r in recs] for name, recs in out.items()}
+        await put_bytes(store, f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}/{task.name}.json", encode_json(doc))
+        for name, recs in out.items():
+            records.setdefault(name, []).extend(recs)
+            written += sum(c.nbytes for r in recs for c in r.chunks)
+        if bar is not None:
+            bar.advance(task.nbytes, task.name)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for task in todo:
+                tg.create_task(one(task))
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest = await _commit_merge(store, prefix, commit, plan, records)
+    return MergeSummary(n, len(manifest.arrays), len(todo), len(plan.tasks) - len(todo),
+                        sum(t.nbytes for t in todo), written, time.monotonic() - t0)
+
+
+async def _merge_task(
+    store: Any, sink: ChunkSink, prefix: str, task: MergeTask, arrays: Mapping[str, MergedArray]
+) -> dict[str, list[ShardRecord]]:
+    out: dict[str, list[ShardRecord]] = {}
+    for state in task.states:
+        arr = await open_array(store, f"{prefix}/{task.source_prefix}/{state}")
+        bucket = await read_region(arr, [0], [task.padded_numel])  # one bucket in memory
+        flat = torch.from_numpy(np.ascontiguousarray(bucket))
+        for pl in task.placements[state]:
+            merged = arrays[pl.array]
+            param_state = flat[pl.start : pl.end].view(pl.shape)
+            piece = pl.piece.view_of(param_state).reshape((1,) * pl.piece.prepend_axis_num + pl.piece.view_shape)
+            chunks: list[ChunkRecord] = []
+            for coords in region_chunks(pl.piece.global_offset, piece.shape, merged.chunks):
+                sel = chunk_selection_of(coords, merged.chunks, merged.shape, pl.piece.global_offset)
+                block = piece[sel].numpy()
+                crc = await sink.put(f"{prefix}/{pl.array}/{chunk_key(coords)}", block)
+                chunks.append(ChunkRecord(list(coords), block.nbytes, crc))
+            out.setdefault(pl.array, []).append(
+                ShardRecord(-1, list(pl.piece.global_offset), list(piece.shape), chunks)
+            )
+        del bucket, flat
+    return out
+
+
+async def _finished_tasks(store: Any, prefix: str) -> dict[str, dict[str, list[ShardRecord]]]:
+    folder = f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}"
+    done: dict[str, dict[str, list[ShardRecord]]] = {}
+    for name in await list_dir(store, folder):
+        data = await get_bytes(store, f"{folder}/{name}")
+        if data is None or not name.endswith(".json"):
+            continue
+        raw = msgspec.json.decode(data, type=dict[str, list[ShardRecord]])
+        done[name.removesuffix(".json")] = raw
+    return done
+
+
+def _records_of(finished: Mapping[str, Mapping[str, list[ShardRecord]]]) -> dict[str, list[ShardRecord]]:
+    out: dict[str, list[ShardRecord]] = {}
+    for recs in finished.values():
+        for name, shards in recs.items():
+            out.setdefault(name, []).extend(shards)
+    return out
+
+
+async def _commit_merge(
+    store: Any, prefix: str, commit: CommitManifest, plan: MergePlan, records: Mapping[str, list[ShardRecord]]
+) -> CommitManifest:
+    arrays = []
+    for name in sorted(plan.arrays):
+        spec = plan.arrays[name]
+        shards = sorted(records.get(name, []), key=lambda r: r.offset)
+        covered = sum(len(s.chunks) for s in shards)
+        want = math.prod(-(-n // c) for n, c in zip(spec.shape, spec.chunks, strict=True))
+        if covered != want:
+            raise ShardLayoutError(f"{name}: merged pieces cover {covered} of {want} chunks")
+        arrays.append(ArrayRecord(name, spec.torch_dtype, list(spec.shape), list(spec.chunks), shards, "raw"))
+        meta = await array_metadata(spec.torch_dtype, spec.shape, spec.chunks, codec="raw")
+        await write_metadata(store, f"{prefix}/{name}", meta)
+    await write_group(store, f"{prefix}/{MERGED_DIR}", {"ckptd": {"content": CONTENT, "step": commit.step}})
+    manifest = CommitManifest(
+        format=FORMAT_VERSION, step=commit.step, num_nodes=commit.num_nodes, world_size=commit.world_size,
+        arrays=arrays, objects={"content": CONTENT, "source": "dp_layout"},
+        nbytes=sum(c.nbytes for a in arrays for s in a.shards for c in s.chunks), committed_at=time.time(),
+    )
+    await asyncio.shield(put_bytes(store, f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}", encode_json(manifest)))
+    return manifest
+
+
+async def read_merged(root: CheckpointRoot, step: int) -> CommitManifest | None:
+    """The merge manifest of a step, or None if it was never merged."""
+    from ckptd.writer.format import decode_commit
+
+    data = await get_bytes(root.store, f"{step_dir(step)}/{MERGED_DIR}/{MERGED_MARKER}")
+    return None if data is None else decode_commit(data)
+
+
+def require_merged(merged: CommitManifest | None, step: int, why: str) -> CommitManifest:
+    if merged is None:
+        raise LayoutMismatchError(f"step {step}: {why}; build the reshardable layout first: ckptd merge ROOT --step {step}")
+    return merged

@@ -1,0 +1,326 @@
+"""Megatron checkpoints through ckptd end to end: real daemon processes, real gloo ranks, real megatron-core.
+
+Every rank trains the toy GPT (``ckptd.daemon.megatron_toy``, CPU shim), saves with
+:func:`save_checkpoint` through a ``ckptd serve`` subprocess, and the state loaded by
+:func:`load_checkpoint` into a freshly built model and optimizer is compared with the *live* state at
+save time, bit for bit: every model tensor, every main param, every per-param state of the inner
+optimizer whatever its name (``exp_avg``, ``exp_avg_sq``, ``step``), the param groups, and the RNGs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from ckptd.client import CheckpointClient
+from ckptd.client.load import read_commit, read_sidecar
+from ckptd.client.megatron import (
+    _SAVE_PLANS,
+    LoadedCheckpoint,
+    MegatronLayout,
+    get_layout,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ckptd.daemon.launch import DaemonProcess
+from ckptd.daemon.megatron_toy import build_gpt, spawn_ranks
+from ckptd.writer.errors import LayoutMismatchError, StateMismatchError
+
+pytestmark = pytest.mark.megatron
+
+K = 3  # save after K training steps (iterations 0..K-1); the checkpoint's step number is K
+AFTER = 2  # then train on for AFTER more steps
+MULTIBUCKET = {"overlap_grad_reduce": True, "bucket_size": 6000}
+
+
+# --- live state of a rank, and bit-exact comparison ------------------------------------------------
+def _model_snapshot(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    from megatron.core.utils import unwrap_model
+
+    sd = unwrap_model(model[0]).state_dict()
+    return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _optimizer_snapshot(optimizer: Any) -> dict[str, Any]:
+    """The live distributed optimizer, as Megatron holds it: per owned param its main shard and every state."""
+    from megatron.core.utils import unwrap_model
+
+    out: dict[str, Any] = {}
+    for oi, opt in enumerate(optimizer.chained_optimizers):
+        names = {p: n for c in opt.model_chunks for n, p in unwrap_model(c).named_parameters()}
+        for param, (gi, go) in opt.model_param_group_index_map.items():
+            main = opt.optimizer.param_groups[gi]["params"][go]
+            entry: dict[str, Any] = {"main": main.detach().clone()}
+            for k, v in opt.optimizer.state.get(main, {}).items():
+                entry[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            out[f"{oi}/{names[param]}"] = entry
+        out[f"{oi}/param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    return out
+
+
+def _rng_snapshot() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.copy()), pos, has_gauss, cached),
+    }
+
+
+def _live(model: list[torch.nn.Module], optimizer: Any) -> dict[str, Any]:
+    return {"model": _model_snapshot(model), "optim": _optimizer_snapshot(optimizer)}
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> int:
+    """Bit-exact equality of nested snapshots; returns the number of tensors compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{where} differs"
+        return 1
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        return sum(_assert_same(a[k], b[k], f"{where}/{k}") for k in a)
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        return sum(_assert_same(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
+    assert a == b, f"{where}: {a!r} vs {b!r}"
+    return 0
+
+
+def _owned_ranges(optimizer: Any) -> dict[str, tuple[tuple[int, int], dict[str, torch.Tensor]]]:
+    """Per owned param: its sub-range of the flattened param and the per-element state there (Megatron's view)."""
+    from megatron.core.utils import unwrap_model
+
+    out = {}
+    for opt in optimizer.chained_optimizers:
+        names = {p: n for c in opt.model_chunks for n, p in unwrap_model(c).named_parameters()}
+        for param in opt.model_param_gbuf_map:
+            rng = opt._get_model_param_range_map(param)["param"]
+            tensors = opt._get_main_param_and_optimizer_states(param)
+            out[names[param]] = ((rng.start, rng.end), {k: v.detach().clone() for k, v in tensors.items()})
+    return out
+
+
+# --- rank bodies (module level: they run in forked rank processes) -------------------------------
+def _train_save_reload(rank: int, world: int, socket: str, root: str, build: dict[str, Any],
+                       extra_key_check: bool) -> dict[str, Any]:
+    """Train K steps saving at K-1 and K, snapshot the live state at K, train on; then reload into a fresh
+    model and optimizer in this process and compare with the snapshot."""
+    model, optimizer, train_step = build_gpt(**build)
+    client = CheckpointClient(socket)
+    losses = [train_step(i) for i in range(K - 1)]
+    first = save_checkpoint(client, K - 1, model, optimizer, extra={"iteration": K - 1})
+    plan = _SAVE_PLANS[optimizer]
+    losses.append(train_step(K - 1))
+    first.wait(60)
+    random.seed(10 + rank)  # distinct RNG states per rank, so the restore is checked per rank
+    np.random.seed(20 + rank)
+    torch.manual_seed(30 + rank)
+    extra = {"iteration": K, "scheduler": {"num_steps": K * 8, "lr": [1e-3, 0.5]}, "note": "ckptd"}
+    handle = save_checkpoint(client, K, model, optimizer, extra=extra)
+    reused = _SAVE_PLANS[optimizer] is plan  # the second save reused the planned shards
+    at_save = _live(model, optimizer)
+    rng_at_save = _rng_snapshot()
+    owned_at_save = _owned_ranges(optimizer)
+    after = [train_step(K + i) for i in range(AFTER)]  # overwrites the tensors while the daemon drains
+    handle.wait(60)
+    final = _model_snapshot(model)
+    layout_json = get_layout(model, optimizer).to_json()
+
+    # a fresh model and optimizer (another init), RNG scrambled; then load and compare
+    model2, optimizer2, train_step2 = build_gpt(**build, seed=4321, data_seed=build.get("data_seed", 1234))
+    torch.manual_seed(999)
+    random.seed(999)
+    np.random.seed(999)
+    assert len(optimizer2.chained_optimizers[0].optimizer.state) == 0
+    loaded = load_checkpoint(root, "latest", model2, optimizer2)
+    assert loaded == LoadedCheckpoint(K, extra, rank), loaded
+    checked = _assert_same(at_save, _live(model2, optimizer2), f"rank{rank}")
+    _assert_same(rng_at_save, _rng_snapshot(), f"rank{rank}/rng")
+    steps = [st["step"] for opt in optimizer2.chained_optimizers for st in opt.optimizer.state.values()]
+    assert len({id(s) for s in steps}) == len(steps), "one step tensor shared by several params"
+    resumed = [train_step2(K + i) for i in range(AFTER)]
+    assert resumed == after, (resumed, after)
+
+    if extra_key_check:  # the checkpoint has a key this model lacks: refused, nothing overwritten
+        model3, optimizer3, train_step3 = build_gpt(**{**build, "share_embeddings": True})
+        train_step3(0)
+        before = _live(model3, optimizer3)
+        with_extra = pytest.raises(StateMismatchError, match=r"model/output_layer\.weight: in checkpoint")
+        with with_extra:
+            load_checkpoint(root, K, model3, optimizer3)
+        _assert_same(before, _live(model3, optimizer3), "untouched")
+    return {
+        "losses": losses, "after": after, "final": final, "checked": checked, "reused": reused,
+        "layout": layout_json, "owned": owned_at_save, "model_at_save": at_save["model"],
+    }
+
+
+def _resume_fresh(rank: int, world: int, root: str, build: dict[str, Any]) -> dict[str, Any]:
+    model, optimizer, train_step = build_gpt(**build, seed=4321, data_seed=1234)
+    loaded = load_checkpoint(root, "latest", model, optimizer)
+    assert loaded.step == K
+    after = [train_step(loaded.extra["iteration"] + i) for i in range(AFTER)]
+    return {"after": after, "final": _model_snapshot(model)}
+
+
+def _load_other_dp(rank: int, world: int, root: str, build: dict[str, Any]) -> dict[str, Any]:
+    model, optimizer, train_step = build_gpt(**build, seed=4321, data_seed=1234)
+    train_step(0)  # live state exists and must be replaced
+    loaded = load_checkpoint(root, K, model, optimizer)
+    layout = get_layout(model, optimizer)
+    return {
+        "step": loaded.step, "dp": (layout.dp_rank, layout.dp_size), "owned": _owned_ranges(optimizer),
+        "model": _model_snapshot(model), "loss": train_step(K),
+    }
+
+
+def _load_tp2(rank: int, world: int, root: str) -> str:
+    model, optimizer, train_step = build_gpt(tp=2, **MULTIBUCKET)
+    train_step(0)
+    before = _live(model, optimizer)
+    with pytest.raises(LayoutMismatchError) as err:
+        load_checkpoint(root, K, model, optimizer)
+    _assert_same(before, _live(model, optimizer), "untouched")
+    return str(err.value)
+
+
+def _load_changed_structure(rank: int, world: int, root: str) -> list[str]:
+    messages = []
+    for change in ({"share_embeddings": False}, {"ffn_hidden": 96}):
+        model, optimizer, train_step = build_gpt(**MULTIBUCKET, **change)
+        train_step(0)
+        before = _live(model, optimizer)
+        with pytest.raises(StateMismatchError) as err:
+            load_checkpoint(root, K, model, optimizer)
+        assert not isinstance(err.value, LayoutMismatchError)
+        _assert_same(before, _live(model, optimizer), f"untouched after {change}")
+        messages.append(str(err.value))
+    return messages
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sockdir_m() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="ckm-", dir="/tmp")
+    os.chmod(d, 0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _run_saving(tmp: Path, sockdir: str, name: str, world: int, build: dict[str, Any],
+                extra_key_check: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    root = str(tmp / f"root-{name}")
+    daemon = DaemonProcess(root, os.path.join(sockdir, f"{name}.sock"), "--arena-size", "64MiB", "--no-prefault",
+                           log_path=str(tmp / f"{name}.log")).wait_ready()
+    try:
+        results = spawn_ranks(_train_save_reload, world, daemon.socket, root, build, extra_key_check)
+    finally:
+        daemon.stop(timeout=20)
+    return root, results
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory, sockdir_m: str) -> dict[str, Any]:
+    """TP1 x DP2, a multi-bucket buffer (overlap_grad_reduce): saved at steps K-1 and K, reloaded in-process."""
+    root, results = _run_saving(tmp_path_factory.mktemp("megatron"), sockdir_m, "mb", 2, MULTIBUCKET)
+    return {"root": root, "results": results}
+
+
+# --- tests -----------------------------------------------------------------------------------------
+def test_multibucket_reload_equals_live_state_and_layouts_are_findable(saved_run: dict[str, Any]) -> None:
+    root, results = saved_run["root"], saved_run["results"]
+    assert all(r["checked"] > 50 and r["reused"] for r in results)
+    commit = read_commit(root, K)
+    assert sorted(commit.objects) == ["0", "1"]
+    for rank, r in enumerate(results):
+        record = commit.objects[str(rank)]["megatron"]
+        stored = MegatronLayout.from_json(read_sidecar(root, record["layout"]))
+        assert stored == MegatronLayout.from_json(r["layout"])
+        assert (record["dp"], record["dp_size"], record["tp_size"], record["pp_size"]) == (rank, 2, 1, 1)
+        assert all(len(buf.buckets) >= 2 for buf in stored.buffers)  # really the multi-bucket case
+    # the optimizer arrays are the DP layout: one chunk per DP rank of every padded bucket
+    optim = [a for a in commit.arrays if a.name.startswith("optim/")]
+    assert optim and all(len(a.shards) == 2 and a.chunks[0] * 2 == a.shape[0] for a in optim)
+    assert {a.name.rpartition("/")[2] for a in optim} == {"param", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize(
+    ("world", "build", "extra_key_check"),
+    [(2, {"share_embeddings": False}, True), (2, {"bf16": True}, False), (4, {"tp": 2}, False)],
+    ids=["fp32-unshared-dp2", "bf16-dp2", "tp2-dp2"],
+)
+def test_reload_equals_live_state(tmp_path: Path, sockdir_m: str, world: int, build: dict[str, Any],
+                                  extra_key_check: bool) -> None:
+    name = f"rt{world}-{len(os.listdir(sockdir_m))}"
+    _root, results = _run_saving(tmp_path, sockdir_m, name, world, build, extra_key_check)
+    assert all(r["checked"] > 20 and r["reused"] for r in results)
+    assert len({tuple(r["after"]) for r in results}) == 1
+
+
+def test_resume_in_fresh_processes_matches_the_uninterrupted_run(saved_run: dict[str, Any]) -> None:
+    resumed = spawn_ranks(_resume_fresh, 2, saved_run["root"], MULTIBUCKET)
+    for r, ref in zip(resumed, saved_run["results"], strict=True):
+        assert r["after"] == ref["after"]  # bit-exact float losses
+        _assert_same(ref["final"], r["final"], "final params")
+
+
+@pytest.mark.parametrize("loaded_dp", [1, 4])
+def test_dp_change(saved_run: dict[str, Any], loaded_dp: int) -> None:
+    """Saved at DP=2, loaded at DP=1 and DP=4: every rank's optimizer slice equals the saved live state."""
+    saved = saved_run["results"]
+    numel: dict[str, int] = {}
+    for r in saved:
+        for name, ((_lo, hi), _t) in r["owned"].items():
+            numel[name] = max(numel.get(name, 0), hi)
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for r in saved:  # the live state at save time, assembled from both DP ranks' owned ranges
+        for name, ((lo, hi), tensors) in r["owned"].items():
+            for k, v in tensors.items():
+                full.setdefault(name, {}).setdefault(k, torch.full((numel[name],), float("nan")))[lo:hi] = v
+    loaded = spawn_ranks(_load_other_dp, loaded_dp, saved_run["root"], MULTIBUCKET)
+    covered = 0
+    for r in loaded:
+        assert r["step"] == K and r["dp"][1] == loaded_dp
+        _assert_same(saved[0]["model_at_save"], r["model"], "model")
+        for name, ((lo, hi), tensors) in r["owned"].items():
+            for k, v in tensors.items():
+                _assert_same(full[name][k][lo:hi], v, f"{name}/{k}")
+            covered += hi - lo
+        assert r["loss"] == saved[0]["after"][0]  # the next step is bit-exact at any DP
+    assert covered == sum(hi - lo for r in saved for (lo, hi), _t in r["owned"].values())
+
+
+def test_tp_change_raises_layout_mismatch_naming_merge(saved_run: dict[str, Any]) -> None:
+    messages = spawn_ranks(_load_tp2, 2, saved_run["root"])
+    for m in messages:
+        assert "TP=1 PP=1" in m and "TP=2 PP=1" in m and "ckptd merge" in m
+
+
+def test_structure_change_raises_state_mismatch_before_overwriting(saved_run: dict[str, Any]) -> None:
+    missing, shape = spawn_ranks(_load_changed_structure, 2, saved_run["root"])[0]
+    assert "model/output_layer.weight: not in checkpoint" in missing
+    assert "model/decoder.layers.mlp.linear_fc" in shape and "global shape" in shape
+
+
+def test_cpu_shim_is_not_on_the_library_import_path() -> None:
+    code = (
+        "import sys, ckptd.client.megatron, ckptd.client\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('ckptd.daemon', 'megatron'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
