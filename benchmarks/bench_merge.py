@@ -1,0 +1,125 @@
+"""Merge benchmark: peak RSS flat in model size (bounded by buckets), throughput vs a plain copy.
+
+Two GPT sizes 4x apart, same bucket size, saved through a real daemon by 2 gloo ranks; then ``ckptd merge``
+runs as its own process while its peak RSS is sampled. Baseline in the same run: copying the same stored
+bucket bytes (read + write + fsync) on the same filesystem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+MiB = 1 << 20
+
+
+def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any]) -> dict[str, Any]:
+    from ckptd.client import CheckpointClient, Placement
+    from ckptd.client.megatron import get_layout, model_state, optimizer_state
+    from ckptd.daemon.megatron_cpu import install_cpu_shim
+    from ckptd.daemon.megatron_toy import build_gpt
+    from ckptd.writer.format import sidecar_name
+
+    install_cpu_shim()
+    model, optimizer, train_step = build_gpt(**build)
+    train_step(0)
+    layout = get_layout(model, optimizer)
+    text = layout.to_json()
+    state = {**model_state(model), **optimizer_state(optimizer, layout), "megatron": {"layout": sidecar_name(text)}}
+    client = CheckpointClient(socket_path, placement=Placement(rank, world, world, 0))
+    client.save(1, state, sidecars=[text]).wait(1200)
+    client.close()
+    params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    buckets = sum(len(b.buckets) for b in layout.buffers)
+    return {"params": params, "buckets": buckets}
+
+
+def _peak_rss(pid: int, stop: threading.Event, out: dict[str, int]) -> None:
+    while not stop.is_set():
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        out["hwm"] = max(out.get("hwm", 0), int(line.split()[1]) * 1024)
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.01)
+
+
+def _copy_baseline(src: str, dst: str) -> tuple[float, int]:
+    """Read every stored optimizer chunk and write it elsewhere on the same filesystem, with fsync."""
+    t0 = time.perf_counter()
+    total = 0
+    for dirpath, _dirs, files in os.walk(src):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, src)
+            target = os.path.join(dst, rel)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(path, "rb") as fh:
+                data = fh.read()
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            total += len(data)
+    return time.perf_counter() - t0, total
+
+
+def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
+    from ckptd.daemon.launch import DaemonProcess, run_ranks
+    from run import emit
+
+    if args.smoke:
+        sizes = [dict(hidden=64, layers=1), dict(hidden=64, layers=4)]
+        bucket = 20_000
+    else:
+        sizes = [dict(hidden=512, layers=3, vocab=1024), dict(hidden=512, layers=13, vocab=1024)]
+        bucket = 2_000_000
+    rows = []
+    for size in sizes:
+        build = {**size, "overlap_grad_reduce": True, "bucket_size": bucket, "seq": 32}
+        root = os.path.join(workdir, f"merge-{size['layers']}")
+        sock = os.path.join(workdir, "merge.sock")
+        daemon = DaemonProcess(root, sock, "--arena-size", "4GiB" if not args.smoke else "256MiB",
+                               log_path=os.path.join(workdir, "merge-daemon.log"))
+        daemon.wait_ready(120)
+        info = run_ranks(_rank_save, 2, sock, build, timeout_s=3600)
+        daemon.stop()
+        peak: dict[str, int] = {}
+        stop = threading.Event()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "ckptd.daemon.cli", "merge", root, "--json", "--workers", "2"],
+                                stdout=subprocess.PIPE, text=True)
+        sampler = threading.Thread(target=_peak_rss, args=(proc.pid, stop, peak), daemon=True)
+        sampler.start()
+        out, _ = proc.communicate()
+        merge_s = time.perf_counter() - t0
+        stop.set()
+        summary = json.loads(out)
+        copy_s, copied = _copy_baseline(os.path.join(root, "step_1", "optim"), os.path.join(workdir, "copy"))
+        shutil.rmtree(os.path.join(workdir, "copy"), ignore_errors=True)
+        rows.append(emit({
+            "bench": "merge", "model_params": info[0]["params"] * (1 if size.get("tp", 1) == 1 else 2),
+            "buckets_per_rank": info[0]["buckets"], "peak_rss_mib": round(peak.get("hwm", 0) / MiB, 1),
+            "bytes_read": summary["bytes_read"], "merge_s": round(merge_s, 3), "merge_inner_s": summary["seconds"],
+            "copy_s": round(copy_s, 3), "copy_bytes": copied,
+            "throughput_ratio_vs_copy": round(copy_s / summary["seconds"], 3),
+        }))
+        shutil.rmtree(root, ignore_errors=True)
+    small, big = rows[-2], rows[-1]
+    rows.append(emit({"bench": "merge_rss_flatness", "params_ratio": round(big["model_params"] / small["model_params"], 2),
+                      "peak_rss_ratio": round(big["peak_rss_mib"] / small["peak_rss_mib"], 3)}))
+    return rows
+
+
+BENCHES = {"merge": bench_merge}
