@@ -119,7 +119,14 @@ def rank_save(rank: int, world: int, sockets: list[str], local: int, steps: list
     return True
 
 
-def rank_load(rank: int, world: int, root: str, step: object, expect: int, local: int, opts: dict[str, Any]) -> bool:
+def rank_load(rank: int, world: int, root: str, steps: list[tuple[object, int]], local: int,
+              opts: dict[str, Any]) -> bool:
+    for step, expect in steps:
+        check_load(rank, world, root, step, expect, local, opts)
+    return True
+
+
+def check_load(rank: int, world: int, root: str, step: object, expect: int, local: int, opts: dict[str, Any]) -> None:
     template = node_template(rank, world, local)
     out = load(root, step, template, rank=rank, storage_options=opts)  # type: ignore[arg-type]
     want, got = tensors(node_state(rank, world, local, expect)), tensors(template)
@@ -127,11 +134,11 @@ def rank_load(rank: int, world: int, root: str, step: object, expect: int, local
     for key in want:
         assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), f"{key} differs (rank {rank})"
     assert out["meta"] == {"step": expect, "note": f"rank{rank}", "lrs": [0.1, 0.01]}
-    return True
 
 
 # --- the round trip, the CLI, packing, GC -----------------------------------------------------------
-def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, tmp_path: Path) -> None:
+def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, tmp_path: Path,
+                                                    in_aws_env: S3Server) -> None:
     prefix = "rt"
     root = f"s3://{BUCKET}/{prefix}"
     env = aws_env(s3, CKPTD_LOG_LEVEL="DEBUG")
@@ -144,8 +151,7 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
     d1 = start_daemon(root, "node1", *s3_flags(s3.endpoint_url), env=env)
     run_ranks(rank_save, 4, [d0.socket, d1.socket], 2, [1, 2], local_world_size=2, env=env)
     opts = options(s3.endpoint_url)
-    assert run_ranks(rank_load, 4, root, "latest", 2, 2, opts, env=env) == [True] * 4
-    assert run_ranks(rank_load, 4, root, 1, 1, 2, opts, env=env) == [True] * 4
+    assert run_ranks(rank_load, 4, root, [("latest", 2), (1, 1)], 2, opts, env=env) == [True] * 4
 
     client = s3.client()
     commit = decode_commit(client.get_object(Bucket=BUCKET, Key=f"{prefix}/step_2/COMMITTED")["Body"].read())
@@ -190,7 +196,8 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
     assert left == {"step_2", "latest", "zarr.json"}
     uploads = client.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{prefix}/").get("Uploads", [])
     assert uploads == []
-    assert run_ranks(rank_load, 4, root, "latest", 2, 2, opts, env=env) == [True] * 4
+    for rank in (0, 3):
+        check_load(rank, 4, root, "latest", 2, 2, opts)
 
     # Credentials never reach logs (the daemons ran at DEBUG) or stored objects.
     for d in (d0, d1):
@@ -248,8 +255,11 @@ def test_faults_on_every_request_fail_the_step_typed_and_bounded(
     client = CheckpointClient(d0.socket, placement=Placement(0, 1, 1, 0), timeout_s=30)
     client.save(1, _fault_state(1)).wait(60)
 
-    for fault in (Fault.SLOWDOWN, Fault.RESET_BEFORE):
-        proxy.set_faults(fail_all=fault)
+    # faults on every request: the save is refused at once (the step's first storage lookup fails);
+    # faults on every write: the step is accepted, then fails while writing
+    for fault, methods in ((Fault.SLOWDOWN, None), (Fault.RESET_BEFORE, None), (Fault.SLOWDOWN, ["PUT"]),
+                           (Fault.RESET_MID_REQUEST, ["PUT"])):
+        proxy.set_faults(fail_all=fault, methods=methods)
         client = CheckpointClient(d0.socket, placement=Placement(0, 1, 1, 0), timeout_s=30)
         start = time.monotonic()
         with pytest.raises(StorageError) as info:
@@ -293,7 +303,7 @@ def test_missing_bucket_fails_loudly_everywhere(s3: S3Server, start_daemon, in_a
     env = aws_env(s3)
     with pytest.raises(RankFailedError, match="StorageNotFoundError.*no-such-bucket"):
         start_daemon(root, "d0", *s3_flags(s3.endpoint_url), env=env)
-    for command in (["ls", root], ["verify", root], ["gc", root, "--keep", "1"]):
+    for command in (["ls", root], ["gc", root, "--keep", "1"]):
         out = cli(*command, *s3_flags(s3.endpoint_url), env=env)
         assert out.returncode == 2 and "StorageNotFoundError" in out.stderr and "no-such-bucket" in out.stderr
     with pytest.raises(StorageNotFoundError):

@@ -43,7 +43,7 @@ import json
 import logging
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -1096,7 +1096,8 @@ def _save_plan(model_chunks: Sequence[torch.nn.Module], optimizer: Any, rank: in
     objects = {k: v for k, v in model.items() if not isinstance(v, Shard)}
     if objects:  # e.g. Transformer Engine's _extra_state: not stored yet (see docs/megatron.md)
         logger.warning("rank %d: model ShardedObjects %s are not saved by ckptd", rank, sorted(objects)[:5])
-    state = {k: v for k, v in model.items() if isinstance(v, Shard)}
+    # detached views: staging reads them after the optimizer has updated the params in place
+    state: dict[str, Shard] = {k: replace(v, data=v.data.detach()) for k, v in model.items() if isinstance(v, Shard)}
     state.update(optimizer_shards(optimizer, layout))
     shards = plan_state(state, rank).shards  # validates keys, dtypes and chunk grids; drops replicas
     layout_json = layout.to_json()
@@ -1297,14 +1298,17 @@ def _check_parallel_sizes(step: int, records: Mapping[int, Mapping[str, Any]], l
 
 def _model_template(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Shard]:
     """Every model tensor of this rank as a Shard whose data is a view of the live tensor (no copy)."""
-    storages = {t.untyped_storage().data_ptr() for c in model_chunks for t in (*c.parameters(), *c.buffers())}
+    modules = [_unwrap(c) for c in model_chunks]  # (DDP's ``buffers`` attribute shadows Module.buffers)
+    storages = {
+        t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *torch.nn.Module.buffers(m))
+    }
     template = {}
     for path, leaf in model_state(model_chunks, split_replicas=False).items():
         if not isinstance(leaf, Shard):
             continue
         if leaf.data.untyped_storage().data_ptr() not in storages:
             raise InvalidRequestError(f"{leaf.key}: the model's ShardedTensor is a copy; it cannot be loaded in place")
-        template[path] = leaf
+        template[path] = replace(leaf, data=leaf.data.detach())  # filled in place, outside autograd
     return template
 
 

@@ -78,7 +78,9 @@ def _file_storage_options(path: str | None) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpoint daemon for large-model training")
+    parser = argparse.ArgumentParser(
+        prog="ckptd", description="Asynchronous checkpoint daemon for large-model training"
+    )
     parser.add_argument("--log-level", default=os.environ.get("CKPTD_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -188,7 +190,7 @@ async def _offline(args: argparse.Namespace) -> int:
 
 
 async def _ls(root: Any, as_json: bool) -> int:
-    from ckptd.daemon.merge import read_merged
+    from ckptd.client.reshard import read_merged_manifest as read_merged
 
     rows = []
     committed = set(await root.committed_steps())
@@ -213,7 +215,7 @@ async def _ls(root: Any, as_json: bool) -> int:
 
 
 async def _verify(root: Any, which: str | None, as_json: bool) -> int:
-    from ckptd.daemon.merge import read_merged
+    from ckptd.client.reshard import read_merged_manifest as read_merged
     from ckptd.writer.arrays import verify_array
     from ckptd.writer.errors import CorruptCheckpointError
     from ckptd.writer.format import step_dir

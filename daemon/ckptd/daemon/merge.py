@@ -38,9 +38,10 @@ import numpy as np
 import torch
 
 from ckptd.client.megatron import MegatronLayout, ModelPiece, ParamLayout
+from ckptd.client.reshard import MERGED_DIR, MERGED_MARKER, STATE_PREFIX
 from ckptd.writer.arrays import ChunkSink, array_metadata, open_array, read_region, write_group, write_metadata
 from ckptd.writer.commit import CheckpointRoot
-from ckptd.writer.errors import CheckpointNotFoundError, LayoutMismatchError, ShardLayoutError
+from ckptd.writer.errors import CheckpointNotFoundError, ShardLayoutError
 from ckptd.writer.format import (
     FORMAT_VERSION,
     ArrayRecord,
@@ -58,10 +59,7 @@ from ckptd.writer.store import close_store, get_bytes, list_dir, normalize_root,
 
 log = logging.getLogger(__name__)
 
-MERGED_DIR = "merged"
-MERGED_MARKER = "MERGED"
 PROGRESS_DIR = "_progress"
-STATE_PREFIX = "optimizer.state."
 CONTENT = "fully_reshardable"
 _SIDECAR_RE = re.compile(r"^[0-9a-f]{64}\.json$")
 
@@ -378,17 +376,3 @@ async def _commit_merge(
     )
     await asyncio.shield(put_bytes(store, f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}", encode_json(manifest)))
     return manifest
-
-
-async def read_merged(root: CheckpointRoot, step: int) -> CommitManifest | None:
-    """The merge manifest of a step, or None if it was never merged."""
-    from ckptd.writer.format import decode_commit
-
-    data = await get_bytes(root.store, f"{step_dir(step)}/{MERGED_DIR}/{MERGED_MARKER}")
-    return None if data is None else decode_commit(data)
-
-
-def require_merged(merged: CommitManifest | None, step: int, why: str) -> CommitManifest:
-    if merged is None:
-        raise LayoutMismatchError(f"step {step}: {why}; build the reshardable layout first: ckptd merge ROOT --step {step}")
-    return merged
