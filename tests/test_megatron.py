@@ -88,7 +88,7 @@ def _assert_same(a: Any, b: Any, where: str = "") -> int:
     """Bit-exact equality of nested snapshots; returns the number of tensors compared."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{where} differs"
         return 1
     if isinstance(a, dict):
@@ -261,8 +261,9 @@ def test_multibucket_reload_equals_live_state_and_layouts_are_findable(saved_run
 
 @pytest.mark.parametrize(
     ("world", "build", "extra_key_check"),
-    [(2, {"share_embeddings": False}, True), (2, {"bf16": True}, False), (4, {"tp": 2}, False)],
-    ids=["fp32-unshared-dp2", "bf16-dp2", "tp2-dp2"],
+    [(2, {"share_embeddings": False}, True), (2, {"bf16": True}, False), (4, {"tp": 2}, False),
+     (4, {"pp": 2}, False)],
+    ids=["fp32-unshared-dp2", "bf16-dp2", "tp2-dp2", "pp2-dp2"],
 )
 def test_reload_equals_live_state(tmp_path: Path, sockdir_m: str, world: int, build: dict[str, Any],
                                   extra_key_check: bool) -> None:

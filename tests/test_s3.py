@@ -30,7 +30,6 @@ from ckptd.writer.errors import (
     StepCommittedError,
     StorageError,
     StorageNotFoundError,
-    StoragePermissionError,
 )
 from ckptd.writer.format import FORMAT_VERSION, PartManifest, decode_commit, decode_part
 from ckptd.writer.store import close_store, open_store
@@ -301,7 +300,7 @@ def test_bucket_deleted_while_serving(s3: S3Server, start_daemon, in_aws_env: S3
 def test_missing_bucket_fails_loudly_everywhere(s3: S3Server, start_daemon, in_aws_env: S3Server) -> None:
     root = "s3://no-such-bucket/run"
     env = aws_env(s3)
-    with pytest.raises(RankFailedError, match="StorageNotFoundError.*no-such-bucket"):
+    with pytest.raises(RankFailedError, match=r"StorageNotFoundError.*no-such-bucket"):
         start_daemon(root, "d0", *s3_flags(s3.endpoint_url), env=env)
     for command in (["ls", root], ["gc", root, "--keep", "1"]):
         out = cli(*command, *s3_flags(s3.endpoint_url), env=env)
@@ -373,3 +372,17 @@ def test_covers_whole_needs_an_exact_tiling() -> None:
     assert not covers_whole([block(0, 0), block(1, 0)])  # overlap
     assert not covers_whole([block(0, 0), block(1, 2, shape=(6, 3))])  # disagreeing global shapes
     assert not covers_whole([])
+
+
+def test_merge_uses_piece_grid_when_the_model_array_was_packed() -> None:
+    from ckptd.client.megatron import ModelPiece
+    from ckptd.daemon.merge import _merged_array
+    from ckptd.writer.format import ArrayRecord
+
+    # a (2 layers, 64) bias: one piece per layer; packed on S3 into one (2, 64) chunk, else (1, 64) chunks
+    piece = ModelPiece(key="decoder.bias", global_shape=(2, 64), global_offset=(1, 0), prepend_axis_num=1,
+                       view_offset=0, view_shape=(64,), view_stride=(1,), replica_id=(0, 0, 0))
+    packed = {"model/decoder.bias": ArrayRecord("model/decoder.bias", "float32", [2, 64], [2, 64])}
+    per_layer = {"model/decoder.bias": ArrayRecord("model/decoder.bias", "float32", [2, 64], [1, 32])}
+    assert _merged_array("m", "float32", piece, packed, None).chunks == (1, 64)
+    assert _merged_array("m", "float32", piece, per_layer, None).chunks == (1, 32)

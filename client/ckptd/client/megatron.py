@@ -1083,10 +1083,12 @@ def _param_signature(model_chunks: Sequence[torch.nn.Module]) -> tuple[int, ...]
     return tuple(p.data_ptr() for c in model_chunks for p in c.parameters())
 
 
-def _save_plan(model_chunks: Sequence[torch.nn.Module], optimizer: Any, rank: int) -> _SavePlan:
+def _save_plan(
+    model_chunks: Sequence[torch.nn.Module], optimizer: Any, rank: int, elem_names: Sequence[str] | None = None
+) -> _SavePlan:
     layout = get_layout(model_chunks, optimizer)
     bound = _bind(optimizer, layout)
-    elem_names = tuple(_state_names(bound)[0])
+    elem_names = tuple(_state_names(bound)[0] if elem_names is None else elem_names)
     chunk_ids = tuple(id(c) for c in model_chunks)
     signature = _param_signature(model_chunks)
     plan = _SAVE_PLANS.get(optimizer)
@@ -1154,11 +1156,12 @@ def save_checkpoint(
     call and reused; a later call does the copy and two short socket round trips. No collective.
     """
     p = client.placement
-    plan = _save_plan(model_chunks, optimizer, p.rank)
     bound = _bind(optimizer, get_layout(model_chunks, optimizer))
+    elem_names, scalar_names = _state_names(bound)
+    plan = _save_plan(model_chunks, optimizer, p.rank, elem_names)
     objects: dict[str, Any] = {
         MEGATRON_RECORD: plan.record,
-        OPTIM_META: _optimizer_meta(bound, bound.layout, _state_names(bound)[1]),
+        OPTIM_META: _optimizer_meta(bound, bound.layout, scalar_names),
     }
     if extra is not None:
         objects[EXTRA] = dict(extra)

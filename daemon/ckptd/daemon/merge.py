@@ -29,7 +29,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -196,14 +196,23 @@ def _merged_array(
     name: str, torch_dtype: str, piece: ModelPiece, stored: Mapping[str, ArrayRecord], seen: MergedArray | None
 ) -> MergedArray:
     model = stored.get(f"model/{piece.key}")
-    if model is not None and tuple(model.shape) == piece.global_shape:
+    own = (1,) * piece.prepend_axis_num + piece.view_shape
+    if model is not None and tuple(model.shape) == piece.global_shape and _whole_chunks(piece, own, model.chunks):
         chunks = tuple(model.chunks)  # the model's own grid: any TP/PP reads its region by whole chunks
-    else:
-        chunks = (1,) * piece.prepend_axis_num + piece.view_shape
+    else:  # no model array, or one coarser than the pieces (a small array packed into one object on S3)
+        chunks = own
     arr = MergedArray(name, torch_dtype, piece.global_shape, chunks)
     if seen is not None and seen != arr:
         raise ShardLayoutError(f"{name}: pieces disagree on the merged array ({seen} vs {arr})")
     return arr
+
+
+def _whole_chunks(piece: ModelPiece, shape: tuple[int, ...], chunks: Sequence[int]) -> bool:
+    """Whether the piece's region starts and ends on the chunk grid (so it is written by whole chunks)."""
+    return all(
+        o % c == 0 and ((o + n) % c == 0 or o + n == g)
+        for o, n, c, g in zip(piece.global_offset, shape, chunks, piece.global_shape, strict=True)
+    )
 
 
 # --- progress -------------------------------------------------------------------------------------

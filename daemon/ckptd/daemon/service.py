@@ -286,10 +286,8 @@ class CheckpointService:
 
     async def _finish_node(self, job: StepJob) -> None:
         await asyncio.gather(*job.tasks.values(), return_exceptions=True)
-        if job.state != "pending":  # a write failed: say so (and, as coordinator, tell the other nodes)
-            if job.state == "failed" and job.error is not None:
-                if job.node == 0:
-                    await self._note_failure(job, job.error)
+        if job.state != "pending":
+            if job.state == "failed":  # a write failed
                 self._log_step(job)
             return
         try:

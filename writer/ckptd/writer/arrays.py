@@ -27,7 +27,7 @@ from zarr.storage import MemoryStore, StorePath
 
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
 from ckptd.writer.format import ARRAY_ATTR, ArrayRecord, storage_dtype
-from ckptd.writer.store import local_path
+from ckptd.writer.store import local_path, put_body
 
 CODECS = ("raw", "zstd")
 _meta_cache: dict[tuple[Any, ...], ArrayV3Metadata] = {}
@@ -94,8 +94,10 @@ class ChunkSink:
         if self.local_root is not None:
             return await asyncio.to_thread(_put_local, os.path.join(self.local_root, key), block)
         crc = await checksum(block)
-        data = memoryview(block).cast("B").tobytes() + crc.to_bytes(4, "little")
-        await self.store.set(key, default_buffer_prototype().buffer.from_bytes(data))
+        body = bytearray(block.nbytes + 4)  # the one copy: out of the arena, with the crc appended
+        body[: block.nbytes] = memoryview(block).cast("B")
+        body[block.nbytes :] = crc.to_bytes(4, "little")
+        await put_body(self.store, key, body)
         return crc
 
 

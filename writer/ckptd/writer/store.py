@@ -196,6 +196,15 @@ async def put_bytes(store: Store, key: str, data: bytes) -> None:
     await store.set(key, buffer(data))
 
 
+async def put_body(store: Store, key: str, body: bytearray) -> None:
+    """Write a large object without the copies of zarr's ``Buffer`` round trip (``store.set`` converts
+    the buffer to ``bytes`` once more): async fsspec filesystems take the bytearray as the request body."""
+    if isinstance(store, FsspecStore) and getattr(store.fs, "async_impl", False) and local_path(store) is None:
+        await store.fs._pipe_file(f"{store_root(store)}/{key}", body)
+    else:
+        await store.set(key, buffer(bytes(body)))
+
+
 async def list_dir(store: Store, prefix: str) -> list[str]:
     """Immediate children names under ``prefix`` (no trailing slash)."""
     return [name.rstrip("/") async for name in store.list_dir(prefix)]

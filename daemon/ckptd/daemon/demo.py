@@ -1,0 +1,258 @@
+"""``ckptd demo``: the whole job on one machine, for real.
+
+1. starts ``ckptd serve`` as its own process (socket in a private temporary directory);
+2. launches gloo ranks (4 by default: TP2 x DP2) that train a small Megatron GPT with the distributed
+   optimizer (through the CPU shim when there is no GPU) and save with
+   :func:`ckptd.client.megatron.save_checkpoint` every ``save_every`` steps while they keep training:
+   a rank waits for its previous save only right before the next one;
+3. reloads the latest committed step into fresh rank processes (new model, new optimizer, another
+   init seed) and compares the model and the optimizer state bit for bit with digests each rank took
+   of its live state right after its last save returned;
+4. re-reads every chunk of that step against its crc32c (what ``ckptd verify`` does) and prints a
+   summary (or one JSON object with ``--json``).
+
+Why TP2 x DP2 for 4 ranks: it exercises both halves of the format at once — model tensors split over
+tensor parallelism and written in model space by their owners, and optimizer state in the DP layout
+(each DP rank writing its own contiguous bucket slices), with DP-replicated tensors split between DP
+ranks. TP1 x DP4 would leave the model-space sharding untested. Other rank counts fall back to TP1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ckptd.daemon.launch import DaemonProcess, run_ranks
+from ckptd.writer.errors import InvalidRequestError
+
+MARKER = ".ckptd-demo"  # a root holding this file was made by the demo and may be emptied by it
+MODEL = {"hidden": 128, "layers": 4, "vocab": 512, "seq": 32, "heads": 4}
+ARENA = "256MiB"
+
+
+# --- ranks (module level: run in forked rank processes) ----------------------------------------------
+def state_digests(model: list[Any], optimizer: Any) -> dict[str, str]:
+    """sha256 of every model tensor and of every live optimizer tensor/value this rank holds."""
+    import torch
+    from megatron.core.utils import unwrap_model
+
+    def digest(t: torch.Tensor) -> str:
+        t = t.detach().contiguous().reshape(-1)
+        return f"{t.dtype}:{hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}"
+
+    out = {}
+    for k, v in unwrap_model(model[0]).state_dict().items():
+        if isinstance(v, torch.Tensor):
+            out[f"model/{k}"] = digest(v)
+    for oi, opt in enumerate(optimizer.chained_optimizers):
+        names = {p: n for c in opt.model_chunks for n, p in unwrap_model(c).named_parameters()}
+        for param, (gi, go) in opt.model_param_group_index_map.items():
+            main = opt.optimizer.param_groups[gi]["params"][go]
+            out[f"optim/{oi}/{names[param]}/main"] = digest(main)
+            for name, value in opt.optimizer.state.get(main, {}).items():
+                key = f"optim/{oi}/{names[param]}/{name}"
+                out[key] = digest(value) if isinstance(value, torch.Tensor) else repr(value)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+        out[f"optim/{oi}/param_groups"] = repr(groups)
+    return out
+
+
+def _train_rank(rank: int, world: int, socket: str, steps: int, save_every: int, tp: int, gmb: int) -> dict[str, Any]:
+    from ckptd.client import CheckpointClient
+    from ckptd.client.megatron import save_checkpoint
+    from ckptd.daemon.megatron_toy import build_gpt
+
+    model, optimizer, train_step = build_gpt(tp=tp, global_microbatches=gmb, **MODEL)  # type: ignore[arg-type]
+    client = CheckpointClient(socket, timeout_s=120)
+    handle = None
+    saves: list[dict[str, Any]] = []
+    losses: list[float] = []
+    digests: dict[str, str] = {}
+    t0 = time.perf_counter()
+    for it in range(steps):
+        losses.append(train_step(it))
+        step = it + 1
+        if step % save_every:
+            continue
+        if handle is not None:
+            handle.wait(300)  # only the previous save: training overlapped with its drain
+        started = time.time()
+        handle = save_checkpoint(client, step, model, optimizer, extra={"iteration": step, "losses": list(losses)})
+        saves.append({"step": step, "started_at": started, "stall_s": handle.stall_s, "nbytes": handle.nbytes})
+        digests = state_digests(model, optimizer)  # the state at save time; training goes on from here
+    train_s = time.perf_counter() - t0
+    if handle is not None:
+        handle.wait(300)
+    client.close()
+    return {"saves": saves, "digests": digests, "losses": losses, "train_s": train_s}
+
+
+def _reload_rank(rank: int, world: int, root: str, tp: int, gmb: int) -> dict[str, Any]:
+    from ckptd.client.megatron import load_checkpoint
+    from ckptd.daemon.megatron_toy import build_gpt
+
+    model, optimizer, _train = build_gpt(tp=tp, global_microbatches=gmb, seed=97, **MODEL)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    loaded = load_checkpoint(root, "latest", model, optimizer)
+    return {"step": loaded.step, "digests": state_digests(model, optimizer), "load_s": time.perf_counter() - t0}
+
+
+# --- the parent ----------------------------------------------------------------------------------
+def parallel_layout(ranks: int) -> tuple[int, int, int]:
+    """(TP, DP, global micro-batches) for ``ranks`` ranks: TP2 x DP(ranks/2) for an even count >= 4."""
+    if ranks < 1:
+        raise InvalidRequestError(f"--ranks must be >= 1, got {ranks}")
+    tp = 2 if ranks >= 4 and ranks % 2 == 0 else 1
+    dp = ranks // tp
+    return tp, dp, dp * max(1, -(-4 // dp))
+
+
+def _prepare_root(root: str) -> None:
+    if os.path.isdir(root) and os.listdir(root):
+        if not os.path.exists(os.path.join(root, MARKER)):
+            raise InvalidRequestError(
+                f"{root} exists and was not made by `ckptd demo`; pass --root with a new or empty directory"
+            )
+        shutil.rmtree(root)  # an earlier demo's checkpoints: start over, the step numbers repeat
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, MARKER), "w") as fh:
+        fh.write("made by `ckptd demo`; the demo empties this directory when it runs again\n")
+
+
+async def _inspect(root: str) -> tuple[list[int], dict[int, Any], dict[str, Any]]:
+    """Committed steps, their manifests, and a full checksum pass over the latest one."""
+    from ckptd.writer.arrays import verify_array
+    from ckptd.writer.commit import CheckpointRoot
+    from ckptd.writer.errors import CkptdError
+    from ckptd.writer.format import step_dir
+    from ckptd.writer.store import normalize_root, open_store
+
+    url = normalize_root(root)
+    ckpt = CheckpointRoot(await open_store(url, None, create=False), url)
+    steps = await ckpt.committed_steps()
+    commits = {s: await ckpt.read_commit(s) for s in steps}
+    report: dict[str, Any] = {"ok": False, "step": None, "bytes": 0, "arrays": 0, "errors": []}
+    if steps:
+        latest = commits[steps[-1]]
+        report.update(step=latest.step, arrays=len(latest.arrays))
+        for rec in latest.arrays:
+            try:
+                report["bytes"] += await verify_array(ckpt.store, step_dir(latest.step), rec)
+            except CkptdError as exc:
+                report["errors"].append(f"{type(exc).__name__}: {exc}")
+        report["ok"] = not report["errors"]
+    return steps, commits, report
+
+
+def run_demo(root: str | None, as_json: bool, ranks: int, steps: int, save_every: int) -> int:
+    """Run the demo; 0 when the reload is bit-exact and the latest step verifies, 1 otherwise."""
+    if save_every < 1 or steps < save_every:
+        raise InvalidRequestError(f"need --steps >= --save-every >= 1 (got {steps} and {save_every})")
+    tp, dp, gmb = parallel_layout(ranks)
+    root = os.path.abspath(root or "ckptd-demo")
+    _prepare_root(root)
+    # megatron-core warns about missing Apex/TE at import: noise here (the forkserver inherits this)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ckptd-demo-") as private:
+        os.chmod(private, 0o700)
+        log_path = os.path.join(private, "daemon.log")
+        daemon = DaemonProcess(root, os.path.join(private, "daemon.sock"), "--arena-size", ARENA, log_path=log_path)
+        try:
+            daemon.wait_ready(120)
+            trained = run_ranks(_train_rank, ranks, daemon.socket, steps, save_every, tp, gmb, timeout_s=600)
+        except BaseException:
+            print(daemon.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            daemon.stop(60)
+    reloaded = run_ranks(_reload_rank, ranks, root, tp, gmb, timeout_s=600)
+    committed, commits, verify = asyncio.run(_inspect(root))
+
+    mismatched = sorted(
+        f"rank {r}: {k}"
+        for r, (t, lo) in enumerate(zip(trained, reloaded, strict=True))
+        for k in set(t["digests"]) | set(lo["digests"])
+        if t["digests"].get(k) != lo["digests"].get(k)
+    )
+    saved_step = trained[0]["saves"][-1]["step"]
+    roundtrip = "bit-exact" if not mismatched and all(r["step"] == saved_step for r in reloaded) else "mismatch"
+    stalls = [s["stall_s"] for t in trained for s in t["saves"]]
+    per_step = []
+    for i, save in enumerate(trained[0]["saves"]):
+        commit = commits.get(save["step"])
+        started = min(t["saves"][i]["started_at"] for t in trained)
+        drain_s = commit.committed_at - started if commit is not None else None
+        per_step.append({
+            "step": save["step"],
+            "bytes": commit.nbytes if commit is not None else None,
+            "stall_s_median": statistics.median(t["saves"][i]["stall_s"] for t in trained),
+            "stall_s_max": max(t["saves"][i]["stall_s"] for t in trained),
+            "drain_s": drain_s,
+            "drain_mib_s": commit.nbytes / drain_s / 2**20 if commit is not None and drain_s else None,
+        })
+    latest = commits[committed[-1]] if committed else None
+    params = sum(math.prod(a.shape) for a in latest.arrays if a.name.startswith("model/")) if latest else 0
+    drains = [p["drain_mib_s"] for p in per_step if p["drain_mib_s"]]
+    result = {
+        "root": root,
+        "ranks": ranks,
+        "tp": tp,
+        "dp": dp,
+        "model_params": params,
+        "steps": steps,
+        "save_every": save_every,
+        "committed_steps": committed,
+        "bytes_per_step": latest.nbytes if latest else 0,
+        "stall_s_median": statistics.median(stalls) if stalls else None,
+        "stall_s_max": max(stalls) if stalls else None,
+        "drain_mib_s_median": statistics.median(drains) if drains else None,
+        "per_step": per_step,
+        "roundtrip": roundtrip,
+        "roundtrip_step": reloaded[0]["step"],
+        "roundtrip_tensors_checked": sum(len(t["digests"]) for t in trained),
+        "mismatches": mismatched[:20],
+        "verify": "ok" if verify["ok"] else "corrupt",
+        "verify_detail": verify,
+        "losses": trained[0]["losses"],
+        "seconds": round(time.perf_counter() - t_start, 2),
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _print_table(result)
+    return 0 if roundtrip == "bit-exact" and verify["ok"] and committed else 1
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    print(f"ckptd demo: {r['ranks']} gloo ranks (TP{r['tp']} x DP{r['dp']}), Megatron GPT with "
+          f"{r['model_params'] / 1e6:.2f}M params, DistributedOptimizer (Adam)")
+    print(f"root: {r['root']}   {r['steps']} steps, async save every {r['save_every']}")
+    print()
+    print(f"{'step':>6} {'bytes':>10} {'stall median':>13} {'stall max':>10} {'drain':>9} {'drain MiB/s':>12}")
+    for p in r["per_step"]:
+        nbytes = f"{p['bytes'] / 2**20:.1f}MiB" if p["bytes"] is not None else "-"
+        drain = f"{p['drain_s']:.3f}s" if p["drain_s"] is not None else "-"
+        mib_s = f"{p['drain_mib_s']:.0f}" if p["drain_mib_s"] is not None else "-"
+        print(f"{p['step']:>6} {nbytes:>10} {p['stall_s_median'] * 1e3:>11.1f}ms {p['stall_s_max'] * 1e3:>8.1f}ms "
+              f"{drain:>9} {mib_s:>12}")
+    print()
+    print(f"committed steps: {r['committed_steps']}")
+    print(f"reload of step {r['roundtrip_step']} into fresh ranks: {r['roundtrip']} "
+          f"({r['roundtrip_tensors_checked']} model/optimizer entries compared on {r['ranks']} ranks)")
+    for m in r["mismatches"]:
+        print(f"  differs: {m}")
+    v = r["verify_detail"]
+    status = "OK" if v["ok"] else f"CORRUPT ({len(v['errors'])} array(s))"
+    print(f"verify step {v['step']}: {status}: {v['arrays']} arrays, {v['bytes'] / 2**20:.1f} MiB re-read "
+          "against crc32c")
+    print(f"total {r['seconds']:.1f}s")

@@ -1,0 +1,41 @@
+"""``ckptd demo`` as users run it: a subprocess that starts a daemon, trains 4 Megatron ranks, reloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+pytestmark = pytest.mark.megatron
+
+
+def test_demo_json(tmp_path: Path) -> None:
+    root = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "ckptd.daemon.cli", "demo", "--json", "--root", str(root), "--steps", "8",
+           "--save-every", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["committed_steps"] == [4, 8]
+    assert out["roundtrip"] == "bit-exact" and out["roundtrip_step"] == 8
+    assert out["roundtrip_tensors_checked"] > 100 and not out["mismatches"]
+    assert out["verify"] == "ok" and out["verify_detail"]["bytes"] == out["bytes_per_step"]
+    assert (out["ranks"], out["tp"], out["dp"]) == (4, 2, 2)
+    assert out["bytes_per_step"] > 1 << 20
+    assert 0 < out["stall_s_median"] < 30
+    assert all(p["bytes"] == out["bytes_per_step"] for p in out["per_step"])
+    assert sorted(os.listdir(root)) == [".ckptd-demo", "_sidecars", "latest", "step_4", "step_8", "zarr.json"]
+
+    # any other non-empty directory is refused, untouched
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    refused = subprocess.run([*cmd[:-6], "--root", str(other)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not made by `ckptd demo`" in refused.stderr
+    assert (other / "keep.txt").read_text() == "mine"
