@@ -1,6 +1,10 @@
 """Megatron-core integration: model and distributed-optimizer state as ckptd shards, and the way back.
 
-Three pure-ish pieces the client's ``save()``/``load()`` build on:
+Entry points: :func:`save_checkpoint` (every rank; returns the ``SaveHandle`` once the data is staged,
+the static plan cached after the first call) and :func:`load_checkpoint` (every rank; same TP/PP, any
+DP; everything checked before a live tensor is written). See docs/megatron.md.
+
+They build on three pure-ish pieces:
 
 - :class:`MegatronLayout` — static facts about the model chunks and the ``DistributedOptimizer``'s
   grad buffers (buffer -> bucket -> param ranges, model ``ShardedTensor`` placement of every param),

@@ -96,6 +96,7 @@ class StepJob:
         if self.state in FINAL_STATES:
             return
         self.state, self.error = "failed", error
+        self.held, self.held_bytes = {}, 0  # small-array copies that will never be written
         self.finished.set()
 
 
@@ -232,7 +233,9 @@ class CheckpointService:
 
     def _hold_for_packing(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> bool:
         """Keep a copy of a small array's block until the node's other ranks arrived (see packing.py)."""
-        if not packable(meta, self._pack_bytes) or job.held_bytes + data.nbytes > self._pack_budget:
+        if job.state != "pending" or not packable(meta, self._pack_bytes):
+            return False
+        if job.held_bytes + data.nbytes > self._pack_budget:
             return False
         job.held.setdefault(meta.key, []).append(HeldBlock(save.request.rank, meta, data.copy()))
         job.held_bytes += data.nbytes

@@ -95,7 +95,7 @@ class ChunkSink:
             return await asyncio.to_thread(_put_local, os.path.join(self.local_root, key), block)
         crc = await checksum(block)
         body = bytearray(block.nbytes + 4)  # the one copy: out of the arena, with the crc appended
-        body[: block.nbytes] = memoryview(block).cast("B")
+        body[: block.nbytes] = block.data.cast("B")
         body[block.nbytes :] = crc.to_bytes(4, "little")
         await put_body(self.store, key, body)
         return crc
