@@ -1258,7 +1258,12 @@ def load_checkpoint(
     commit = read_commit(root, step if step == "latest" else int(step), storage_options=opts)  # type: ignore[arg-type]
     layout = get_layout(model_chunks, optimizer)
     records = _saved_records(commit)
-    _check_parallel_sizes(commit.step, records, layout)
+    try:
+        _check_parallel_sizes(commit.step, records, layout)
+    except LayoutMismatchError:
+        if not _is_merged(root, commit.step, opts):
+            raise
+        return _load_merged(root, commit, records, model_chunks, optimizer, layout, opts)
     same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
     if not same_mp:
         raise LayoutMismatchError(
@@ -1290,6 +1295,61 @@ def load_checkpoint(
         commit.step, layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.dp_size, records[source]["dp_size"],
     )
     return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source)
+
+
+def _is_merged(root: str, step: int, opts: Mapping[str, Any] | None) -> bool:
+    from ckptd.client.reshard import merged_manifest
+
+    return merged_manifest(root, step, opts) is not None
+
+
+def _load_merged(
+    root: str,
+    commit: Any,
+    records: Mapping[int, Mapping[str, Any]],
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    layout: MegatronLayout,
+    opts: Mapping[str, Any] | None,
+) -> LoadedCheckpoint:
+    """Load a step saved with another TP/PP from its merged (fully reshardable) layout.
+
+    Model tensors are in model space already, so each rank reads its new regions of them; the optimizer
+    state of each of this rank's buckets is rebuilt from the per-parameter merged arrays. Plain optimizer
+    data (param groups, scalar state such as Adam's step) comes from saved rank 0. RNG state is not
+    restored: the saved ranks' generators belong to another parallel layout.
+    """
+    from ckptd.client.load import load, plan_reads
+    from ckptd.client.reshard import merged_slices
+
+    template = _model_template(model_chunks)
+    plan_reads(commit, template)  # every model key and shape checked before anything is written
+    slices: dict[str, Any] = dict(merged_slices(root, commit.step, layout, opts))
+    source = min(records)
+    meta = commit.objects[str(source)][OPTIM_META]
+    slices[OPTIM_META] = [_uniform_scalars(meta)]
+    load(root, commit.step, template, storage_options=opts)
+    _drop_unsaved_state(optimizer, layout, slices)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    saved = records[source]
+    logger.info(
+        "loaded step %d from its merged layout (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
+        commit.step, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank, layout.pp_rank,
+        layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
+    )
+    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+
+
+def _uniform_scalars(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Scalar per-param state must be one value for all params to carry over to another layout."""
+    for opt in meta.get("optimizers", {}).values():
+        for name, value in opt.get("scalar_state", {}).items():
+            if isinstance(value, Mapping) and "by_param" in value:
+                raise LayoutMismatchError(
+                    f"scalar optimizer state {name!r} differs between params; it cannot be mapped onto another "
+                    "parallel layout"
+                )
+    return meta
 
 
 def _check_parallel_sizes(step: int, records: Mapping[int, Mapping[str, Any]], layout: MegatronLayout) -> None:

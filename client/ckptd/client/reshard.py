@@ -96,6 +96,23 @@ async def merged_optimizer_slices(
     return slices
 
 
+def merged_manifest(
+    root: str, step: int, storage_options: Mapping[str, Any] | None = None
+) -> CommitManifest | None:
+    """The merge manifest of ``step`` under ``root``, or None if the step was never merged."""
+    from ckptd.writer.store import close_store, normalize_root, open_store
+
+    async def go() -> CommitManifest | None:
+        url = normalize_root(root)
+        store = await open_store(url, storage_options, create=False)
+        try:
+            return await read_merged_manifest(CheckpointRoot(store, url), step)
+        finally:
+            await close_store(store)
+
+    return asyncio.run(go())
+
+
 def merged_slices(
     root: str, step: int, layout: MegatronLayout, storage_options: Mapping[str, Any] | None = None
 ) -> dict[str, torch.Tensor]:
