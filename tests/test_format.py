@@ -169,8 +169,10 @@ def test_plan_chunks_splits_leading_axes_first() -> None:
     assert plan_chunks([8, 1024], 4, 8 << 10) == (2, 1024)
     # the trailing axis is only split when a single row is too big
     assert plan_chunks([8, 1024], 4, 2 << 10) == (1, 512)
-    assert plan_chunks([4096, 4096], 2, fmt.DEFAULT_CHUNK_BYTES) == (4096, 4096)
-    assert plan_chunks([16384, 8192], 2, fmt.DEFAULT_CHUNK_BYTES) == (4096, 8192)
+    assert plan_chunks([4096, 4096], 2, 32 << 20) == (4096, 4096)
+    assert plan_chunks([16384, 8192], 2, 64 << 20) == (4096, 8192)
+    # the default (16 MiB) splits a 32 MiB bf16 block in two along its leading axis
+    assert plan_chunks([4096, 4096], 2, fmt.DEFAULT_CHUNK_BYTES) == (2048, 4096)
 
 
 def test_plan_chunks_on_a_prime_axis_larger_than_the_target() -> None:
