@@ -20,25 +20,26 @@ from typing import Any
 MiB = 1 << 20
 
 
-def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any]) -> dict[str, Any]:
-    from ckptd.client import CheckpointClient, Placement
-    from ckptd.client.megatron import get_layout, model_state, optimizer_state
-    from ckptd.daemon.megatron_cpu import install_cpu_shim
-    from ckptd.daemon.megatron_toy import build_gpt
-    from ckptd.writer.format import sidecar_name
+def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], workdir: str) -> dict[str, Any]:
+    from bench_megatron import _megatron_save
 
-    install_cpu_shim()
+    from ckptd.client import CheckpointClient
+    from ckptd.client.megatron import get_layout, save_checkpoint
+    from ckptd.daemon.megatron_toy import build_gpt
+
     model, optimizer, train_step = build_gpt(**build)
     train_step(0)
-    layout = get_layout(model, optimizer)
-    text = layout.to_json()
-    state = {**model_state(model), **optimizer_state(optimizer, layout), "megatron": {"layout": sidecar_name(text)}}
-    client = CheckpointClient(socket_path, placement=Placement(rank, world, world, 0))
-    client.save(1, state, sidecars=[text]).wait(1200)
+    client = CheckpointClient(socket_path, timeout_s=600)
+    save_checkpoint(client, 1, model, optimizer).wait(1200)
     client.close()
-    params = sum(p.numel() for chunk in model for p in chunk.parameters())
-    buckets = sum(len(b.buckets) for b in layout.buffers)
-    return {"params": params, "buckets": buckets}
+    layout = get_layout(model, optimizer)
+    # Megatron's own fully_reshardable save of the same model, for its peak RSS (the gather ckptd avoids)
+    fully = _megatron_save(rank, model, optimizer, os.path.join(workdir, "megatron-fully"), "fully_reshardable", 1)
+    return {
+        "params": sum(p.numel() for chunk in model for p in chunk.parameters()),
+        "buckets": sum(len(b.buckets) for b in layout.buffers),
+        "megatron_fully_rss_growth": fully["rss_growth"][0],
+    }
 
 
 def _peak_rss(pid: int, stop: threading.Event, out: dict[str, int]) -> None:
@@ -93,7 +94,7 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
         daemon = DaemonProcess(root, sock, "--arena-size", "4GiB" if not args.smoke else "256MiB",
                                log_path=os.path.join(workdir, "merge-daemon.log"))
         daemon.wait_ready(120)
-        info = run_ranks(_rank_save, 2, sock, build, timeout_s=3600)
+        info = run_ranks(_rank_save, 2, sock, build, workdir, timeout_s=3600)
         daemon.stop()
         peak: dict[str, int] = {}
         stop = threading.Event()
@@ -114,6 +115,10 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
             "bytes_read": summary["bytes_read"], "merge_s": round(merge_s, 3), "merge_inner_s": summary["seconds"],
             "copy_s": round(copy_s, 3), "copy_bytes": copied,
             "throughput_ratio_vs_copy": round(copy_s / summary["seconds"], 3),
+            "megatron_fully_reshardable_rss_growth_mib_per_rank": round(
+                max(r["megatron_fully_rss_growth"] for r in info) / MiB, 1),
+            "megatron_fully_reshardable_rss_growth_mib_node": round(
+                sum(r["megatron_fully_rss_growth"] for r in info) / MiB, 1),
         }))
         shutil.rmtree(root, ignore_errors=True)
     small, big = rows[-2], rows[-1]
