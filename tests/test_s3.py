@@ -386,3 +386,18 @@ def test_merge_uses_piece_grid_when_the_model_array_was_packed() -> None:
     per_layer = {"model/decoder.bias": ArrayRecord("model/decoder.bias", "float32", [2, 64], [1, 32])}
     assert _merged_array("m", "float32", piece, packed, None).chunks == (1, 64)
     assert _merged_array("m", "float32", piece, per_layer, None).chunks == (1, 32)
+
+
+def test_storage_options_from_text_and_cli_flags() -> None:
+    from ckptd.daemon.cli import _storage_options, build_parser
+    from ckptd.writer.errors import InvalidRequestError
+    from ckptd.writer.s3 import S3Options
+
+    args = build_parser().parse_args(["ls", "s3://b/p", "--endpoint-url", "http://x:1", "--max-attempts", "3",
+                                      "--storage-option", "conditional_put=false", "--storage-option", "fs-retries=2"])
+    opts = S3Options.from_mapping(_storage_options(args))
+    assert (opts.endpoint_url, opts.max_attempts, opts.fs_retries, opts.conditional_put) == ("http://x:1", 3, 2, False)
+    with pytest.raises(InvalidRequestError, match="true or false"):
+        S3Options.from_mapping({"conditional_put": "maybe"})
+    with pytest.raises(InvalidRequestError, match="unknown S3 options"):
+        S3Options.from_mapping({"secret_access_key": "x"})  # credentials are not options
