@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import zarr
 
 from ckptd.client import CheckpointClient, CheckpointNotFoundError, DaemonUnavailableError, Placement, Shard
 from ckptd.daemon.launch import run_ranks
+from ckptd.writer.errors import CkptdError, SaveTimeoutError
 from ckptd.writer.format import decode_commit, decode_part
 
 # --- the state each rank saves: deterministic, so any process can rebuild what was saved ---------
@@ -231,3 +233,28 @@ def test_retention_keeps_newest_and_gc_cli(start_daemon, tmp_path):
     assert (tmp_path / "ckpt" / "step_4" / "COMMITTED").exists()  # never the only committed step
     out = subprocess.run([*cli, "ls", root, "--json"], check=True, capture_output=True, text=True)
     assert [(r["step"], r["committed"]) for r in json.loads(out.stdout)] == [(4, True)]
+
+
+def test_coordinator_failure_reaches_other_nodes_and_retry_commits(start_daemon, tmp_path):
+    root = str(tmp_path / "ckpt")
+    d0 = start_daemon(root, "node0", "--part-timeout", "1")
+    d1 = start_daemon(root, "node1")
+    sockets = [d0.socket, d1.socket]
+    clients = {r: client_for(sockets, r, 4, 2) for r in range(4)}
+    # rank 1 never saves: node 0 abandons the step and says so; node 1 learns it from storage at once
+    handles = {r: clients[r].save(30, expected_state(r, 4, 30)) for r in (0, 2, 3)}
+    t0 = time.monotonic()
+    for r in (2, 3):
+        with pytest.raises(SaveTimeoutError, match="failed on the coordinator"):
+            handles[r].wait(60)
+    assert time.monotonic() - t0 < 30  # not the 600 s commit timeout
+    assert (tmp_path / "ckpt" / "step_30" / "FAILED").exists()
+    # the same step saved again by all ranks commits: the old failure note does not poison the retry
+    for c in clients.values():
+        with contextlib.suppress(CkptdError):
+            c._raise_background_errors()  # consume the reported failure
+    retry = [clients[r].save(30, expected_state(r, 4, 30)) for r in range(4)]
+    for h in retry:
+        h.wait(60)
+    assert (tmp_path / "ckpt" / "step_30" / "COMMITTED").exists()
+    assert not (tmp_path / "ckpt" / "step_30" / "FAILED").exists()

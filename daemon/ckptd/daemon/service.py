@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 FINAL_STATES = ("committed", "failed")
 KEEP_FINISHED_JOBS = 64
+CLOCK_SKEW_S = 5.0  # failure notes older than a step's start (less this) are an earlier attempt's
 PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting for the node's ranks
 
 
@@ -80,6 +81,7 @@ class StepJob:
     world_size: int
     local_world_size: int
     started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
     saves: dict[int, RankSave] = field(default_factory=dict)
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     written_keys: list[str] = field(default_factory=list)
@@ -186,6 +188,8 @@ class CheckpointService:
                 if await self.root.is_committed(req.step):
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
                 await self.root.discard_part(req.step, req.node)
+                if req.node == 0:
+                    await self.root.clear_failed(req.step)
                 job = StepJob(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size)
                 metrics = retry_metrics(self.root.store)
                 job.retries_before = metrics.snapshot() if metrics is not None else None
@@ -291,6 +295,8 @@ class CheckpointService:
         await asyncio.gather(*job.tasks.values(), return_exceptions=True)
         if job.state != "pending":
             if job.state == "failed":  # a write failed
+                if job.node == 0 and job.error is not None:
+                    await self._note_failure(job, job.error)
                 self._log_step(job)
             return
         try:
@@ -310,7 +316,9 @@ class CheckpointService:
                 if self.config.keep:
                     await self.root.retain(self.config.keep)
             else:
-                await self.root.wait_committed(job.step, self.config.commit_timeout_s)
+                await self.root.wait_committed(
+                    job.step, self.config.commit_timeout_s, since=job.started_wall - CLOCK_SKEW_S
+                )
         except Exception as exc:
             err = storage_error(exc, self.config.root)
             job.fail(err)
@@ -364,6 +372,8 @@ class CheckpointService:
             job.fail(err)
             for task in job.tasks.values():
                 task.cancel()
+            if job.node == 0:
+                await self._note_failure(job, err)
             self._log_step(job)
 
     async def _all_local_ranks(self, job: StepJob) -> None:

@@ -230,12 +230,23 @@ class CheckpointRoot:
         data = await get_bytes(self.store, f"{step_dir(step)}/{FAILED_MARKER}")
         return None if data is None else dict(msgspec.json.decode(data))
 
-    async def wait_committed(self, step: int, timeout: float, poll: float = 0.05) -> CommitManifest:
-        """Non-coordinator side: wait for the marker (or for the coordinator's failure note)."""
+    async def clear_failed(self, step: int) -> None:
+        """The coordinator starts the step again: drop the failure note of an earlier attempt."""
+        key = f"{step_dir(step)}/{FAILED_MARKER}"
+        if await self.store.exists(key):
+            await self.store.delete(key)
+
+    async def wait_committed(
+        self, step: int, timeout: float, poll: float = 0.05, *, since: float = 0.0
+    ) -> CommitManifest:
+        """Non-coordinator side: wait for the marker (or for the coordinator's failure note).
+
+        Failure notes written before ``since`` (wall clock) belong to an earlier attempt and are ignored.
+        """
         deadline = time.monotonic() + timeout
         while not await self.is_committed(step):
             failed = await self.read_failed(step)
-            if failed is not None:
+            if failed is not None and float(failed.get("at", 0.0)) >= since:
                 cls = error_classes().get(str(failed.get("code")), StepFailedError)
                 raise cls(f"step {step} failed on the coordinator: {failed.get('message')}")
             if time.monotonic() >= deadline:
