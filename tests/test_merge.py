@@ -31,9 +31,10 @@ CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 
 
 def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], step: int) -> dict[str, Any]:
+    from megatron.core.utils import unwrap_model
+
     from ckptd.daemon.megatron_cpu import install_cpu_shim
     from ckptd.daemon.megatron_toy import build_gpt
-    from megatron.core.utils import unwrap_model
 
     install_cpu_shim()
     model, optimizer, train_step = build_gpt(**build)

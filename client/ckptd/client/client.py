@@ -46,7 +46,6 @@ from ckptd.client.protocol import (
     frame_length,
 )
 from ckptd.client.state import Plan, Shard, dtype_name, plan_state
-from ckptd.writer.format import sidecar_name
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
@@ -56,6 +55,7 @@ from ckptd.writer.errors import (
     StepFailedError,
     error_classes,
 )
+from ckptd.writer.format import sidecar_name
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class CheckpointClient:
             self._sock.sendall(encode(msg))
             header = self._recv_exactly(HEADER.size)
             reply = decode_reply(self._recv_exactly(frame_length(header)))
-        except (TimeoutError, socket.timeout) as exc:
+        except TimeoutError as exc:
             self._close_socket()
             raise SaveTimeoutError(f"the daemon did not answer within {self.timeout_s}s") from exc
         except (OSError, ProtocolError) as exc:
@@ -397,7 +397,8 @@ class CheckpointClient:
         """Register the arena as pinned host memory once, so D2H copies go straight into it."""
         assert self._arena is not None
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena))
-        err = torch.cuda.cudart().cudaHostRegister(ptr, len(self._arena), 0)
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
+        err = cudart.cudaHostRegister(ptr, len(self._arena), 0)
         if int(err) != 0:
             log.warning("cudaHostRegister failed (%s); D2H copies into the arena will be pageable", err)
         self._pinned = True

@@ -25,12 +25,12 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=
 
 
 # --- client -> daemon -----------------------------------------------------------------------------
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, frozen=True, tag="hello"):
     pid: int
     rank: int
 
 
-class LeaseRequest(_Msg, tag="lease"):
+class LeaseRequest(_Msg, frozen=True, tag="lease"):
     """Ask for staging space: one slot per size, granted all together or not at all."""
 
     step: int
@@ -49,7 +49,7 @@ class ShardMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     slot: int  # index into the lease's slots
 
 
-class SaveRequest(_Msg, tag="save"):
+class SaveRequest(_Msg, frozen=True, tag="save"):
     lease_id: int
     step: int
     rank: int
@@ -64,45 +64,45 @@ class SaveRequest(_Msg, tag="save"):
     sidecars: dict[str, str] = {}
 
 
-class ReleaseRequest(_Msg, tag="release"):
+class ReleaseRequest(_Msg, frozen=True, tag="release"):
     lease_id: int
 
 
-class StatusRequest(_Msg, tag="status"):
+class StatusRequest(_Msg, frozen=True, tag="status"):
     step: int
     wait_s: float  # block up to this long for the step to reach a final state
 
 
 # --- daemon -> client -----------------------------------------------------------------------------
-class Welcome(_Msg, tag="welcome"):
+class Welcome(_Msg, frozen=True, tag="welcome"):
     daemon_pid: int
     arena_path: str
     arena_bytes: int
     root: str
 
 
-class LeaseGranted(_Msg, tag="granted"):
+class LeaseGranted(_Msg, frozen=True, tag="granted"):
     lease_id: int
     offsets: list[int]
 
 
-class SaveAccepted(_Msg, tag="accepted"):
+class SaveAccepted(_Msg, frozen=True, tag="accepted"):
     step: int
     nbytes: int
 
 
-class StepStatus(_Msg, tag="step_status"):
+class StepStatus(_Msg, frozen=True, tag="step_status"):
     step: int
     state: str  # pending | durable | committed | failed | unknown
     error_code: str = ""
     error: str = ""
 
 
-class Released(_Msg, tag="released"):
+class Released(_Msg, frozen=True, tag="released"):
     lease_id: int
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(_Msg, frozen=True, tag="error"):
     code: str  # the CkptdError subclass name
     message: str
 

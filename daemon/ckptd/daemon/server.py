@@ -197,10 +197,10 @@ class Daemon:
                 nbytes = await self.service.accept(req, conn)
                 return SaveAccepted(v=v, step=req.step, nbytes=nbytes)
             case ReleaseRequest():
-                lease = self.arena.get(req.lease_id, conn)
-                if lease is None:
+                held = self.arena.get(req.lease_id, conn)
+                if held is None:
                     raise InvalidRequestError(f"lease {req.lease_id} is not held by this connection")
-                self.arena.release(lease)
+                self.arena.release(held)
                 return Released(v=v, lease_id=req.lease_id)
             case StatusRequest():
                 state, err = await self.service.status(req.step, min(max(0.0, req.wait_s), MAX_STATUS_WAIT_S))

@@ -55,7 +55,7 @@ async def array_metadata(
             fill_value=0,
             attributes={ARRAY_ATTR: {"torch_dtype": torch_dtype, **(extra_attrs or {})}},
         )
-        meta = tmp.metadata  # type: ignore[assignment]
+        meta = tmp.metadata
         _meta_cache[key] = meta
     return meta
 
@@ -66,7 +66,7 @@ def open_for_write(store: Store, path: str, meta: ArrayV3Metadata) -> AsyncArray
 
 async def checksum(data: np.ndarray) -> int:
     """crc32c of an array's raw bytes (the decoded chunk, as the manifest records it)."""
-    view = memoryview(np.ascontiguousarray(data)).cast("B")
+    view = np.ascontiguousarray(data).data.cast("B")
     if view.nbytes >= _CRC_THREAD_MIN:
         return await asyncio.to_thread(crc32c.crc32c, view)
     return int(crc32c.crc32c(view))
@@ -102,7 +102,7 @@ class ChunkSink:
 
 
 def _put_local(path: str, block: np.ndarray) -> int:
-    view = memoryview(block).cast("B")
+    view = block.data.cast("B")
     crc = int(crc32c.crc32c(view))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

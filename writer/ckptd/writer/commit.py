@@ -25,10 +25,10 @@ from zarr.abc.store import Store
 from ckptd.writer.arrays import array_metadata, write_group, write_metadata
 from ckptd.writer.errors import (
     CheckpointNotFoundError,
+    CkptdError,
     CorruptCheckpointError,
     SaveTimeoutError,
     StepCommittedError,
-    CkptdError,
     StepFailedError,
     UncommittedStepError,
     error_classes,
@@ -42,12 +42,12 @@ from ckptd.writer.format import (
     SIDECAR_DIR,
     CommitManifest,
     PartManifest,
+    check_sidecar,
     decode_commit,
     decode_part,
     encode_json,
     merge_parts,
     parse_step_dir,
-    check_sidecar,
     part_name,
     step_dir,
 )
