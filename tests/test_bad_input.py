@@ -132,7 +132,8 @@ def test_malformed_frames_and_versions(served):
     reply = peer.send_raw(HEADER.pack(len(future)) + future)
     assert isinstance(reply, ErrorReply) and reply.code == ProtocolVersionError.__name__
     # wrong field types and unknown fields
-    for bad in ({"type": "hello", "v": 1, "pid": "x", "rank": 0}, {"type": "hello", "v": 1, "pid": 1, "rank": 0, "z": 1},
+    for bad in ({"type": "hello", "v": 1, "pid": "x", "rank": 0},
+                {"type": "hello", "v": 1, "pid": 1, "rank": 0, "z": 1},
                 {"type": "nope", "v": 1}):
         body = msgspec.msgpack.encode(bad)
         reply = peer.send_raw(HEADER.pack(len(body)) + body)
@@ -152,7 +153,9 @@ def test_truncated_frame_times_out_only_that_client(served):
     client.save(2, {"w": torch.arange(3.0)}).wait(30)  # others are served meanwhile
 
 
-@pytest.mark.parametrize("key", ["../escape", "/etc/passwd", "a/../../b", "a//b", "_parts/node-0.json", "sp ace", "x\\y"])
+@pytest.mark.parametrize(
+    "key", ["../escape", "/etc/passwd", "a/../../b", "a//b", "_parts/node-0.json", "sp ace", "x\\y"]
+)
 def test_unsafe_keys_rejected(served, key):
     d, _client, _root = served
     peer = RawPeer(d.socket)
@@ -260,7 +263,7 @@ def test_another_user_cannot_connect_or_map_the_arena(served):
         os.setuid(uid)
         outcome = []
         for what, attempt in (("socket", lambda: socket.socket(socket.AF_UNIX).connect(d.socket)),
-                              ("arena", lambda: open(arena_path, "rb"))):
+                              ("arena", lambda: os.close(os.open(arena_path, os.O_RDONLY)))):
             try:
                 attempt()
                 outcome.append(f"{what}:opened")

@@ -144,7 +144,9 @@ def test_merge_killed_and_rerun_gives_identical_output(start_daemon, tmp_path):
     shutil.copytree(root, clean)
     subprocess.run([*CLI, "merge", clean, "--json"], check=True, capture_output=True)
 
-    proc = subprocess.Popen([*CLI, "merge", root, "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*CLI, "merge", root, "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     progress = Path(root) / "step_1" / "merged" / "_progress"
     deadline = time.monotonic() + 60
     while not (progress.exists() and any(progress.iterdir())) and time.monotonic() < deadline:

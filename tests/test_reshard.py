@@ -28,6 +28,8 @@ from ckptd.daemon.launch import DaemonProcess
 from ckptd.daemon.megatron_toy import build_gpt, spawn_ranks
 from ckptd.writer.errors import LayoutMismatchError
 
+from test_s3 import BUCKET, aws_env, options, s3, s3_flags  # noqa: F401 - s3 is a fixture
+
 pytestmark = pytest.mark.megatron
 
 K, AFTER = 3, 2
@@ -52,7 +54,7 @@ def _load(rank: int, world: int, root: str, tp: int, drop_optimizer_state: bool)
     if drop_optimizer_state:  # control: the right params, but the optimizer's moments zeroed
         for opt in optimizer.chained_optimizers:
             for state in opt.optimizer.state.values():
-                for name, value in state.items():
+                for value in state.values():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         value.zero_()
     return {"step": loaded.step, "extra": loaded.extra, "tp": layout.tp_size, "dp": layout.dp_size,
@@ -113,3 +115,28 @@ def test_tp1dp2_to_tp2dp2_and_unmerged_refused(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="ckptd merge") as err:
         spawn_ranks(_load, 4, root, 2, False)
     assert LayoutMismatchError.__name__ in str(err.value)
+
+
+def _load_with_options(rank: int, world: int, root: str, tp: int, opts: dict[str, Any]) -> list[float]:
+    model, optimizer, train_step = build_gpt(tp=tp, seed=4321, data_seed=1234, **BUILD)
+    load_checkpoint(root, K, model, optimizer, storage_options=opts)
+    return [train_step(K + i) for i in range(AFTER)]
+
+
+@pytest.mark.s3
+def test_save_merge_and_reshard_on_s3(s3, start_daemon) -> None:  # noqa: F811 - the s3 fixture
+    from ckptd.daemon.launch import run_ranks
+    from ckptd.daemon.megatron_toy import _PRELOAD
+
+    env = aws_env(s3)
+    root = f"s3://{BUCKET}/reshard-{os.getpid()}"
+    d = start_daemon(root, "s3m", *s3_flags(s3.endpoint_url), env=env)
+    original = run_ranks(_save, 2, d.socket, 1, env=env, preload=_PRELOAD)[0]
+    merged = subprocess.run([*CLI, "merge", root, "--json", *s3_flags(s3.endpoint_url)], capture_output=True,
+                            text=True, env={**os.environ, **env}, check=True)
+    assert json.loads(merged.stdout)["tasks"] > 0
+    verify = subprocess.run([*CLI, "verify", root, "--json", *s3_flags(s3.endpoint_url)], capture_output=True,
+                            text=True, env={**os.environ, **env}, check=True)
+    assert json.loads(verify.stdout)[0]["merged"] is True
+    losses = run_ranks(_load_with_options, 4, root, 2, options(s3.endpoint_url), env=env, preload=_PRELOAD)[0]
+    assert _close(losses, original), (losses, original)
