@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -42,18 +41,6 @@ def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], w
     }
 
 
-def _peak_rss(pid: int, stop: threading.Event, out: dict[str, int]) -> None:
-    while not stop.is_set():
-        try:
-            with open(f"/proc/{pid}/status") as fh:
-                for line in fh:
-                    if line.startswith("VmHWM:"):
-                        out["hwm"] = max(out.get("hwm", 0), int(line.split()[1]) * 1024)
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        time.sleep(0.01)
-
-
 def _copy_baseline(src: str, dst: str) -> tuple[float, int]:
     """Read every stored optimizer chunk and write it elsewhere on the same filesystem, with fsync."""
     t0 = time.perf_counter()
@@ -77,8 +64,9 @@ def _copy_baseline(src: str, dst: str) -> tuple[float, int]:
 
 
 def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
+    from run import emit, rss_sampler
+
     from ckptd.daemon.launch import DaemonProcess, run_ranks
-    from run import emit
 
     if args.smoke:
         sizes = [dict(hidden=64, layers=1), dict(hidden=64, layers=4)]
@@ -96,13 +84,10 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
         daemon.wait_ready(120)
         info = run_ranks(_rank_save, 2, sock, build, workdir, timeout_s=3600)
         daemon.stop()
-        peak: dict[str, int] = {}
-        stop = threading.Event()
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "ckptd.daemon.cli", "merge", root, "--json", "--workers", "2"],
                                 stdout=subprocess.PIPE, text=True)
-        sampler = threading.Thread(target=_peak_rss, args=(proc.pid, stop, peak), daemon=True)
-        sampler.start()
+        peaks, stop = rss_sampler(proc.pid)
         out, _ = proc.communicate()
         merge_s = time.perf_counter() - t0
         stop.set()
@@ -111,7 +96,7 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
         shutil.rmtree(os.path.join(workdir, "copy"), ignore_errors=True)
         rows.append(emit({
             "bench": "merge", "model_params": info[0]["params"] * (1 if size.get("tp", 1) == 1 else 2),
-            "buckets_per_rank": info[0]["buckets"], "peak_rss_mib": round(peak.get("hwm", 0) / MiB, 1),
+            "buckets_per_rank": info[0]["buckets"], "peak_rss_mib": round(peaks()["hwm"] / MiB, 1),
             "bytes_read": summary["bytes_read"], "merge_s": round(merge_s, 3), "merge_inner_s": summary["seconds"],
             "copy_s": round(copy_s, 3), "copy_bytes": copied,
             "throughput_ratio_vs_copy": round(copy_s / summary["seconds"], 3),
@@ -122,7 +107,8 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
         }))
         shutil.rmtree(root, ignore_errors=True)
     small, big = rows[-2], rows[-1]
-    rows.append(emit({"bench": "merge_rss_flatness", "params_ratio": round(big["model_params"] / small["model_params"], 2),
+    rows.append(emit({"bench": "merge_rss_flatness",
+                      "params_ratio": round(big["model_params"] / small["model_params"], 2),
                       "peak_rss_ratio": round(big["peak_rss_mib"] / small["peak_rss_mib"], 3)}))
     return rows
 

@@ -44,8 +44,10 @@ def emit(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def rss_sampler(pid: int) -> tuple[Callable[[], dict[str, int]], threading.Event]:
-    """Poll /proc/PID/status every 10 ms; returns (peaks, stop). RssAnon+RssFile = memory outside the shm arena."""
-    peaks = {"anon": 0, "file": 0, "shmem": 0}
+    """Poll /proc/PID/status every 10 ms; returns (peaks, stop). Peaks in bytes: ``anon``, ``file``, ``shmem``
+    (RssAnon+RssFile = memory outside the shm arena) and ``hwm`` (VmHWM, the kernel's own peak RSS)."""
+    fields = (("anon", "RssAnon:"), ("file", "RssFile:"), ("shmem", "RssShmem:"), ("hwm", "VmHWM:"))
+    peaks = {key: 0 for key, _field in fields}
     stop = threading.Event()
 
     def loop() -> None:
@@ -53,10 +55,10 @@ def rss_sampler(pid: int) -> tuple[Callable[[], dict[str, int]], threading.Event
             try:
                 with open(f"/proc/{pid}/status") as fh:
                     for line in fh:
-                        for key, field in (("anon", "RssAnon:"), ("file", "RssFile:"), ("shmem", "RssShmem:")):
+                        for key, field in fields:
                             if line.startswith(field):
                                 peaks[key] = max(peaks[key], int(line.split()[1]) * 1024)
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):
                 return
             time.sleep(0.01)
 
@@ -188,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     register_optional()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the benchmarks run")
-    parser.add_argument("--only", default="", help=f"comma-separated subset of {sorted(BENCHES)} (or {sorted(ALIASES)})")
-    parser.add_argument("--root", default=None, help="working directory on the storage to measure (default: a temp dir)")
+    parser.add_argument("--only", default="",
+                        help=f"comma-separated subset of {sorted(BENCHES)} (or {sorted(ALIASES)})")
+    parser.add_argument("--root", default=None,
+                        help="working directory on the storage to measure (default: a temp dir)")
     args = parser.parse_args(argv)
     wanted = [ALIASES.get(n, n) for n in args.only.split(",") if n] or list(BENCHES)
     unknown = [n for n in wanted if n not in BENCHES]

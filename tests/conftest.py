@@ -1,24 +1,47 @@
-"""Shared fixtures: real daemon subprocesses on a temporary root, short socket paths."""
+"""Shared fixtures: real daemon subprocesses on a temporary root, short socket paths, and the S3
+server and fault proxy of the S3 tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import pytest
+from ckptd_testing import BUCKET
 
 from ckptd.daemon.launch import DaemonProcess
+
+if TYPE_CHECKING:
+    from faultproxy import FaultProxy
+    from s3server import S3Server
+
+
+@contextlib.contextmanager
+def _short_dir(prefix: str) -> Iterator[str]:
+    # AF_UNIX paths are limited to 108 bytes; pytest's tmp_path can be longer.
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.chmod(d, 0o700)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
 def sockdir() -> Iterator[str]:
-    # AF_UNIX paths are limited to 108 bytes; pytest's tmp_path can be longer.
-    d = tempfile.mkdtemp(prefix="ckt-", dir="/tmp")
-    os.chmod(d, 0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with _short_dir("ckt-") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def module_sockdir() -> Iterator[str]:
+    """:func:`sockdir` for module-scoped daemons."""
+    with _short_dir("ckm-") as d:
+        yield d
 
 
 @pytest.fixture
@@ -39,3 +62,33 @@ def start_daemon(sockdir: str, tmp_path: os.PathLike[str]) -> Iterator[Callable[
     yield start
     for d in started:
         d.stop(timeout=20)
+
+
+# --- S3 -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    """A moto server (no auth: any credentials work) with the bucket ``ckptd_testing.BUCKET``."""
+    from s3server import S3Server
+
+    with S3Server() as server:
+        server.make_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3_auth() -> Iterator[S3Server]:
+    """Like :func:`s3`, but checking signatures: only ``s3_auth.credentials`` are accepted."""
+    from s3server import S3Server
+
+    with S3Server(auth=True) as server:
+        server.make_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture
+def proxy(s3: S3Server) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of :func:`s3` (no faults until a test sets some)."""
+    from faultproxy import FaultProxy
+
+    with FaultProxy(s3.endpoint_url) as p:
+        yield p

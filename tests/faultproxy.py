@@ -39,10 +39,8 @@ import contextlib
 import dataclasses
 import enum
 import json
-import os
 import random
 import re
-import signal
 import socket
 import struct
 import subprocess
@@ -57,6 +55,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
+
+import child_server
 
 __all__ = ["Fault", "FaultConfig", "FaultProxy", "FaultProxyProcess", "ProxyStats"]
 
@@ -730,22 +730,11 @@ class FaultProxyProcess:
             text=True,
             start_new_session=True,
         )
-        found: list[int] = []
-
-        def reader() -> None:
-            assert self._proc is not None and self._proc.stdout is not None
-            for line in self._proc.stdout:
-                if line.startswith(_READY_PREFIX):
-                    found.append(int(line[len(_READY_PREFIX) :]))
-                    return
-
-        thread = threading.Thread(target=reader, daemon=True)
-        thread.start()
-        thread.join(self.startup_timeout)
-        if not found:
+        port = child_server.read_port(self._proc, _READY_PREFIX, self.startup_timeout)
+        if port is None:
             self.stop()
             raise RuntimeError("fault proxy process did not start")
-        self._port = found[0]
+        self._port = port
         if self._initial is not None:
             self.set_faults(self._initial)
         return self
@@ -754,16 +743,7 @@ class FaultProxyProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        child_server.stop(proc, timeout)
 
     def __enter__(self) -> FaultProxyProcess:
         return self.start()
@@ -812,18 +792,7 @@ def _main(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     proxy = FaultProxy(args.upstream, port=args.port).start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def wait_stdin() -> None:
-        if not os.isatty(0):
-            sys.stdin.read()
-            stop.set()
-
-    threading.Thread(target=wait_stdin, daemon=True).start()
-    print(f"{_READY_PREFIX}{proxy.port}", flush=True)
-    stop.wait()
+    child_server.serve_until_parent_leaves(_READY_PREFIX, proxy.port)
     proxy.stop()
 
 

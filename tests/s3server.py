@@ -20,11 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+import child_server
 
 __all__ = ["DEFAULT_REGION", "S3Credentials", "S3Server", "S3ServerError"]
 
@@ -112,20 +112,7 @@ class S3Server:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        try:
-            proc.wait(timeout=timeout / 2)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout / 2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        child_server.stop(proc, timeout)
         self._log.close()
         with contextlib.suppress(OSError):
             os.unlink(self._log.name)
@@ -217,24 +204,12 @@ class S3Server:
 
     # --- internals ---------------------------------------------------------------------------------
     def _read_port(self, proc: subprocess.Popen[str]) -> int:
-        assert proc.stdout is not None
-        found: list[int] = []
-
-        def reader() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith(_READY_PREFIX):
-                    found.append(int(line[len(_READY_PREFIX) :]))
-                    return
-
-        thread = threading.Thread(target=reader, daemon=True)
-        thread.start()
-        thread.join(self.startup_timeout)
-        if not found:
+        port = child_server.read_port(proc, _READY_PREFIX, self.startup_timeout)
+        if port is None:
             raise S3ServerError(
                 f"moto server did not report a port within {self.startup_timeout}s{self._tail()}"
             )
-        return found[0]
+        return port
 
     def _wait_until_answering(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -292,17 +267,7 @@ def _serve() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     _host, port = server.get_host_and_port()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-
-    def wait_stdin() -> None:
-        sys.stdin.read()  # returns at EOF: the parent closed the pipe or died
-        stop.set()
-
-    threading.Thread(target=wait_stdin, daemon=True).start()
-    print(f"{_READY_PREFIX}{port}", flush=True)
-    stop.wait()
+    child_server.serve_until_parent_leaves(_READY_PREFIX, port)
     server.stop()
 
 

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,8 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+
+from ckptd_testing import megatron_owned_state
 
 from ckptd.client import CheckpointClient
 from ckptd.client.load import read_commit, read_sidecar
@@ -103,16 +102,7 @@ def _assert_same(a: Any, b: Any, where: str = "") -> int:
 
 def _owned_ranges(optimizer: Any) -> dict[str, tuple[tuple[int, int], dict[str, torch.Tensor]]]:
     """Per owned param: its sub-range of the flattened param and the per-element state there (Megatron's view)."""
-    from megatron.core.utils import unwrap_model
-
-    out = {}
-    for opt in optimizer.chained_optimizers:
-        names = {p: n for c in opt.model_chunks for n, p in unwrap_model(c).named_parameters()}
-        for param in opt.model_param_gbuf_map:
-            rng = opt._get_model_param_range_map(param)["param"]
-            tensors = opt._get_main_param_and_optimizer_states(param)
-            out[names[param]] = ((rng.start, rng.end), {k: v.detach().clone() for k, v in tensors.items()})
-    return out
+    return {e["name"]: (e["range"], e["tensors"]) for e in megatron_owned_state(optimizer)}
 
 
 # --- rank bodies (module level: they run in forked rank processes) -------------------------------
@@ -214,14 +204,6 @@ def _load_changed_structure(rank: int, world: int, root: str) -> list[str]:
 
 
 # --- fixtures ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sockdir_m() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="ckm-", dir="/tmp")
-    os.chmod(d, 0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _run_saving(tmp: Path, sockdir: str, name: str, world: int, build: dict[str, Any],
                 extra_key_check: bool = False) -> tuple[str, list[dict[str, Any]]]:
     root = str(tmp / f"root-{name}")
@@ -235,9 +217,9 @@ def _run_saving(tmp: Path, sockdir: str, name: str, world: int, build: dict[str,
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory: pytest.TempPathFactory, sockdir_m: str) -> dict[str, Any]:
+def saved_run(tmp_path_factory: pytest.TempPathFactory, module_sockdir: str) -> dict[str, Any]:
     """TP1 x DP2, a multi-bucket buffer (overlap_grad_reduce): saved at steps K-1 and K, reloaded in-process."""
-    root, results = _run_saving(tmp_path_factory.mktemp("megatron"), sockdir_m, "mb", 2, MULTIBUCKET)
+    root, results = _run_saving(tmp_path_factory.mktemp("megatron"), module_sockdir, "mb", 2, MULTIBUCKET)
     return {"root": root, "results": results}
 
 
@@ -265,10 +247,10 @@ def test_multibucket_reload_equals_live_state_and_layouts_are_findable(saved_run
      (4, {"pp": 2}, False)],
     ids=["fp32-unshared-dp2", "bf16-dp2", "tp2-dp2", "pp2-dp2"],
 )
-def test_reload_equals_live_state(tmp_path: Path, sockdir_m: str, world: int, build: dict[str, Any],
+def test_reload_equals_live_state(tmp_path: Path, module_sockdir: str, world: int, build: dict[str, Any],
                                   extra_key_check: bool) -> None:
-    name = f"rt{world}-{len(os.listdir(sockdir_m))}"
-    _root, results = _run_saving(tmp_path, sockdir_m, name, world, build, extra_key_check)
+    name = f"rt{world}-{len(os.listdir(module_sockdir))}"
+    _root, results = _run_saving(tmp_path, module_sockdir, name, world, build, extra_key_check)
     assert all(r["checked"] > 20 and r["reused"] for r in results)
     assert len({tuple(r["after"]) for r in results}) == 1
 

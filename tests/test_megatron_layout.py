@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from ckptd_testing import megatron_owned_state
+
 from ckptd.client.megatron import (
     MAIN_PARAM,
     OPTIM_META,
@@ -44,27 +46,6 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 # --- rank-side helpers (run inside the spawned processes) ----------------------------------------------
-def _megatron_reference(optimizer: Any, layout: MegatronLayout) -> list[dict[str, Any]]:
-    """Megatron's own view of this rank's optimizer state: per owned param, its sub-range and tensors."""
-    from megatron.core.utils import unwrap_model
-
-    out = []
-    for opt in optimizer.chained_optimizers:
-        names = {p: n for chunk in opt.model_chunks for n, p in unwrap_model(chunk).named_parameters()}
-        for param in opt.model_param_gbuf_map:
-            rng = opt._get_model_param_range_map(param)["param"]
-            tensors = opt._get_main_param_and_optimizer_states(param)
-            out.append(
-                {
-                    "mp": f"tp{layout.tp_rank}.pp{layout.pp_rank}",
-                    "name": names[param],
-                    "range": (rng.start, rng.end),
-                    "tensors": {k: v.detach().clone() for k, v in tensors.items()},
-                }
-            )
-    return out
-
-
 def _shards(state: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {
@@ -95,7 +76,7 @@ def _layout_rank(rank: int, world: int, build: dict[str, Any]) -> dict[str, Any]
         "optim": _shards(opt),
         "meta": opt[OPTIM_META],
         "model": _shards(model_state(model, min_split_bytes=0)),
-        "reference": _megatron_reference(optimizer, layout),
+        "reference": megatron_owned_state(optimizer, layout),
     }
 
 
@@ -299,7 +280,7 @@ def _save_rank(rank: int, world: int, out: str, build: dict[str, Any]) -> float:
     record = {
         "optim": _shards(state),
         "meta": state[OPTIM_META],
-        "reference": _megatron_reference(optimizer, layout),
+        "reference": megatron_owned_state(optimizer, layout),
     }
     if rank == 0:
         record["weights"] = {
@@ -328,7 +309,7 @@ def _load_rank(rank: int, world: int, out: str, saved_world: int, build: dict[st
             slices[k] = stored[start : min(stop, stored.numel())]
     apply_optimizer_state(optimizer, layout, slices)
     reference = _reference_param_state(records)
-    mine = _megatron_reference(optimizer, layout)
+    mine = megatron_owned_state(optimizer, layout)
     for e in mine:
         lo, hi = e["range"]
         ref = reference[(e["mp"], e["name"])]

@@ -20,6 +20,8 @@ import zarr
 
 pytest.importorskip("megatron.core")
 
+from ckptd_testing import megatron_owned_state
+
 from ckptd.client import CheckpointClient, Placement
 from ckptd.client.megatron import MegatronLayout, get_layout, model_state, optimizer_state
 from ckptd.daemon.launch import run_ranks
@@ -31,8 +33,6 @@ CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 
 
 def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], step: int) -> dict[str, Any]:
-    from megatron.core.utils import unwrap_model
-
     from ckptd.daemon.megatron_cpu import install_cpu_shim
     from ckptd.daemon.megatron_toy import build_gpt
 
@@ -47,15 +47,7 @@ def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], s
     client.save(step, state, sidecars=[text]).wait(120)
     client.close()
     # Ground truth from Megatron's own bookkeeping: this rank's range of each param's live state.
-    live = []
-    for opt in optimizer.chained_optimizers:
-        names = {p: n for chunk in opt.model_chunks for n, p in unwrap_model(chunk).named_parameters()}
-        for param in opt.model_param_gbuf_map:
-            rng = opt._get_model_param_range_map(param)["param"]
-            tensors = opt._get_main_param_and_optimizer_states(param)
-            live.append({"mp": f"tp{layout.tp_rank}.pp{layout.pp_rank}", "name": names[param], "numel": param.numel(),
-                         "range": (rng.start, rng.end), "tensors": {k: v.detach().clone() for k, v in tensors.items()}})
-    return {"layout": text, "live": live}
+    return {"layout": text, "live": megatron_owned_state(optimizer, layout)}
 
 
 def _save(start_daemon, tmp_path: Path, world: int, build: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:

@@ -22,13 +22,14 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from ckptd_testing import BUCKET
+from test_s3 import aws_env, options, s3_flags
+
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
 from ckptd.daemon.launch import DaemonProcess
 from ckptd.daemon.megatron_toy import build_gpt, spawn_ranks
 from ckptd.writer.errors import LayoutMismatchError
-
-from test_s3 import BUCKET, aws_env, options, s3, s3_flags  # noqa: F401 - s3 is a fixture
 
 pytestmark = pytest.mark.megatron
 
@@ -124,19 +125,18 @@ def _load_with_options(rank: int, world: int, root: str, tp: int, opts: dict[str
 
 
 @pytest.mark.s3
-def test_save_merge_and_reshard_on_s3(s3, start_daemon) -> None:  # noqa: F811 - the s3 fixture
+def test_save_merge_and_reshard_on_s3(s3, start_daemon) -> None:
     from ckptd.daemon.launch import run_ranks
-    from ckptd.daemon.megatron_toy import _PRELOAD
 
     env = aws_env(s3)
     root = f"s3://{BUCKET}/reshard-{os.getpid()}"
     d = start_daemon(root, "s3m", *s3_flags(s3.endpoint_url), env=env)
-    original = run_ranks(_save, 2, d.socket, 1, env=env, preload=_PRELOAD)[0]
+    original = run_ranks(_save, 2, d.socket, 1, env=env)[0]
     merged = subprocess.run([*CLI, "merge", root, "--json", *s3_flags(s3.endpoint_url)], capture_output=True,
                             text=True, env={**os.environ, **env}, check=True)
     assert json.loads(merged.stdout)["tasks"] > 0
     verify = subprocess.run([*CLI, "verify", root, "--json", *s3_flags(s3.endpoint_url)], capture_output=True,
                             text=True, env={**os.environ, **env}, check=True)
     assert json.loads(verify.stdout)[0]["merged"] is True
-    losses = run_ranks(_load_with_options, 4, root, 2, options(s3.endpoint_url), env=env, preload=_PRELOAD)[0]
+    losses = run_ranks(_load_with_options, 4, root, 2, options(s3.endpoint_url), env=env)[0]
     assert _close(losses, original), (losses, original)

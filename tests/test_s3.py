@@ -10,13 +10,13 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from ckptd_testing import BUCKET, TRANSIENT_20
 from faultproxy import Fault, FaultProxy
 from s3server import S3Server
 from test_pipeline import expected_state, tensors, zero_template
@@ -36,29 +36,13 @@ from ckptd.writer.store import close_store, open_store
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(180)]
 
-BUCKET = "ckpt"
 # Fake, distinctive credentials (moto without auth accepts any): they must never show up in logs or objects.
 ACCESS_KEY = "AKIACKPTDTESTKEY0042"
 SECRET_KEY = "ckptd-test-secret-never-log-me-42"
 CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
-TRANSIENT_20 = {
-    "slowdown": 0.05,
-    "internal": 0.03,
-    "throttle": 0.03,
-    "reset_before": 0.03,
-    "reset_mid_request": 0.03,
-    "reset_mid_response": 0.03,
-}
 
 
 # --- fixtures -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with S3Server() as server:
-        server.make_bucket(BUCKET)
-        yield server
-
-
 def aws_env(s3: S3Server, **extra: str) -> dict[str, str]:
     env = s3.env()
     env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, **extra)
@@ -70,12 +54,6 @@ def in_aws_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     for key, value in aws_env(s3).items():
         monkeypatch.setenv(key, value)
     return s3
-
-
-@pytest.fixture
-def proxy(s3: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as p:
-        yield p
 
 
 def s3_flags(endpoint: str, *extra: str) -> list[str]:
@@ -307,13 +285,6 @@ def test_missing_bucket_fails_loudly_everywhere(s3: S3Server, start_daemon, in_a
         assert out.returncode == 2 and "StorageNotFoundError" in out.stderr and "no-such-bucket" in out.stderr
     with pytest.raises(StorageNotFoundError):
         load(root, "latest", {"x": torch.zeros(1)}, storage_options=options(s3.endpoint_url))
-
-
-@pytest.fixture(scope="module")
-def s3_auth() -> Iterator[S3Server]:
-    with S3Server(auth=True) as server:
-        server.make_bucket(BUCKET)
-        yield server
 
 
 def test_wrong_credentials_are_permission_errors(s3_auth: S3Server, start_daemon) -> None:

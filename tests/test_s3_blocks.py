@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 import s3fs
 import zarr.api.asynchronous as za
+from ckptd_testing import BUCKET, TRANSIENT_20
 from faultproxy import Fault, FaultProxy, FaultProxyProcess
 from s3server import S3Credentials, S3Server
 from zarr.storage import FsspecStore
 
 from ckptd.writer.errors import (
+    CkptdError,
     InvalidRequestError,
     StorageError,
     StorageNotFoundError,
@@ -39,28 +41,13 @@ from ckptd.writer.s3 import (
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 
-BUCKET = "ckpt"
-
 
 # --- fixtures -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with S3Server() as server:
-        server.make_bucket(BUCKET)
-        yield server
-
-
 @pytest.fixture
 def aws_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     for key, value in s3.env().items():
         monkeypatch.setenv(key, value)
     return s3
-
-
-@pytest.fixture
-def proxy(s3: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as p:
-        yield p
 
 
 def options(endpoint: str, **overrides: object) -> S3Options:
@@ -277,16 +264,6 @@ def test_proxy_process_control(s3: S3Server) -> None:
 
 
 # --- the writer's S3 filesystem through faults ----------------------------------------------------
-TRANSIENT_20 = {
-    "slowdown": 0.05,
-    "internal": 0.03,
-    "throttle": 0.03,
-    "reset_before": 0.03,
-    "reset_mid_request": 0.03,
-    "reset_mid_response": 0.03,
-}
-
-
 async def test_writes_survive_transient_faults_bit_exact(
     fs_via_proxy: s3fs.S3FileSystem, proxy: FaultProxy
 ) -> None:
@@ -349,6 +326,19 @@ async def test_every_request_failing_fails_fast_and_typed(
 
 
 # --- typed errors ---------------------------------------------------------------------------------
+async def _write_error(endpoint: str) -> CkptdError:
+    """Write one object under ``s3://BUCKET/run`` with the credentials in the environment; the write must
+    fail, and this is how ckptd classifies the failure."""
+    url = f"s3://{BUCKET}/run"
+    fs = await open_s3_filesystem(url, options(endpoint))
+    try:
+        with pytest.raises(Exception) as info:
+            await fs._pipe_file(f"{BUCKET}/run/x", b"x")
+    finally:
+        await close_s3_filesystem(fs)
+    return classify_error(info.value, url)
+
+
 async def test_missing_bucket_is_not_found(aws_env: S3Server) -> None:
     url = "s3://no-such-bucket/run"
     fs = await open_s3_filesystem(url, options(aws_env.endpoint_url))
@@ -362,13 +352,6 @@ async def test_missing_bucket_is_not_found(aws_env: S3Server) -> None:
         assert "NoSuchBucket" in str(err) and "no-such-bucket" in str(err)
     finally:
         await close_s3_filesystem(fs)
-
-
-@pytest.fixture(scope="module")
-def s3_auth() -> Iterator[S3Server]:
-    with S3Server(auth=True) as server:
-        server.make_bucket(BUCKET)
-        yield server
 
 
 @pytest.mark.parametrize("wrong", ["key", "secret"])
@@ -390,13 +373,7 @@ async def test_wrong_credentials_are_permission_errors(
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", bad.access_key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bad.secret_access_key)
-    fs = await open_s3_filesystem(url, options(s3_auth.endpoint_url))
-    try:
-        with pytest.raises(Exception) as info:
-            await fs._pipe_file(f"{BUCKET}/run/x", b"x")
-    finally:
-        await close_s3_filesystem(fs)
-    err = classify_error(info.value, url)
+    err = await _write_error(s3_auth.endpoint_url)
     assert isinstance(err, StoragePermissionError) and isinstance(err, PermissionError)
     assert ("InvalidAccessKeyId" if wrong == "key" else "SignatureDoesNotMatch") in str(err)
     assert BUCKET in str(err)
@@ -409,14 +386,7 @@ async def test_no_credentials_is_a_permission_error(
 ) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    url = f"s3://{BUCKET}/run"
-    fs = await open_s3_filesystem(url, options(aws_env.endpoint_url))
-    try:
-        with pytest.raises(Exception) as info:
-            await fs._pipe_file(f"{BUCKET}/run/x", b"x")
-    finally:
-        await close_s3_filesystem(fs)
-    err = classify_error(info.value, url)
+    err = await _write_error(aws_env.endpoint_url)
     assert isinstance(err, StoragePermissionError) and "credentials" in str(err)
 
 

@@ -24,13 +24,6 @@ from ckptd.daemon.launch import RankFailedError, free_port, run_ranks
 
 __all__ = ["RankFailedError", "ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
 
-_PRELOAD = [
-    "megatron.core.models.gpt",
-    "megatron.core.optimizer",
-    "megatron.core.distributed",
-    "megatron.core.pipeline_parallel",
-]
-
 
 class ToyGPT(NamedTuple):
     """What :func:`build_gpt` returns; unpacks as ``model, optimizer, train_step``."""
@@ -224,4 +217,4 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
 
     Returns each rank's return value; a failing rank raises :class:`RankFailedError` with its traceback.
     """
-    return run_ranks(fn, world_size, *args, timeout_s=timeout_s, preload=_PRELOAD)
+    return run_ranks(fn, world_size, *args, timeout_s=timeout_s)

@@ -190,16 +190,7 @@ class CheckpointRoot:
             for group in _groups(rec.name for rec in merged.arrays):
                 tg.create_task(write_group(self.store, f"{prefix}/{group}" if group else prefix))
             tg.create_task(write_group(self.store, "", {"ckptd": {"format": FORMAT_VERSION}}))
-        final = CommitManifest(
-            format=merged.format,
-            step=step,
-            num_nodes=merged.num_nodes,
-            world_size=merged.world_size,
-            arrays=merged.arrays,
-            objects=merged.objects,
-            nbytes=merged.nbytes,
-            committed_at=time.time(),
-        )
+        final = msgspec.structs.replace(merged, step=step, committed_at=time.time())
         # The marker is the commit: once started, let it finish even if the caller is cancelled.
         await asyncio.shield(self._write_marker(step, encode_json(final)))
         return final

@@ -163,12 +163,17 @@ def _link_into_place(path: str, data: bytes) -> bool:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    _fsync_path(os.path.dirname(path))
     return True
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 async def abort_uploads(store: Store, prefix: str) -> int:
@@ -232,18 +237,9 @@ async def fsync(store: Store, keys: Iterable[str], *, files: bool = True) -> Non
         dirs = set()
         for p in paths:
             dirs.add(os.path.dirname(p))
-            if not files:
-                continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if files:
+                _fsync_path(p)
         for d in dirs:
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(d)
 
     await asyncio.to_thread(_sync)

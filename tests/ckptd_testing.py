@@ -1,0 +1,46 @@
+"""Pieces more than one test module needs: the S3 tests' bucket and fault mix, and Megatron's own view
+of a rank's optimizer state (the ground truth the Megatron tests compare ckptd's checkpoints with).
+
+Plain module, no fixtures (those live in ``conftest.py``); importable in forked rank processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BUCKET = "ckpt"  # the bucket the ``s3`` and ``s3_auth`` fixtures create
+
+# FaultProxy settings: a fifth of the requests hit a transient fault the S3 client must retry through
+TRANSIENT_20 = {
+    "slowdown": 0.05,
+    "internal": 0.03,
+    "throttle": 0.03,
+    "reset_before": 0.03,
+    "reset_mid_request": 0.03,
+    "reset_mid_response": 0.03,
+}
+
+
+def megatron_owned_state(optimizer: Any, layout: Any = None) -> list[dict[str, Any]]:
+    """Megatron's own bookkeeping of this rank's distributed-optimizer state: per owned param its name,
+    size, sub-range of the flattened param and every state tensor there (cloned). With a
+    :class:`~ckptd.client.megatron.MegatronLayout`, ``mp`` names the rank's ``tpN.ppM`` coordinates."""
+    from megatron.core.utils import unwrap_model
+
+    mp = f"tp{layout.tp_rank}.pp{layout.pp_rank}" if layout is not None else ""
+    out = []
+    for opt in optimizer.chained_optimizers:
+        names = {p: n for chunk in opt.model_chunks for n, p in unwrap_model(chunk).named_parameters()}
+        for param in opt.model_param_gbuf_map:
+            rng = opt._get_model_param_range_map(param)["param"]
+            tensors = opt._get_main_param_and_optimizer_states(param)
+            out.append(
+                {
+                    "mp": mp,
+                    "name": names[param],
+                    "numel": param.numel(),
+                    "range": (rng.start, rng.end),
+                    "tensors": {k: v.detach().clone() for k, v in tensors.items()},
+                }
+            )
+    return out
