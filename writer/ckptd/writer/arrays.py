@@ -87,22 +87,35 @@ class ChunkSink:
         self.local_root = local_path(store)
 
     async def put(self, key: str, block: np.ndarray) -> int:
-        """Write one chunk; returns the crc32c of its (decoded) bytes."""
-        block = np.ascontiguousarray(block)
-        if sys.byteorder != "little" and block.dtype.itemsize > 1:
-            block = block.byteswap()
+        """Write one chunk; returns the crc32c of its (decoded) bytes.
+
+        Checksumming and copying run in worker threads, never in the event loop that serves the ranks.
+        """
         if self.local_root is not None:
             return await asyncio.to_thread(_put_local, os.path.join(self.local_root, key), block)
-        crc = await checksum(block)
-        body = bytearray(block.nbytes + 4)  # the one copy: out of the arena, with the crc appended
-        body[: block.nbytes] = block.data.cast("B")
-        body[block.nbytes :] = crc.to_bytes(4, "little")
+        body, crc = await asyncio.to_thread(_encode, block)
         await put_body(self.store, key, body)
         return crc
 
 
+def _little_endian(block: np.ndarray) -> np.ndarray:
+    block = np.ascontiguousarray(block)
+    if sys.byteorder != "little" and block.dtype.itemsize > 1:
+        block = block.byteswap()
+    return block
+
+
+def _encode(block: np.ndarray) -> tuple[bytearray, int]:
+    """The chunk object: the one copy out of the arena, with the crc32c appended."""
+    view = _little_endian(block).data.cast("B")
+    crc = int(crc32c.crc32c(view))
+    body = bytearray(view)
+    body.extend(crc.to_bytes(4, "little"))
+    return body, crc
+
+
 def _put_local(path: str, block: np.ndarray) -> int:
-    view = block.data.cast("B")
+    view = _little_endian(block).data.cast("B")
     crc = int(crc32c.crc32c(view))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
