@@ -69,8 +69,12 @@ def rss_sampler(pid: int) -> tuple[Callable[[], dict[str, int]], threading.Event
 # --- ranks --------------------------------------------------------------------------------------
 
 
-def _rank_stall(rank: int, world: int, socket_path: str, nbytes: int, repeats: int) -> dict[str, list[float]]:
-    """Per save: a bare copy of the same bytes into a pre-faulted buffer, then ckptd's save() stall."""
+def _rank_stall(
+    rank: int, world: int, socket_path: str, nbytes: int, repeats: int, raw_dir: str
+) -> dict[str, list[float]]:
+    """Per repeat: a bare copy of the same bytes into a pre-faulted buffer; ckptd's save() stall and drain
+    (save until committed); then, alternating with the drain so both see the same device state, rank 0
+    writes the whole step's bytes raw with fsync (the drain baseline)."""
     torch.manual_seed(rank)
     numel = nbytes // 4
     state = {"w": torch.randn(numel)}
@@ -78,20 +82,24 @@ def _rank_stall(rank: int, world: int, socket_path: str, nbytes: int, repeats: i
     dst = torch.empty(numel)
     dst.fill_(1.0)  # pre-faulted
     client = CheckpointClient(socket_path, placement=Placement(rank, world, world, 0))
-    memcpy, stall, drain = [], [], []
+    memcpy, stall, drain, raw = [], [], [], []
     for i in range(repeats):
         torch.distributed.barrier()
         t0 = time.perf_counter()
         dst.copy_(state["w"])
         memcpy.append(time.perf_counter() - t0)
         torch.distributed.barrier()
+        t0 = time.perf_counter()
         handle = client.save(i + 1, shard)
         stall.append(handle.stall_s)
         handle.wait(600)
         drain.append(time.perf_counter() - t0)
+        torch.distributed.barrier()
+        if rank == 0:
+            raw.append(raw_write(os.path.join(raw_dir, "raw.bin"), nbytes * world))
         state["w"].add_(1.0)
     client.close()
-    return {"memcpy": memcpy, "stall": stall, "drain": drain}
+    return {"memcpy": memcpy, "stall": stall, "drain": drain, "raw": raw}
 
 
 def raw_write(path: str, nbytes: int, block: int = 16 * MiB) -> float:
@@ -127,13 +135,13 @@ def bench_pipeline(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
         daemon = DaemonProcess(root, sock, "--arena-size", arena, log_path=os.path.join(workdir, "daemon.log"))
         daemon.wait_ready(120)
         peaks, stop = rss_sampler(daemon.pid)
-        repeats = 2 if args.smoke else 3
-        results = run_ranks(_rank_stall, world, sock, size, repeats, timeout_s=1800)
+        repeats = 2 if args.smoke else 5
+        results = run_ranks(_rank_stall, world, sock, size, repeats, workdir, timeout_s=1800)
         stop.set()
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
         total = size * world
-        raw = statistics.median(raw_write(os.path.join(workdir, "raw.bin"), total) for _ in range(repeats))
+        raw = statistics.median(results[0]["raw"])
         memcpy = statistics.median(x for r in results for x in r["memcpy"])
         stall = statistics.median(x for r in results for x in r["stall"])
         drain = statistics.median(max(r["drain"][i] for r in results) for i in range(repeats))
@@ -142,6 +150,8 @@ def bench_pipeline(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
         if size == per_rank:
             rows.append(emit({"bench": "stall", "ratio_vs_memcpy": round(stall / memcpy, 3),
                               "stall_s": round(stall, 4), "memcpy_s": round(memcpy, 4),
+                              "stall_s_each": [[round(x, 4) for x in r["stall"]] for r in results],
+                              "memcpy_s_each": [[round(x, 4) for x in r["memcpy"]] for r in results],
                               "bytes_per_rank": size, "ranks": world}))
             rows.append(emit({"bench": "drain", "ratio_vs_raw_write": round(raw / drain, 3),
                               "daemon_mib_s": round(total / drain / MiB, 1),

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codec", choices=["raw", "zstd"], help="chunk compression (default raw)")
     s.add_argument("--keep", type=int, help="keep the newest N committed steps (default: all)")
     s.add_argument("--part-timeout", dest="part_timeout_s", type=float, help="seconds to wait for all local ranks")
+    s.add_argument("--stage-grace", dest="stage_grace_s", type=float,
+                   help="seconds writes wait for the node's other ranks to finish staging (default 0.5)")
     s.add_argument("--commit-timeout", dest="commit_timeout_s", type=float, help="seconds to wait for all nodes")
     s.add_argument("--drain-grace", dest="drain_grace_s", type=float, help="seconds to drain on SIGTERM")
     s.add_argument("--no-prefault", dest="prefault", action="store_false", default=None)

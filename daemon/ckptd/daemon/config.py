@@ -41,6 +41,7 @@ class DaemonConfig:
     codec: str = "raw"
     keep: int = 0  # committed steps to keep; 0 keeps all
     part_timeout_s: float = 600.0
+    stage_grace_s: float = 0.5  # start writing a step once all local ranks staged, or after this long
     commit_timeout_s: float = 600.0
     drain_grace_s: float = 120.0
     max_frame_bytes: int = 32 << 20

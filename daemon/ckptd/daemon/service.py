@@ -89,6 +89,7 @@ class StepJob:
     error: CkptdError | None = None
     nbytes: int = 0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    all_staged: asyncio.Event = field(default_factory=asyncio.Event)  # every local rank handed its data over
     durable_at: float = 0.0
     held: dict[str, list[HeldBlock]] = field(default_factory=dict)  # small arrays waiting to be packed
     held_bytes: int = 0
@@ -149,6 +150,7 @@ class CheckpointService:
         job.nbytes += nbytes
         job.tasks[req.rank] = self._spawn(self._write_rank(job, save), f"write step={req.step} rank={req.rank}")
         if len(job.saves) == job.local_world_size:
+            job.all_staged.set()
             self._spawn(self._finish_node(job), f"finish step={req.step}")
         return nbytes
 
@@ -214,6 +216,10 @@ class CheckpointService:
     # --- writing ----------------------------------------------------------------------------------
     async def _write_rank(self, job: StepJob, save: RankSave) -> None:
         lease = save.lease
+        # Let the node's other ranks finish their copies before disk writes compete with them for CPU and
+        # memory bandwidth: the data is safe in the arena already, and the stall is what training feels.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.all_staged.wait(), self.config.stage_grace_s)
         try:
             async with asyncio.TaskGroup() as tg:
                 for meta in save.request.shards:

@@ -75,8 +75,8 @@ def store_root(store: Store) -> str:
 
 def _s3fs(store: Store) -> Any:
     """The S3 filesystem under ``store``, or ``None`` for any other storage."""
-    if not isinstance(store, FsspecStore):
-        return None
+    if not isinstance(store, FsspecStore) or local_path(store) is not None:
+        return None  # without importing the S3 stack (botocore costs ~0.3 s, once, on a save path)
     from ckptd.writer.s3 import s3_options
 
     return store.fs if s3_options(store.fs) is not None else None
