@@ -84,6 +84,9 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
         daemon.wait_ready(120)
         info = run_ranks(_rank_save, 2, sock, build, workdir, timeout_s=3600)
         daemon.stop()
+        src = os.path.join(root, "step_1", "optim")
+        # the baseline runs right before and right after the merge (the disk's speed drifts); their mean counts
+        copy_before, copied = _copy_baseline(src, os.path.join(workdir, "copy-before"))
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "ckptd.daemon.cli", "merge", root, "--json", "--workers", "2"],
                                 stdout=subprocess.PIPE, text=True)
@@ -92,13 +95,16 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
         merge_s = time.perf_counter() - t0
         stop.set()
         summary = json.loads(out)
-        copy_s, copied = _copy_baseline(os.path.join(root, "step_1", "optim"), os.path.join(workdir, "copy"))
-        shutil.rmtree(os.path.join(workdir, "copy"), ignore_errors=True)
+        copy_after, _ = _copy_baseline(src, os.path.join(workdir, "copy-after"))
+        for d in ("copy-before", "copy-after"):
+            shutil.rmtree(os.path.join(workdir, d), ignore_errors=True)
+        copy_s = (copy_before + copy_after) / 2
         rows.append(emit({
             "bench": "merge", "model_params": info[0]["params"] * (1 if size.get("tp", 1) == 1 else 2),
             "buckets_per_rank": info[0]["buckets"], "peak_rss_mib": round(peaks()["hwm"] / MiB, 1),
             "bytes_read": summary["bytes_read"], "merge_s": round(merge_s, 3), "merge_inner_s": summary["seconds"],
-            "copy_s": round(copy_s, 3), "copy_bytes": copied,
+            "copy_s": round(copy_s, 3), "copy_s_before_after": [round(copy_before, 3), round(copy_after, 3)],
+            "copy_bytes": copied,
             "throughput_ratio_vs_copy": round(copy_s / summary["seconds"], 3),
             "megatron_fully_reshardable_rss_growth_mib_per_rank": round(
                 max(r["megatron_fully_rss_growth"] for r in info) / MiB, 1),

@@ -55,7 +55,7 @@ from ckptd.writer.format import (
     region_chunks,
     step_dir,
 )
-from ckptd.writer.store import close_store, get_bytes, list_dir, normalize_root, open_store, put_bytes
+from ckptd.writer.store import close_store, get_bytes, list_dir, normalize_root, open_store, put_bytes, sync_all
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ async def run_merge(
     finished = await _finished_tasks(store, prefix)
     todo = [t for t in plan.tasks if t.name not in finished]
     bar = Progress(sum(t.nbytes for t in todo)) if progress else None
-    sink = ChunkSink(store)
+    sink = ChunkSink(store, fsync_each=False)  # many small pieces: one filesystem sync per bucket instead
     sem = asyncio.Semaphore(max(1, workers))
     records: dict[str, list[ShardRecord]] = {name: list(recs) for name, recs in _records_of(finished).items()}
     written = 0
@@ -299,6 +299,7 @@ async def run_merge(
         async with sem:
             out = await _merge_task(store, sink, prefix, task, plan.arrays)
         doc = {name: [msgspec.to_builtins(r) for r in recs] for name, recs in out.items()}
+        await sync_all(store)  # the bucket's chunks are durable before its progress note claims them
         await put_bytes(store, f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}/{task.name}.json", encode_json(doc))
         for name, recs in out.items():
             records.setdefault(name, []).extend(recs)
@@ -383,5 +384,6 @@ async def _commit_merge(
         arrays=arrays, objects={"content": CONTENT, "source": "dp_layout"},
         nbytes=sum(c.nbytes for a in arrays for s in a.shards for c in s.chunks), committed_at=time.time(),
     )
+    await sync_all(store)  # metadata durable before the marker
     await asyncio.shield(put_bytes(store, f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}", encode_json(manifest)))
     return manifest

@@ -82,9 +82,12 @@ class ChunkSink:
     thread. Object stores get one buffer through the zarr store (fsspec) API.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, fsync_each: bool = True) -> None:
+        """``fsync_each=False`` leaves durability to the caller (:func:`ckptd.writer.store.sync_all`):
+        cheaper when many small chunks are written, as the merge does."""
         self.store = store
         self.local_root = local_path(store)
+        self.fsync_each = fsync_each
 
     async def put(self, key: str, block: np.ndarray) -> int:
         """Write one chunk; returns the crc32c of its (decoded) bytes.
@@ -92,7 +95,7 @@ class ChunkSink:
         Checksumming and copying run in worker threads, never in the event loop that serves the ranks.
         """
         if self.local_root is not None:
-            return await asyncio.to_thread(_put_local, os.path.join(self.local_root, key), block)
+            return await asyncio.to_thread(_put_local, os.path.join(self.local_root, key), block, self.fsync_each)
         body, crc = await asyncio.to_thread(_encode, block)
         await put_body(self.store, key, body)
         return crc
@@ -114,7 +117,7 @@ def _encode(block: np.ndarray) -> tuple[bytearray, int]:
     return body, crc
 
 
-def _put_local(path: str, block: np.ndarray) -> int:
+def _put_local(path: str, block: np.ndarray, sync: bool = True) -> int:
     view = _little_endian(block).data.cast("B")
     crc = int(crc32c.crc32c(view))
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -128,7 +131,8 @@ def _put_local(path: str, block: np.ndarray) -> int:
                 parts.pop(0)
             if parts and n:
                 parts[0] = parts[0][n:]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return crc
