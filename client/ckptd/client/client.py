@@ -337,15 +337,19 @@ class CheckpointClient:
         Raises the error of an earlier save that failed in the background, typed errors for bad input,
         and (policy ``"fail"``) :class:`BackpressureError` when the arena is still full.
         """
+        t0 = time.perf_counter()
         plan = plan_state(state, self.placement.rank)
-        return self.save_plan(step, plan, sidecars=sidecars)
+        return self._save(step, plan, sidecars, t0)
 
     def save_plan(self, step: int, plan: Plan, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Like :meth:`save` for an already planned state (callers that cache their plan)."""
+        return self._save(step, plan, sidecars, time.perf_counter())
+
+    def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
+        """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked."""
         self._raise_background_errors()
         docs = {sidecar_name(t): t for t in sidecars}
         docs = {n: t for n, t in docs.items() if n not in self._sidecars_sent}
-        t0 = time.perf_counter()
         encode_objects(plan.objects)
         sizes = [s.nbytes for s in plan.shards]
         timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
