@@ -1,0 +1,30 @@
+"""CI runs the benchmarks at smoke size: they must run and print their JSON lines (speed is not asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_benchmarks_run_at_smoke_size(tmp_path):
+    out = subprocess.run([sys.executable, str(RUNNER), "--smoke", "--root", str(tmp_path)],
+                         capture_output=True, text=True, timeout=880)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    by_bench = {r["bench"]: r for r in rows}
+    figures = [("stall", "ratio_vs_memcpy"), ("drain", "ratio_vs_raw_write"), ("daemon_rss", "ratio_4x_data"),
+               ("megatron_stall", "ratio_vs_memcpy"), ("merge", "throughput_ratio_vs_copy"),
+               ("s3_drain", "ratio_vs_raw_put")]
+    for bench, figure in figures:
+        assert bench in by_bench, f"{bench} missing: {sorted(by_bench)}\n{out.stderr[-2000:]}"
+        assert by_bench[bench][figure] > 0, by_bench[bench]
+    assert by_bench["machine"]["smoke"] is True
+    assert not list(tmp_path.iterdir()), "the benchmarks left files behind"
