@@ -12,7 +12,6 @@ A state dict is a nested ``dict`` whose leaves are
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +173,3 @@ def _set_path(tree: dict[str, Any], path: str, value: object) -> None:
         tree = tree.setdefault(p, {})
     tree[last] = value
 
-
-def shard_numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

@@ -52,6 +52,7 @@ from ckptd.writer.format import (
     chunk_key,
     chunk_selection_of,
     encode_json,
+    itemsize,
     region_chunks,
     step_dir,
 )
@@ -174,7 +175,7 @@ def plan_merge(commit: CommitManifest, layouts: Iterable[MegatronLayout]) -> Mer
                 name=f"{mp}.buf{buf.index}.bucket{bucket.index}",
                 source_prefix=prefix,
                 padded_numel=bucket.padded_numel,
-                itemsize=torch.empty(0, dtype=getattr(torch, first.torch_dtype)).element_size(),
+                itemsize=itemsize(first.torch_dtype),
                 states=tuple(states),
                 placements={s: tuple(p) for s, p in placements.items()},
             ))

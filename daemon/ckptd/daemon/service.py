@@ -367,9 +367,14 @@ class CheckpointService:
 
     async def _watch_part_timeout(self, job: StepJob) -> None:
         timeout = self.config.part_timeout_s
+        staged = asyncio.ensure_future(job.all_staged.wait())
+        ended = asyncio.ensure_future(job.finished.wait())  # failed for another reason meanwhile
         try:
-            await asyncio.wait_for(self._all_local_ranks(job), timeout)
-        except TimeoutError:
+            await asyncio.wait((staged, ended), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            staged.cancel()
+            ended.cancel()
+        if job.state == "pending" and not job.all_staged.is_set():
             missing = job.local_world_size - len(job.saves)
             err = SaveTimeoutError(
                 f"step {job.step} node {job.node}: {missing} of {job.local_world_size} local ranks never saved "
@@ -381,10 +386,6 @@ class CheckpointService:
             if job.node == 0:
                 await self._note_failure(job, err)
             self._log_step(job)
-
-    async def _all_local_ranks(self, job: StepJob) -> None:
-        while len(job.saves) < job.local_world_size and job.state == "pending":
-            await asyncio.sleep(0.05)
 
     # --- status -----------------------------------------------------------------------------------
     async def status(self, step: int, wait_s: float) -> tuple[str, CkptdError | None]:
