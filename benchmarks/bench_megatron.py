@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from ckptd.daemon.launch import DaemonProcess, run_ranks
+from ckptd.testing.launch import DaemonProcess, run_ranks
 
 MiB = 1 << 20
 FULL = {"hidden": 1024, "layers": 8, "heads": 16, "vocab": 32768, "seq": 64, "micro_batch_size": 1}
@@ -76,7 +76,7 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, cfg: dict[str, 
 
     from ckptd.client import CheckpointClient
     from ckptd.client.megatron import _save_plan, save_checkpoint
-    from ckptd.daemon.megatron_toy import build_gpt
+    from ckptd.testing.toy_gpt import build_gpt
 
     model, optimizer, train_step = build_gpt(**cfg)
     train_step(0)  # the optimizer has its state now

@@ -24,7 +24,7 @@ def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], w
 
     from ckptd.client import CheckpointClient
     from ckptd.client.megatron import get_layout, save_checkpoint
-    from ckptd.daemon.megatron_toy import build_gpt
+    from ckptd.testing.toy_gpt import build_gpt
 
     model, optimizer, train_step = build_gpt(**build)
     train_step(0)
@@ -66,7 +66,7 @@ def _copy_baseline(src: str, dst: str) -> tuple[float, int]:
 def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     from run import emit, rss_sampler
 
-    from ckptd.daemon.launch import DaemonProcess, run_ranks
+    from ckptd.testing.launch import DaemonProcess, run_ranks
 
     if args.smoke:
         sizes = [dict(hidden=64, layers=1), dict(hidden=64, layers=4)]

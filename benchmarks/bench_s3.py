@@ -1,6 +1,6 @@
 """S3 drain benchmark: daemon throughput to an S3 server vs a raw s3fs put of the same bytes, same endpoint.
 
-A moto S3 server runs on 127.0.0.1 in its own process (``tests/s3server.py``). Two gloo ranks save
+A moto S3 server runs on 127.0.0.1 in its own process (``ckptd.testing.s3server``). Two gloo ranks save
 ``per_rank`` bytes each through a ``ckptd serve --root s3://...`` daemon; the drain is the time from the
 first ``save()`` to the commit. Baseline in the same run: one process putting the same number of bytes,
 as objects of the daemon's chunk size with the daemon's concurrency, through a plain
@@ -14,12 +14,10 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # s3server.py: the same server the tests use
 
 MiB = 1 << 20
 BUCKET = "bench"
@@ -99,9 +97,9 @@ def _empty(server: Any, prefix: str) -> None:
 
 def bench_s3_drain(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     from run import emit
-    from s3server import S3Server
 
-    from ckptd.daemon.launch import DaemonProcess, run_ranks
+    from ckptd.testing.launch import DaemonProcess, run_ranks
+    from ckptd.testing.s3server import S3Server
 
     per_rank = (4 if args.smoke else 128) * MiB
     world = 2

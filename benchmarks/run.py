@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from ckptd.client import CheckpointClient, Placement, Shard  # noqa: E402
-from ckptd.daemon.launch import DaemonProcess, run_ranks  # noqa: E402
+from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
 
 MiB = 1 << 20
 

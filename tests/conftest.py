@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import pytest
-from ckptd_testing import BUCKET
 
-from ckptd.daemon.launch import DaemonProcess
+from ckptd.testing.fixtures import BUCKET
+from ckptd.testing.launch import DaemonProcess
 
 if TYPE_CHECKING:
-    from faultproxy import FaultProxy
-    from s3server import S3Server
+    from ckptd.testing.faultproxy import FaultProxy
+    from ckptd.testing.s3server import S3Server
 
 
 @contextlib.contextmanager
@@ -67,8 +67,8 @@ def start_daemon(sockdir: str, tmp_path: os.PathLike[str]) -> Iterator[Callable[
 # --- S3 -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    """A moto server (no auth: any credentials work) with the bucket ``ckptd_testing.BUCKET``."""
-    from s3server import S3Server
+    """A moto server (no auth: any credentials work) with the bucket ``ckptd.testing.fixtures.BUCKET``."""
+    from ckptd.testing.s3server import S3Server
 
     with S3Server() as server:
         server.make_bucket(BUCKET)
@@ -78,7 +78,7 @@ def s3() -> Iterator[S3Server]:
 @pytest.fixture(scope="module")
 def s3_auth() -> Iterator[S3Server]:
     """Like :func:`s3`, but checking signatures: only ``s3_auth.credentials`` are accepted."""
-    from s3server import S3Server
+    from ckptd.testing.s3server import S3Server
 
     with S3Server(auth=True) as server:
         server.make_bucket(BUCKET)
@@ -88,7 +88,7 @@ def s3_auth() -> Iterator[S3Server]:
 @pytest.fixture
 def proxy(s3: S3Server) -> Iterator[FaultProxy]:
     """A fault-injecting proxy in front of :func:`s3` (no faults until a test sets some)."""
-    from faultproxy import FaultProxy
+    from ckptd.testing.faultproxy import FaultProxy
 
     with FaultProxy(s3.endpoint_url) as p:
         yield p

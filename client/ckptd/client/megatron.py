@@ -19,7 +19,7 @@ They build on three pure-ish pieces:
   another DP size (same TP/PP).
 
 Nothing here imports megatron, zarr or fsspec at module import; megatron is imported lazily where a
-function needs its classes. The CPU shim (``ckptd.daemon.megatron_cpu``) is test-only and never imported.
+function needs its classes. The CPU shim (``ckptd.testing.cpu_shim``) is test-only and never imported.
 
 Storage names (validated by :func:`ckptd.writer.format.validate_key`):
 

@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "demo":
-            from ckptd.daemon.demo import run_demo
+            from ckptd.testing.demo import run_demo
 
             return run_demo(root=args.root, as_json=args.json, ranks=args.ranks, steps=args.steps,
                             save_every=args.save_every)

@@ -4,7 +4,7 @@ Test/demo code only: the ckptd library never imports it. :func:`build_gpt` build
 ``GPTModel`` (local layer spec, SwiGLU MLP, CPU initialization) wrapped in
 ``DistributedDataParallel(use_distributed_optimizer=True)`` with Megatron's ``DistributedOptimizer``;
 :func:`spawn_ranks` runs a function in ``world_size`` real processes joined by a gloo process group
-(through :func:`ckptd.daemon.launch.run_ranks`, the one launcher).
+(through :func:`ckptd.testing.launch.run_ranks`, the one launcher).
 
 Determinism: the data of global micro-batch ``j`` at iteration ``i`` comes from a generator seeded with
 ``(data_seed, i, j)`` only, and the loss a step reports is the mean of the per-micro-batch losses
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ckptd.daemon.launch import RankFailedError, free_port, run_ranks
+from ckptd.testing.launch import RankFailedError, free_port, run_ranks
 
 __all__ = ["RankFailedError", "ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
 
@@ -69,7 +69,7 @@ def build_gpt(
     bit-identical across DP sizes (every rescaling is by a power of two).
     """
     if not torch.cuda.is_available():
-        from ckptd.daemon.megatron_cpu import install_cpu_shim
+        from ckptd.testing.cpu_shim import install_cpu_shim
 
         install_cpu_shim()
 
@@ -213,7 +213,7 @@ def build_gpt(
 # --- launcher --------------------------------------------------------------------------------------
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a thin wrapper over
-    :func:`ckptd.daemon.launch.run_ranks` (forkserver with torch and megatron-core preloaded).
+    :func:`ckptd.testing.launch.run_ranks` (forkserver with torch and megatron-core preloaded).
 
     Returns each rank's return value; a failing rank raises :class:`RankFailedError` with its traceback.
     """

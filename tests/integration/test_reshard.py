@@ -22,13 +22,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from ckptd_testing import BUCKET
 from test_s3 import aws_env, options, s3_flags
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
-from ckptd.daemon.launch import DaemonProcess
-from ckptd.daemon.megatron_toy import build_gpt, spawn_ranks
+from ckptd.testing.fixtures import BUCKET
+from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 from ckptd.writer.errors import LayoutMismatchError
 
 pytestmark = pytest.mark.megatron
@@ -126,7 +126,7 @@ def _load_with_options(rank: int, world: int, root: str, tp: int, opts: dict[str
 
 @pytest.mark.s3
 def test_save_merge_and_reshard_on_s3(s3, start_daemon) -> None:
-    from ckptd.daemon.launch import run_ranks
+    from ckptd.testing.launch import run_ranks
 
     env = aws_env(s3)
     root = f"s3://{BUCKET}/reshard-{os.getpid()}"

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import child_server
+from ckptd.testing import child_server
 
 __all__ = ["DEFAULT_REGION", "S3Credentials", "S3Server", "S3ServerError"]
 
@@ -89,7 +89,7 @@ class S3Server:
         env = dict(os.environ)
         env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)  # auth is switched on later, over HTTP
         self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve"],
+            [sys.executable, "-m", "ckptd.testing.s3server", "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

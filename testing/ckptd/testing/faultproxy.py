@@ -51,12 +51,11 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-import child_server
+from ckptd.testing import child_server
 
 __all__ = ["Fault", "FaultConfig", "FaultProxy", "FaultProxyProcess", "ProxyStats"]
 
@@ -724,7 +723,7 @@ class FaultProxyProcess:
         if self._proc is not None:
             return self
         self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--upstream", self.upstream],
+            [sys.executable, "-m", "ckptd.testing.faultproxy", "--upstream", self.upstream],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,6 +1,6 @@
 """Megatron checkpoints through ckptd end to end: real daemon processes, real gloo ranks, real megatron-core.
 
-Every rank trains the toy GPT (``ckptd.daemon.megatron_toy``, CPU shim), saves with
+Every rank trains the toy GPT (``ckptd.testing.toy_gpt``, CPU shim), saves with
 :func:`save_checkpoint` through a ``ckptd serve`` subprocess, and the state loaded by
 :func:`load_checkpoint` into a freshly built model and optimizer is compared with the *live* state at
 save time, bit for bit: every model tensor, every main param, every per-param state of the inner
@@ -22,8 +22,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from ckptd_testing import megatron_owned_state
-
 from ckptd.client import CheckpointClient
 from ckptd.client.load import read_commit, read_sidecar
 from ckptd.client.megatron import (
@@ -34,8 +32,9 @@ from ckptd.client.megatron import (
     load_checkpoint,
     save_checkpoint,
 )
-from ckptd.daemon.launch import DaemonProcess
-from ckptd.daemon.megatron_toy import build_gpt, spawn_ranks
+from ckptd.testing.fixtures import megatron_owned_state
+from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 from ckptd.writer.errors import LayoutMismatchError, StateMismatchError
 
 pytestmark = pytest.mark.megatron

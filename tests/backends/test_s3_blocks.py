@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import s3fs
 import zarr.api.asynchronous as za
-from ckptd_testing import BUCKET, TRANSIENT_20
-from faultproxy import Fault, FaultProxy, FaultProxyProcess
-from s3server import S3Credentials, S3Server
 from zarr.storage import FsspecStore
 
+from ckptd.testing.faultproxy import Fault, FaultProxy, FaultProxyProcess
+from ckptd.testing.fixtures import BUCKET, TRANSIENT_20
+from ckptd.testing.s3server import S3Credentials, S3Server
 from ckptd.writer.errors import (
     CkptdError,
     InvalidRequestError,

@@ -31,7 +31,7 @@ import tempfile
 import time
 from typing import Any
 
-from ckptd.daemon.launch import DaemonProcess, run_ranks
+from ckptd.testing.launch import DaemonProcess, run_ranks
 from ckptd.writer.errors import InvalidRequestError
 
 MARKER = ".ckptd-demo"  # a root holding this file was made by the demo and may be emptied by it
@@ -69,7 +69,7 @@ def state_digests(model: list[Any], optimizer: Any) -> dict[str, str]:
 def _train_rank(rank: int, world: int, socket: str, steps: int, save_every: int, tp: int, gmb: int) -> dict[str, Any]:
     from ckptd.client import CheckpointClient
     from ckptd.client.megatron import save_checkpoint
-    from ckptd.daemon.megatron_toy import build_gpt
+    from ckptd.testing.toy_gpt import build_gpt
 
     model, optimizer, train_step = build_gpt(tp=tp, global_microbatches=gmb, **MODEL)  # type: ignore[arg-type]
     client = CheckpointClient(socket, timeout_s=120)
@@ -98,7 +98,7 @@ def _train_rank(rank: int, world: int, socket: str, steps: int, save_every: int,
 
 def _reload_rank(rank: int, world: int, root: str, tp: int, gmb: int) -> dict[str, Any]:
     from ckptd.client.megatron import load_checkpoint
-    from ckptd.daemon.megatron_toy import build_gpt
+    from ckptd.testing.toy_gpt import build_gpt
 
     model, optimizer, _train = build_gpt(tp=tp, global_microbatches=gmb, seed=97, **MODEL)  # type: ignore[arg-type]
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ Each rank is its own OS process (forkserver: torch is imported once, ranks fork 
 gets torchrun-style environment variables, joins ``torch.distributed`` with gloo on 127.0.0.1 and runs
 ``fn(rank, world_size, *args)``. Results and tracebacks come back over a pipe.
 
-This is the one launcher: :func:`ckptd.daemon.megatron_toy.spawn_ranks` is a thin wrapper over
+This is the one launcher: :func:`ckptd.testing.toy_gpt.spawn_ranks` is a thin wrapper over
 :func:`run_ranks`.
 """
 

@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckptd_testing import BUCKET, TRANSIENT_20
-from faultproxy import Fault, FaultProxy
-from s3server import S3Server
 from test_pipeline import expected_state, tensors, zero_template
 
 from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.load import load
-from ckptd.daemon.launch import RankFailedError, run_ranks
 from ckptd.daemon.packing import HeldBlock, covers_whole
+from ckptd.testing.faultproxy import Fault, FaultProxy
+from ckptd.testing.fixtures import BUCKET, TRANSIENT_20
+from ckptd.testing.launch import RankFailedError, run_ranks
+from ckptd.testing.s3server import S3Server
 from ckptd.writer.commit import CheckpointRoot
 from ckptd.writer.errors import (
     StepCommittedError,

@@ -17,8 +17,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from ckptd_testing import megatron_owned_state
-
 from ckptd.client.megatron import (
     MAIN_PARAM,
     OPTIM_META,
@@ -30,7 +28,8 @@ from ckptd.client.megatron import (
     optimizer_state,
 )
 from ckptd.client.state import Shard, plan_state
-from ckptd.daemon.megatron_toy import RankFailedError, build_gpt, spawn_ranks
+from ckptd.testing.fixtures import megatron_owned_state
+from ckptd.testing.toy_gpt import RankFailedError, build_gpt, spawn_ranks
 
 pytestmark = pytest.mark.megatron
 
@@ -333,7 +332,7 @@ def test_round_trip_changes_dp(tmp_path: Path, saved_dp: int, loaded_dp: int) ->
 
 
 def _shim_rank(rank: int, world: int) -> dict[str, Any]:
-    from ckptd.daemon.megatron_cpu import install_cpu_shim
+    from ckptd.testing.cpu_shim import install_cpu_shim
 
     install_cpu_shim()
     install_cpu_shim()  # idempotent

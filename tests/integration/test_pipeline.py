@@ -17,7 +17,7 @@ import torch
 import zarr
 
 from ckptd.client import CheckpointClient, CheckpointNotFoundError, DaemonUnavailableError, Placement, Shard
-from ckptd.daemon.launch import run_ranks
+from ckptd.testing.launch import run_ranks
 from ckptd.writer.errors import CkptdError, SaveTimeoutError
 from ckptd.writer.format import decode_commit, decode_part
 

@@ -20,11 +20,10 @@ import zarr
 
 pytest.importorskip("megatron.core")
 
-from ckptd_testing import megatron_owned_state
-
 from ckptd.client import CheckpointClient, Placement
 from ckptd.client.megatron import MegatronLayout, get_layout, model_state, optimizer_state
-from ckptd.daemon.launch import run_ranks
+from ckptd.testing.fixtures import megatron_owned_state
+from ckptd.testing.launch import run_ranks
 from ckptd.writer.format import sidecar_name
 
 pytestmark = pytest.mark.megatron
@@ -33,8 +32,8 @@ CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 
 
 def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], step: int) -> dict[str, Any]:
-    from ckptd.daemon.megatron_cpu import install_cpu_shim
-    from ckptd.daemon.megatron_toy import build_gpt
+    from ckptd.testing.cpu_shim import install_cpu_shim
+    from ckptd.testing.toy_gpt import build_gpt
 
     install_cpu_shim()
     model, optimizer, train_step = build_gpt(**build)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+RUNNER = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
 
 pytestmark = pytest.mark.timeout(900)
 
