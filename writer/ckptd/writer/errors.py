@@ -21,6 +21,10 @@ class InvalidRequestError(CkptdError, ValueError):
     """A request or state dict that ckptd refuses: the message says what and where."""
 
 
+class ConfigError(CkptdError, ValueError):
+    """A daemon or storage option that is unknown, of the wrong type or out of range (file, env or flag)."""
+
+
 class ProtocolError(InvalidRequestError):
     """A malformed, oversized or undecodable message on the daemon socket."""
 
