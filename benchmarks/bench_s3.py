@@ -6,6 +6,10 @@ first ``save()`` to the commit. Baseline in the same run: one process putting th
 as objects of the daemon's chunk size with the daemon's concurrency, through a plain
 ``s3fs.S3FileSystem``. The local server is the bottleneck on this machine, so the ratio is the figure,
 not the absolute rates. moto keeps objects in memory (~2x): steps are deleted between repeats.
+
+Each run is one save paired with one baseline put (``--repeat``; 5 at full size, 1 at smoke size); the order
+within the pair alternates from run to run, so drift in the machine's speed favours neither. The row holds
+the median over the runs of each figure (the ratio is taken per pair), with its min and max.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import time
 from typing import Any
 
@@ -96,14 +99,14 @@ def _empty(server: Any, prefix: str) -> None:
 
 
 def bench_s3_drain(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
-    from run import emit
+    from run import emit, runs, spread
 
     from ckptd.testing.launch import DaemonProcess, run_ranks
     from ckptd.testing.s3server import S3Server
 
     per_rank = (4 if args.smoke else 128) * MiB
     world = 2
-    repeats = 1 if args.smoke else 5
+    repeats = runs(args, full=5)
     total = per_rank * world
     with S3Server() as server:
         server.make_bucket(BUCKET)
@@ -120,16 +123,20 @@ def bench_s3_drain(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
         drains, raws = [], []
         try:
             for step in range(1, repeats + 1):  # interleaved, so both see the same machine noise
-                raws.append(_raw_put_niced(server.endpoint_url, "raw", total))
+                if step % 2:
+                    raws.append(_raw_put_niced(server.endpoint_url, "raw", total))
                 drains.append(max(run_ranks(_rank_save, world, sock, per_rank, step, env=env, timeout_s=1800)))
                 _empty(server, "run")
+                if not step % 2:
+                    raws.append(_raw_put_niced(server.endpoint_url, "raw", total))
         finally:
             daemon.stop()
-    drain = statistics.median(drains)
-    raw = statistics.median(raws)
     return [emit({
-        "bench": "s3_drain", "ratio_vs_raw_put": round(raw / drain, 3),
-        "daemon_mib_s": round(total / drain / MiB, 1), "raw_put_mib_s": round(total / raw / MiB, 1),
+        "bench": "s3_drain",
+        **spread("ratio_vs_raw_put", [raw / drain for raw, drain in zip(raws, drains, strict=True)]),
+        **spread("daemon_mib_s", [total / drain / MiB for drain in drains], 1),
+        **spread("raw_put_mib_s", [total / raw / MiB for raw in raws], 1),
+        "runs": repeats,
         "bytes": total, "ranks": world, "chunk_mib": CHUNK_MIB, "concurrency": CONCURRENCY, "repeats": repeats,
         "nice": DAEMON_NICE, "daemon_s": [round(x, 3) for x in drains], "raw_put_s": [round(x, 3) for x in raws],
         "endpoint": "moto ThreadedMotoServer on 127.0.0.1",

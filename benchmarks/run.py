@@ -1,9 +1,12 @@
 """ckptd benchmarks. Each one measures ckptd against a baseline in the same run and prints JSON lines.
 
-    python benchmarks/run.py [--smoke] [--only NAME[,NAME]] [--root DIR]
+    python benchmarks/run.py [--smoke] [--only NAME[,NAME]] [--root DIR] [--repeat N]
 
 Benchmarks are not tests: they assert nothing about speed. ``--smoke`` runs tiny sizes (CI does this to
 keep the code working); the full sizes are what ``docs/benchmarks.md`` reports.
+
+The noisy figures (``merge``, ``s3_drain``) are measured ``--repeat`` times, each run alternating with its
+baseline; their keys hold the median over the runs, with ``<key>_min``, ``<key>_max`` and ``runs`` beside.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +44,18 @@ def machine() -> dict[str, Any]:
 def emit(row: dict[str, Any]) -> dict[str, Any]:
     print(json.dumps(row), flush=True)
     return row
+
+
+def runs(args: argparse.Namespace, full: int = 3) -> int:
+    """How many times a repeated benchmark measures: ``--repeat``, else 1 at smoke size and ``full`` otherwise."""
+    repeat: int | None = getattr(args, "repeat", None)
+    return repeat if repeat else (1 if args.smoke else full)
+
+
+def spread(key: str, values: Sequence[float], ndigits: int = 3) -> dict[str, float]:
+    """``key`` (the median over the runs), ``key_min`` and ``key_max``, rounded, for a result row."""
+    return {key: round(statistics.median(values), ndigits),
+            f"{key}_min": round(min(values), ndigits), f"{key}_max": round(max(values), ndigits)}
 
 
 def rss_sampler(pid: int) -> tuple[Callable[[], dict[str, int]], threading.Event]:
@@ -204,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {sorted(BENCHES)} (or {sorted(ALIASES)})")
     parser.add_argument("--root", default=None,
                         help="working directory on the storage to measure (default: a temp dir)")
+    parser.add_argument("--repeat", type=int, default=None, metavar="N",
+                        help="runs of each repeated benchmark (merge per size, s3_drain); reported as median, "
+                             "min and max (default: 1 with --smoke, else 3 for merge and 5 for s3_drain)")
     args = parser.parse_args(argv)
+    if args.repeat is not None and args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     wanted = [ALIASES.get(n, n) for n in args.only.split(",") if n] or list(BENCHES)
     unknown = [n for n in wanted if n not in BENCHES]
     if unknown:
@@ -217,12 +237,24 @@ def main(argv: list[str] | None = None) -> int:
             rows += BENCHES[name](args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print("\n| bench | figure | value |\n|---|---|---|", file=sys.stderr)
-    for row in rows:
-        ratio = next(((k, v) for k, v in row.items() if k.startswith("ratio") or k.endswith("ratio")), None)
-        if ratio:
-            print(f"| {row['bench']} | {ratio[0]} | {ratio[1]} |", file=sys.stderr)
+    print(table(rows), file=sys.stderr)
     return 0
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The headline figures as a Markdown table: every ratio, and every repeated figure that is not a time
+    (times are in the JSON); a repeated one shows its median, min and max over ``runs``."""
+    lines = ["", "| bench | figure | value (median) | min | max | runs |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        label = row["bench"] + (f" ({row['model_params']:,} params)" if "model_params" in row else "")
+        for key, value in row.items():
+            if key.endswith(("_min", "_max")) or isinstance(value, (list, dict, str, bool)):
+                continue
+            repeated = f"{key}_min" in row
+            if "ratio" in key or (repeated and not key.endswith("_s")):
+                low, high = (row[f"{key}_min"], row[f"{key}_max"]) if repeated else ("", "")
+                lines.append(f"| {label} | {key} | {value} | {low} | {high} | {row.get('runs', '')} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,4 +27,10 @@ def test_benchmarks_run_at_smoke_size(tmp_path):
         assert bench in by_bench, f"{bench} missing: {sorted(by_bench)}\n{out.stderr[-2000:]}"
         assert by_bench[bench][figure] > 0, by_bench[bench]
     assert by_bench["machine"]["smoke"] is True
+    # the repeated figures: the key holds the median of `runs` runs (one at smoke size), bracketed by min/max
+    for bench, figure in [("merge", "throughput_ratio_vs_copy"), ("merge", "peak_rss_mib"),
+                          ("s3_drain", "ratio_vs_raw_put")]:
+        row = by_bench[bench]
+        assert row["runs"] == 1, row
+        assert row[f"{figure}_min"] <= row[figure] <= row[f"{figure}_max"], row
     assert not list(tmp_path.iterdir()), "the benchmarks left files behind"
