@@ -33,6 +33,27 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
+    """Bytes the current user can still allocate in ``shm_dir`` (a tmpfs: this is memory, not disk)."""
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_capacity(size: int, shm_dir: str = SHM_DIR) -> None:
+    """Refuse an arena the shared-memory filesystem cannot hold.
+
+    The arena file is sized with ``ftruncate``, which succeeds on tmpfs whatever its free space; the
+    shortfall would surface later as a SIGBUS in the daemon or in a rank's copy. Fail at startup instead.
+    """
+    free = shm_free_bytes(shm_dir)
+    if size > free:
+        raise ArenaError(
+            f"the arena ({size / 2**30:.2f} GiB) does not fit in {shm_dir} ({free / 2**30:.2f} GiB free): enlarge "
+            f"{shm_dir} (docker --shm-size, a Kubernetes emptyDir with medium: Memory, or mount -o remount,size=) "
+            "or lower --arena-size; `ckptd plan` tells what a model needs"
+        )
+
+
 class Allocator:
     """First-fit interval allocator over ``[0, size)``; frees coalesce with their neighbours."""
 
@@ -92,6 +113,7 @@ class Arena:
         if size < ALIGN:
             raise ArenaError(f"arena size {size} is below one page")
         self.size = _align(size)
+        check_shm_capacity(self.size, shm_dir)
         self.path = os.path.join(shm_dir, f"{_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
