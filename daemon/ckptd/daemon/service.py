@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from zarr.abc.store import Store
@@ -54,10 +54,18 @@ KEEP_FINISHED_JOBS = 64
 CLOCK_SKEW_S = 5.0  # failure notes older than a step's start (less this) are an earlier attempt's
 
 
-class CheckpointService:
-    """Everything the daemon does with saves, independent of the socket that delivers them."""
+# Starts a background task of the service (the server passes its task group's); the name is for logs.
+Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
-    def __init__(self, config: DaemonConfig, arena: Arena, store: Store) -> None:
+
+class CheckpointService:
+    """Everything the daemon does with saves, independent of the socket that delivers them.
+
+    ``spawn`` starts its background tasks (writes, step completion, timeouts): the server passes one that
+    puts them in its task group, so shutdown can cancel them; by default they are plain loop tasks.
+    """
+
+    def __init__(self, config: DaemonConfig, arena: Arena, store: Store, spawn: Spawn | None = None) -> None:
         self.config = config
         self.arena = arena
         self.root = CheckpointRoot(store, config.root)
@@ -65,7 +73,8 @@ class CheckpointService:
         self.draining = False
         self.writer = ShardWriter(config, arena, store)
         self._job_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
 
     # --- accepting saves --------------------------------------------------------------------------
@@ -266,7 +275,7 @@ class CheckpointService:
         return job.state, job.error
 
     # --- lifecycle --------------------------------------------------------------------------------
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    def _spawn_detached(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
