@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,14 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptd.client.state import Shard, dtype_name, plan_state, torch_dtype
-from ckptd.daemon.config import DaemonConfig, load_config, parse_size
 from ckptd.writer.errors import (
     InvalidKeyError,
     InvalidRequestError,
     ShardLayoutError,
     UnsupportedDtypeError,
 )
-from ckptd.writer.format import DEFAULT_CHUNK_BYTES, region_chunks
+from ckptd.writer.format import region_chunks
 
 
 def sample_state() -> dict[str, Any]:
@@ -275,123 +273,3 @@ def test_unknown_torch_dtype_names_are_refused(name: str) -> None:
     with pytest.raises(InvalidRequestError):
         torch_dtype(name)
 
-
-# --- daemon config --------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("1048576", 1 << 20),
-        ("0", 0),
-        ("512M", 512 << 20),
-        ("512MiB", 512 << 20),
-        ("512MB", 512 << 20),
-        ("512mib", 512 << 20),
-        ("4GiB", 4 << 30),
-        (" 4 GiB ", 4 << 30),
-        ("2T", 2 << 40),
-        ("64K", 64 << 10),
-        ("1.5KiB", 1536),
-        ("100B", 100),
-        (12345, 12345),
-    ],
-)
-def test_parse_size_units(text: str | int, expected: int) -> None:
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "abc", "4 XB", "-1", "4GiBs", "1e6", "G", "4 G B"])
-def test_parse_size_rejects_nonsense(text: str) -> None:
-    with pytest.raises(InvalidRequestError, match="cannot parse size"):
-        parse_size(text)
-
-
-def write_toml(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "ckptd.toml"
-    path.write_text(text)
-    return str(path)
-
-
-def test_load_config_precedence(tmp_path: Path) -> None:
-    path = write_toml(
-        tmp_path,
-        """
-[daemon]
-root = "/from/file"
-arena_size = "1GiB"
-write_concurrency = 3
-codec = "zstd"
-keep = 2
-part-timeout-s = 5
-
-[storage]
-anon = false
-""",
-    )
-    env = {"CKPTD_ARENA_SIZE": "256MiB", "CKPTD_KEEP": "5", "CKPTD_PREFAULT": "off",
-           "CKPTD_SOCKET": "/run/x.sock", "UNRELATED": "1"}
-    flags = {"keep": 7, "root": None, "arena_size": None, "not_an_option": 1}
-    cfg = load_config(flags, env, path)
-    assert cfg.root == "/from/file"  # file; a None flag does not override
-    assert cfg.arena_size == 256 << 20  # env over file
-    assert cfg.write_concurrency == 3  # file over default
-    assert cfg.codec == "zstd"
-    assert cfg.keep == 7  # flag over env over file
-    assert cfg.part_timeout_s == 5.0 and isinstance(cfg.part_timeout_s, float)
-    assert cfg.prefault is False
-    assert cfg.socket == "/run/x.sock"
-    assert cfg.storage_options == {"anon": False}
-    assert cfg.chunk_bytes == DEFAULT_CHUNK_BYTES  # default
-    assert cfg.commit_timeout_s == DaemonConfig(root="r").commit_timeout_s
-
-
-def test_load_config_from_env_and_flags_only() -> None:
-    env = {"CKPTD_ROOT": "s3://bucket/ckpt", "CKPTD_WRITE_CONCURRENCY": "16"}
-    cfg = load_config({"arena_size": "64MiB"}, env)
-    assert (cfg.root, cfg.arena_size, cfg.write_concurrency) == ("s3://bucket/ckpt", 64 << 20, 16)
-    assert load_config({"root": "/flag"}, {"CKPTD_ROOT": "/env"}).root == "/flag"
-
-
-def test_config_file_named_by_the_environment(tmp_path: Path) -> None:
-    path = write_toml(tmp_path, 'root = "/flat/file"\nkeep = 3\n\n[storage]\nkey = "k"\n')
-    cfg = load_config({}, {"CKPTD_CONFIG": path})
-    assert (cfg.root, cfg.keep) == ("/flat/file", 3)
-    assert cfg.storage_options == {"key": "k"}
-
-
-def test_config_file_argument_wins_over_ckptd_config(tmp_path: Path) -> None:
-    path = write_toml(tmp_path, 'root = "/given"\n')
-    assert load_config({}, {"CKPTD_CONFIG": str(tmp_path / "absent.toml")}, path).root == "/given"
-
-
-@pytest.mark.parametrize("text", ['[daemon]\nroot = "/r"\narena_sise = "1G"\n', 'root = "/r"\nbogus = 1\n'])
-def test_unknown_config_file_keys_are_refused(tmp_path: Path, text: str) -> None:
-    with pytest.raises(InvalidRequestError, match="unknown option"):
-        load_config({}, {}, write_toml(tmp_path, text))
-
-
-def test_missing_root_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(InvalidRequestError, match="no checkpoint root"):
-        load_config({"keep": 1}, {"CKPTD_KEEP": "2"})
-    with pytest.raises(InvalidRequestError, match="no checkpoint root"):
-        load_config({}, {}, write_toml(tmp_path, "keep = 1\n"))
-
-
-@pytest.mark.parametrize(
-    ("flags", "env"),
-    [
-        ({"codec": "gzip"}, {}),
-        ({}, {"CKPTD_ARENA_SIZE": "0"}),
-        ({}, {"CKPTD_ARENA_SIZE": "lots"}),
-        ({"write_concurrency": 0}, {}),
-        ({"keep": -1}, {}),
-    ],
-)
-def test_invalid_values_are_refused(flags: dict[str, Any], env: dict[str, str]) -> None:
-    with pytest.raises(InvalidRequestError):
-        load_config({"root": "/r", **flags}, env)
-
-
-def test_config_is_frozen() -> None:
-    cfg = load_config({"root": "/r"}, {})
-    with pytest.raises(AttributeError):
-        cfg.root = "/other"  # type: ignore[misc]

@@ -3,7 +3,8 @@
 Importing this package loads no zarr/fsspec and starts no thread or event loop.
 """
 
-from ckptd.client.client import CheckpointClient, Placement, SaveHandle
+from ckptd.client.client import CheckpointClient, Placement, SaveHandle, StateDict
+from ckptd.client.protocol import StepState
 from ckptd.client.state import Shard, plan_state
 from ckptd.writer.errors import (
     BackpressureError,
@@ -28,8 +29,10 @@ __all__ = [
     "SaveHandle",
     "SaveTimeoutError",
     "Shard",
+    "StateDict",
     "StateMismatchError",
     "StepFailedError",
+    "StepState",
     "UncommittedStepError",
     "plan_state",
 ]

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -37,6 +37,7 @@ from ckptd.client.protocol import (
     SaveRequest,
     ShardMeta,
     StatusRequest,
+    StepState,
     StepStatus,
     Welcome,
     _Msg,
@@ -60,6 +61,10 @@ from ckptd.writer.format import sidecar_name
 log = logging.getLogger(__name__)
 
 Policy = Literal["wait", "fail", "skip"]
+# A state dict: tensors (or Shard / ShardedTensor descriptions of them) and plain data, nested in dicts and
+# lists. Values are typed ``object`` because what a leaf may be is checked at run time by plan_state.
+StateDict = Mapping[str, object]
+_R = TypeVar("_R", bound=_Msg)
 _ERRORS = error_classes()
 _POLL_S = 0.5
 _MADV_POPULATE_WRITE = 23
@@ -68,6 +73,13 @@ _MADV_POPULATE_WRITE = 23
 def _raise_reply(reply: ErrorReply) -> None:
     cls = _ERRORS.get(reply.code, CkptdError)
     raise cls(reply.message)
+
+
+def _expect(reply: Reply, kind: type[_R]) -> _R:
+    """``reply`` if it is the answer the request calls for, else :class:`ProtocolError`."""
+    if not isinstance(reply, kind):
+        raise ProtocolError(f"the daemon answered {type(reply).__name__} where {kind.__name__} was expected")
+    return reply
 
 
 def _env_int(env: Mapping[str, str], *names: str) -> int | None:
@@ -106,25 +118,27 @@ class Placement:
 class SaveHandle:
     """The future of one save: node durability, then global commit. Errors re-raise here."""
 
-    def __init__(self, client: CheckpointClient | None, step: int, nbytes: int, stall_s: float, skipped: bool = False):
+    def __init__(
+        self, client: CheckpointClient | None, step: int, nbytes: int, stall_s: float, skipped: bool = False
+    ) -> None:
         self._client = client
         self.step = step
         self.nbytes = nbytes
         self.stall_s = stall_s
         self.skipped = skipped
-        self.state = "skipped" if skipped else "pending"
+        self.state: StepState = StepState.SKIPPED if skipped else StepState.PENDING
         self._error: CkptdError | None = None
 
     def _update(self, wait_s: float) -> None:
-        if self.state in ("committed", "failed", "skipped") or self._client is None:
+        if self.state.final or self._client is None:
             return
         st = self._client._status(self.step, wait_s)
         self.state = st.state
-        if st.state == "failed":
+        if st.state is StepState.FAILED:
             cls = _ERRORS.get(st.error_code, StepFailedError)
             self._error = cls(f"step {self.step} failed: {st.error}")
-        elif st.state == "unknown":
-            self.state = "failed"
+        elif st.state is StepState.UNKNOWN:
+            self.state = StepState.FAILED
             self._error = StepFailedError(
                 f"step {self.step}: the daemon has no record of this save (it restarted before committing?)"
             )
@@ -132,12 +146,12 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the step committed or failed (non-blocking)."""
         self._update(0.0)
-        return self.state in ("committed", "failed", "skipped")
+        return self.state.final
 
     def durable(self) -> bool:
         """True once this node's part is on storage (before or after the global commit)."""
         self._update(0.0)
-        return self.state in ("durable", "committed")
+        return self.state in (StepState.DURABLE, StepState.COMMITTED)
 
     def wait(self, timeout: float | None = None) -> SaveHandle:
         """Block until the step committed; raise its error if it failed, SaveTimeoutError on timeout."""
@@ -145,17 +159,19 @@ class SaveHandle:
         while True:
             left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             self._update(max(0.0, left))
-            if self.state == "failed" and self._error is not None:
+            if self.state is StepState.FAILED and self._error is not None:
                 raise self._error
-            if self.state in ("committed", "skipped"):
+            if self.state in (StepState.COMMITTED, StepState.SKIPPED):
                 return self
             if deadline is not None and time.monotonic() >= deadline:
                 raise SaveTimeoutError(f"step {self.step} not committed within {timeout}s (state: {self.state})")
 
     def result(self, timeout: float | None = None) -> SaveHandle:
+        """Same as :meth:`wait` (the ``concurrent.futures`` spelling)."""
         return self.wait(timeout)
 
     def exception(self) -> CkptdError | None:
+        """The step's error once it failed, else ``None`` (non-blocking)."""
         self._update(0.0)
         return self._error
 
@@ -182,7 +198,7 @@ class CheckpointClient:
         timeout_s: float = 60.0,
         start_daemon: bool = False,
         daemon_args: Sequence[str] = (),
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, object] | None = None,
     ) -> None:
         env = os.environ
         self.socket_path = socket_path or default_socket_path(env)
@@ -206,9 +222,11 @@ class CheckpointClient:
     # --- connection -------------------------------------------------------------------------------
     @property
     def root(self) -> str:
+        """The checkpoint root: the one given, else the one the daemon writes to."""
         if self._root:
             return self._root
-        assert self._welcome is not None
+        if self._welcome is None:
+            raise DaemonUnavailableError(f"not connected to a daemon at {self.socket_path}")
         return self._welcome.root
 
     def _connect(self) -> None:
@@ -231,10 +249,9 @@ class CheckpointClient:
             raise DaemonUnavailableError(f"no ckptd daemon at {self.socket_path}: {exc}") from exc
         self._sock = sock
         self._sidecars_sent = set()  # a new daemon may serve another root
-        reply = self._request(Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=self.placement.rank))
-        assert isinstance(reply, Welcome)
-        self._welcome = reply
-        self._map_arena(reply)
+        welcome = _expect(self._request(Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=self.placement.rank)), Welcome)
+        self._welcome = welcome
+        self._map_arena(welcome)
 
     def _map_arena(self, welcome: Welcome) -> None:
         self._arena_t = None
@@ -280,6 +297,7 @@ class CheckpointClient:
             self._sock = None
 
     def close(self) -> None:
+        """Close the socket and unmap the arena (saves already handed over go on in the daemon)."""
         self._close_socket()
         self._arena_t = None
         if self._arena is not None:
@@ -296,9 +314,11 @@ class CheckpointClient:
     def _request(self, msg: _Msg) -> Reply:
         if self._sock is None:
             self._open_socket()
-        assert self._sock is not None
+        sock = self._sock
+        if sock is None:
+            raise DaemonUnavailableError(f"no connection to the daemon at {self.socket_path}")
         try:
-            self._sock.sendall(encode(msg))
+            sock.sendall(encode(msg))
             header = self._recv_exactly(HEADER.size)
             reply = decode_reply(self._recv_exactly(frame_length(header)))
         except TimeoutError as exc:
@@ -312,22 +332,22 @@ class CheckpointClient:
         return reply
 
     def _recv_exactly(self, n: int) -> bytes:
-        assert self._sock is not None
+        sock = self._sock
+        if sock is None:
+            raise ConnectionResetError("the connection to the daemon was closed")
         buf = bytearray()
         while len(buf) < n:
-            part = self._sock.recv(n - len(buf))
+            part = sock.recv(n - len(buf))
             if not part:
                 raise ConnectionResetError("the daemon closed the connection")
             buf += part
         return bytes(buf)
 
     def _status(self, step: int, wait_s: float) -> StepStatus:
-        reply = self._request(StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s))
-        assert isinstance(reply, StepStatus)
-        return reply
+        return _expect(self._request(StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s)), StepStatus)
 
     # --- save -------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, sidecars: Sequence[str] = ()) -> SaveHandle:
+    def save(self, step: int, state: StateDict, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Stage ``state`` for ``step`` and return once it is copied; the caller may then overwrite it.
 
         ``sidecars`` are JSON documents stored once per root under their content hash (e.g. a model
@@ -362,7 +382,7 @@ class CheckpointClient:
                 log.warning("rank %d: step %d skipped: staging arena still full", self.placement.rank, step)
                 return SaveHandle(None, step, 0, time.perf_counter() - t0, skipped=True)
             raise
-        assert isinstance(grant, LeaseGranted)
+        grant = _expect(grant, LeaseGranted)
         try:
             self._stage(plan.shards, grant.offsets)
             p = self.placement
@@ -379,27 +399,30 @@ class CheckpointClient:
             with contextlib.suppress(CkptdError):
                 self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))
             raise
-        assert isinstance(reply, SaveAccepted)
-        handle = SaveHandle(self, step, reply.nbytes, time.perf_counter() - t0)
+        accepted = _expect(reply, SaveAccepted)
+        handle = SaveHandle(self, step, accepted.nbytes, time.perf_counter() - t0)
         self._handles.append(handle)
         return handle
 
     def _stage(self, shards: list[Shard], offsets: list[int]) -> None:
         """Copy every shard into its slot: one memcpy each (or one D2H copy, then one stream sync)."""
-        assert self._arena_t is not None
+        arena = self._arena_t
+        if arena is None:
+            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
         cuda = any(s.data.is_cuda for s in shards)
         if cuda and not self._pinned:
             self._pin_arena()
         for shard, off in zip(shards, offsets, strict=True):
             n = shard.nbytes
-            dst = self._arena_t[off : off + n].view(shard.data.dtype).view(shard.data.shape)
+            dst = arena[off : off + n].view(shard.data.dtype).view(shard.data.shape)
             shard.stage_into(dst, non_blocking=cuda)
         if cuda:
             torch.cuda.current_stream().synchronize()
 
     def _pin_arena(self) -> None:
         """Register the arena as pinned host memory once, so D2H copies go straight into it."""
-        assert self._arena is not None
+        if self._arena is None:
+            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena))
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
         err = cudart.cudaHostRegister(ptr, len(self._arena), 0)
@@ -411,15 +434,15 @@ class CheckpointClient:
         pending = []
         for h in self._handles:
             h._update(0.0)
-            if h.state == "failed" and h._error is not None:
+            if h.state is StepState.FAILED and h._error is not None:
                 self._handles.remove(h)
                 raise StepFailedError(f"an earlier save failed in the background: {h._error}") from h._error
-            if h.state not in ("committed", "skipped"):
+            if h.state not in (StepState.COMMITTED, StepState.SKIPPED):
                 pending.append(h)
         self._handles = pending
 
     # --- load -------------------------------------------------------------------------------------
-    def load(self, step: int | Literal["latest"], template: Mapping[str, Any]) -> dict[str, Any]:
+    def load(self, step: int | Literal["latest"], template: StateDict) -> dict[str, object]:
         """Fill the template's tensors in place from a committed step (see :func:`ckptd.client.load.load`)."""
         from ckptd.client.load import load
 

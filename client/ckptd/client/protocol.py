@@ -9,6 +9,7 @@ Decoding checks the version before the body, so a peer of another version gets
 from __future__ import annotations
 
 import struct
+from enum import StrEnum
 from typing import Any
 
 import msgspec
@@ -18,6 +19,32 @@ from ckptd.writer.errors import ProtocolError, ProtocolVersionError
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 32 << 20
+
+
+class StepState(StrEnum):
+    """Where a step stands on a node; the wire carries the value strings.
+
+    ``PENDING`` -> ``DURABLE`` (the node's part is on storage) -> ``COMMITTED``; ``FAILED`` from either of
+    the first two. ``UNKNOWN``: the daemon has no record of the step. ``SKIPPED`` exists only on the
+    client (a save the backpressure policy skipped); the daemon never reports it.
+    """
+
+    PENDING = "pending"
+    DURABLE = "durable"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    SKIPPED = "skipped"
+
+    @property
+    def final(self) -> bool:
+        """True for the states a step never leaves."""
+        return self in _FINAL_STATES
+
+
+_FINAL_STATES = frozenset({StepState.COMMITTED, StepState.FAILED, StepState.SKIPPED})
+# the states a daemon reports in StepStatus
+STEP_STATES = (StepState.PENDING, StepState.DURABLE, StepState.COMMITTED, StepState.FAILED, StepState.UNKNOWN)
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
@@ -93,7 +120,7 @@ class SaveAccepted(_Msg, frozen=True, tag="accepted"):
 
 class StepStatus(_Msg, frozen=True, tag="step_status"):
     step: int
-    state: str  # pending | durable | committed | failed | unknown
+    state: StepState  # one of STEP_STATES
     error_code: str = ""
     error: str = ""
 
@@ -109,8 +136,6 @@ class ErrorReply(_Msg, frozen=True, tag="error"):
 
 Request = Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest
 Reply = Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply
-
-STEP_STATES = ("pending", "durable", "committed", "failed", "unknown")
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

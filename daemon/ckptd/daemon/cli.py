@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ckptd.writer.errors import CkptdError, InvalidRequestError
+from ckptd.writer.errors import CkptdError, ConfigError
 
 log = logging.getLogger("ckptd")
 
@@ -54,13 +54,13 @@ def _storage_flags(p: argparse.ArgumentParser, *, config: bool = False) -> None:
         p.add_argument("--config", help="TOML config file; its [storage] table gives the storage options")
 
 
-def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Storage options from the flags; lower layers (config file [storage]) are merged by the caller."""
-    opts: dict[str, Any] = {}
+def _storage_flag_values(args: argparse.Namespace) -> dict[str, object]:
+    """The command line's layer of storage options (``--storage-option``, then the dedicated flags)."""
+    opts: dict[str, object] = {}
     for item in getattr(args, "storage_option", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise InvalidRequestError(f"--storage-option wants KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--storage-option wants KEY=VALUE, got {item!r}")
         opts[key.strip().replace("-", "_")] = value.strip()
     for k in _STORAGE_FLAGS:
         if getattr(args, k, None) is not None:
@@ -68,13 +68,11 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def _file_storage_options(path: str | None) -> dict[str, Any]:
-    if not path:
-        return {}
-    import tomllib
+def _storage_options(args: argparse.Namespace) -> dict[str, object]:
+    """The storage options of an offline command: its flags over ``CKPTD_STORAGE_*`` over the config file."""
+    from ckptd.daemon.config import load_storage_options
 
-    with open(path, "rb") as fh:
-        return dict(tomllib.load(fh).get("storage", {}))
+    return load_storage_options({"storage": _storage_flag_values(args)}, os.environ, getattr(args, "config", None))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,16 +154,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+# attributes of the serve command's namespace that are not daemon options
+_NOT_OPTIONS = frozenset({"command", "config", "log_level", "storage_option", *_STORAGE_FLAGS})
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ckptd.daemon.config import load_config
     from ckptd.daemon.server import Daemon
 
-    flags = {k: v for k, v in vars(args).items()
-             if k not in ("command", "config", "log_level", "storage_option", *_STORAGE_FLAGS)}
-    storage = _storage_options(args)
+    flags: dict[str, object] = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
+    flags["storage"] = _storage_flag_values(args)
     cfg = load_config(flags, os.environ, args.config)
-    if storage:
-        cfg = type(cfg)(**{**cfg.__dict__, "storage_options": {**cfg.storage_options, **storage}})
     return asyncio.run(Daemon(cfg).run())
 
 
@@ -174,7 +173,7 @@ async def _offline(args: argparse.Namespace) -> int:
     from ckptd.writer.store import close_store, normalize_root, open_store
 
     url = normalize_root(args.root)
-    options = {**_file_storage_options(args.config or os.environ.get("CKPTD_CONFIG")), **_storage_options(args)}
+    options = _storage_options(args)
     store = await open_store(url, options, create=False)
     try:
         root = CheckpointRoot(store, url)

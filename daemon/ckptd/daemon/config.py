@@ -1,111 +1,271 @@
-"""Daemon configuration, resolved once at the edge: defaults < TOML file < ``CKPTD_*`` environment < flags."""
+"""Configuration, resolved once at the edge: defaults < TOML file < ``CKPTD_*`` environment < CLI flags.
+
+One loader serves every subcommand: :func:`load_config` for ``ckptd serve``, :func:`load_storage_options`
+for the offline commands (``ls``, ``verify``, ``gc``, ``merge``), which need only the storage options but
+validate the whole file the same way. The schema is a pydantic-settings model: types, ranges and unknown
+keys are checked by it, and every failure is a :class:`~ckptd.writer.errors.ConfigError`.
+
+The TOML file holds the daemon options at top level or in a ``[daemon]`` table (not both), and the
+storage options in a ``[storage]`` table. Environment variables are ``CKPTD_<OPTION>`` for daemon options
+and ``CKPTD_STORAGE_<KEY>`` for storage options. The environment is passed in, never read here.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
 
 from ckptd.client.paths import default_socket_path
 from ckptd.writer.arrays import CODECS
-from ckptd.writer.errors import InvalidRequestError
+from ckptd.writer.errors import ConfigError
 from ckptd.writer.format import DEFAULT_CHUNK_BYTES
+
+__all__ = [
+    "DaemonConfig",
+    "OfflineConfig",
+    "StorageOptions",
+    "load_config",
+    "load_storage_options",
+    "parse_size",
+]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_DAEMON_TABLE = "daemon"
+_STORAGE_TABLE = "storage"
 
 
 def parse_size(value: str | int) -> int:
-    """``"4GiB"``, ``"512M"``, ``"1048576"`` -> bytes (binary units)."""
-    if isinstance(value, int):
+    """``"4GiB"``, ``"512M"``, ``"1048576"`` -> bytes (binary units); :class:`ConfigError` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    m = _SIZE_RE.match(value)
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
     if not m:
-        raise InvalidRequestError(f"cannot parse size {value!r}; use e.g. 512MiB or 4GiB")
+        raise ConfigError(f"cannot parse size {value!r}; use e.g. 512MiB or 4GiB")
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-@dataclass(frozen=True)
-class DaemonConfig:
-    root: str
-    socket: str = field(default_factory=lambda: default_socket_path(os.environ))
-    arena_size: int = 2 << 30
-    write_concurrency: int = 8
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    pack_bytes: int | None = None  # small arrays a node holds whole -> one object; None: 1MiB on S3, off locally
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class StorageOptions(BaseModel):
+    """The ``[storage]`` table: how to reach S3. ``None`` means "not given" (the backend's default applies).
+
+    The keys and their meaning are those of :class:`ckptd.writer.s3.S3Options`; credentials are never
+    options (they come from the AWS chain).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    addressing_style: Literal["auto", "virtual", "path"] | None = None
+    retry_mode: Literal["standard", "adaptive"] | None = None
+    max_attempts: int | None = Field(default=None, ge=1)
+    fs_retries: int | None = Field(default=None, ge=1)
+    connect_timeout: float | None = Field(default=None, gt=0)
+    read_timeout: float | None = Field(default=None, gt=0)
+    max_pool_connections: int | None = Field(default=None, ge=1)
+    multipart_concurrency: int | None = Field(default=None, ge=1)
+    anonymous: bool | None = None
+    request_checksums: Literal["when_supported", "when_required"] | None = None
+    conditional_put: bool | None = None
+
+    def given(self) -> dict[str, object]:
+        """The options that were set, as typed values (the mapping the storage backends take)."""
+        return self.model_dump(exclude_none=True)
+
+
+class _Options(BaseSettings):
+    """Every daemon option but ``root``; shared by the serve and offline views of the same file."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CKPTD_",
+        env_nested_delimiter="_",
+        env_nested_max_split=1,  # CKPTD_STORAGE_ENDPOINT_URL -> storage.endpoint_url
+        case_sensitive=False,
+        extra="forbid",
+        frozen=True,
+    )
+
+    socket: str = Field(default_factory=lambda: default_socket_path(os.environ))
+    arena_size: Size = Field(default=2 << 30, gt=0)
+    write_concurrency: int = Field(default=8, gt=0)
+    chunk_bytes: Size = Field(default=DEFAULT_CHUNK_BYTES, gt=0)
+    # small arrays a node holds whole -> one object; None: 1MiB on S3, off locally
+    pack_bytes: Size | None = Field(default=None, ge=0)
     codec: str = "raw"
-    keep: int = 0  # committed steps to keep; 0 keeps all
+    keep: int = Field(default=0, ge=0)  # committed steps to keep; 0 keeps all
     part_timeout_s: float = 600.0
     stage_grace_s: float = 0.5  # start writing a step once all local ranks staged, or after this long
     commit_timeout_s: float = 600.0
     drain_grace_s: float = 120.0
-    max_frame_bytes: int = 32 << 20
+    max_frame_bytes: Size = Field(default=32 << 20, gt=0)
     read_timeout_s: float = 30.0
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
     prefault: bool = True
     nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
+    storage: StorageOptions = Field(default_factory=StorageOptions)
 
-    def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise InvalidRequestError(f"codec must be one of {CODECS}, got {self.codec!r}")
-        for name in ("arena_size", "write_concurrency", "chunk_bytes", "max_frame_bytes"):
-            if getattr(self, name) <= 0:
-                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.pack_bytes is not None and self.pack_bytes < 0:
-            raise InvalidRequestError(f"pack_bytes must be >= 0, got {self.pack_bytes}")
-        if self.keep < 0:
-            raise InvalidRequestError(f"keep must be >= 0, got {self.keep}")
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        if value not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {value!r}")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Constructing a config never reads the process environment: the loader passes it in.
+        return (init_settings,)
+
+    @property
+    def storage_options(self) -> dict[str, object]:
+        """The storage options that were given, typed (see :meth:`StorageOptions.given`)."""
+        return self.storage.given()
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
-_SIZES = {"arena_size", "chunk_bytes", "max_frame_bytes", "pack_bytes"}
+class DaemonConfig(_Options):
+    """What ``ckptd serve`` runs with (frozen). Build it with :func:`load_config`."""
+
+    root: str
 
 
-def _coerce(name: str, value: Any) -> Any:
-    if name in _SIZES:
-        return parse_size(value)
-    kind = _FIELDS[name].type
-    if kind == "int":
-        return int(value)
-    if kind == "float":
-        return float(value)
-    if kind == "bool":
-        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
-    return value
+class OfflineConfig(_Options):
+    """The same file and environment seen by an offline command, whose root is an argument."""
+
+    root: str | None = None
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of ``os.environ``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._given_env = env  # read by _load_env_vars, which the base __init__ calls
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._given_env, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+
+def _keys(table: Mapping[str, Any]) -> dict[str, Any]:
+    """TOML and flags may spell options with dashes (``part-timeout-s``)."""
+    return {str(k).replace("-", "_"): v for k, v in table.items()}
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    storage = doc.pop(_STORAGE_TABLE, {})
+    if not isinstance(storage, dict):
+        raise ConfigError(f"{path}: [{_STORAGE_TABLE}] must be a table")
+    if _DAEMON_TABLE in doc:
+        daemon = doc.pop(_DAEMON_TABLE)
+        if not isinstance(daemon, dict):
+            raise ConfigError(f"{path}: [{_DAEMON_TABLE}] must be a table")
+        if doc:  # options belong in [daemon] once it exists; anything else here is a typo
+            raise ConfigError(
+                f"{path}: unknown option(s) {sorted(doc)} at top level next to a [{_DAEMON_TABLE}] table; "
+                f"put daemon options in [{_DAEMON_TABLE}]"
+            )
+        doc = daemon
+    values = _keys(doc)
+    if storage:
+        values["storage"] = _keys(storage)
+    return values
+
+
+def _given(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """Flags that were given (``None`` means "not on the command line"), storage ones nested."""
+    values = {k: v for k, v in _keys(flags).items() if v is not None and k != "storage"}
+    storage = {k: v for k, v in _keys(flags.get("storage") or {}).items() if v is not None}
+    if storage:
+        values["storage"] = storage
+    return values
+
+
+def _merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Later layers win, key by key; the storage table merges key by key too."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key == "storage" and isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+    return merged
+
+
+def _describe(exc: ValidationError, path: str | None) -> str:
+    where = f" (config file {path})" if path else ""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        table = f"[{_STORAGE_TABLE}] " if err["loc"][:1] == ("storage",) and len(err["loc"]) > 1 else ""
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown option {table}{err['loc'][-1]!r}")
+        elif err["type"] == "missing" and loc == "root":
+            lines.append("no checkpoint root: pass --root, set CKPTD_ROOT, or set root in the config file")
+        else:
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{loc}: {msg} (got {err['input']!r})")
+    return "; ".join(lines) + where
+
+
+def _load(cls: type[_Options], flags: Mapping[str, Any], env: Mapping[str, str], config_file: str | None) -> Any:
+    path = config_file or env.get("CKPTD_CONFIG") or None
+    file_values = _read_toml(path) if path else {}
+    try:
+        env_values = _MappingEnvSource(cls, env)()
+        values = _merge(file_values, env_values, _given(flags))
+        values.setdefault("socket", default_socket_path(env))
+        return cls(**values)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+    except ValueError as exc:  # pydantic-settings: an environment value it could not decode (bad JSON)
+        raise ConfigError(str(exc)) from exc
 
 
 def load_config(
     flags: Mapping[str, Any], env: Mapping[str, str], config_file: str | None = None
 ) -> DaemonConfig:
-    """Merge the layers; ``flags`` holds only options given on the command line (None = not given)."""
-    values: dict[str, Any] = {}
-    path = config_file or env.get("CKPTD_CONFIG")
-    if path:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-        section = doc.get("daemon", doc)
-        for key, value in section.items():
-            if section is doc and key == "storage":  # a flat file's [storage] table, read below
-                continue
-            name = key.replace("-", "_")
-            if name not in _FIELDS:
-                raise InvalidRequestError(f"{path}: unknown option {key!r}; known: {sorted(_FIELDS)}")
-            values[name] = value
-        if "storage" in doc:
-            values["storage_options"] = dict(doc["storage"])
-    for name in _FIELDS:
-        env_value = env.get(f"CKPTD_{name.upper()}")
-        if env_value is not None and name != "storage_options":
-            values[name] = env_value
-    for name, value in flags.items():
-        if value is not None and name in _FIELDS:
-            values[name] = value
-    values.setdefault("socket", default_socket_path(env))
-    if "root" not in values:
-        raise InvalidRequestError("no checkpoint root: pass --root, set CKPTD_ROOT, or set root in the config file")
-    return DaemonConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    """The daemon's configuration from its layers, or :class:`ConfigError`.
+
+    ``flags`` holds the options given on the command line by option name (``None`` = not given; storage
+    options nested under ``"storage"``); ``env`` is the process environment; ``config_file`` (else
+    ``$CKPTD_CONFIG``) names the TOML file.
+    """
+    cfg: DaemonConfig = _load(DaemonConfig, flags, env, config_file)
+    return cfg
+
+
+def load_storage_options(
+    flags: Mapping[str, Any], env: Mapping[str, str], config_file: str | None = None
+) -> dict[str, object]:
+    """The storage options for an offline command, from the same layers as :func:`load_config`.
+
+    The whole file is validated (an unknown daemon option is an error here too); ``root`` is optional.
+    Returns only the options that were given, as typed values.
+    """
+    cfg: OfflineConfig = _load(OfflineConfig, flags, env, config_file)
+    return cfg.storage_options

@@ -3,7 +3,8 @@
 One asyncio loop owns everything: the Unix socket (in a ``0700`` directory, peers checked with
 ``SO_PEERCRED``), the staging arena, the storage writes. A malformed or hostile client gets a typed
 error reply and, when its framing is broken, its connection closed; no client can disturb another.
-SIGTERM/SIGINT stop new saves, drain in-flight steps within the grace period, then exit.
+SIGTERM/SIGINT (or the injectable ``shutdown`` event of :func:`serve`) stop new saves, drain in-flight
+steps within the grace period, then cancel what is left; every task lives in one task group.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import signal
 import socket
 import stat
 import struct
+from collections.abc import Coroutine
+from typing import Any
 
 from zarr.abc.store import Store
 
@@ -68,15 +71,39 @@ def _peer_uid(sock: socket.socket) -> int:
     return int(uid)
 
 
+async def serve(
+    config: DaemonConfig,
+    *,
+    shutdown: asyncio.Event | None = None,
+    ready: asyncio.Event | None = None,
+    handle_signals: bool = True,
+) -> int:
+    """Run the node daemon until ``shutdown`` is set (or SIGTERM/SIGINT); return the exit code.
+
+    On shutdown it stops granting and accepting saves, keeps answering status requests while in-flight
+    steps finish within ``config.drain_grace_s``, then cancels what is left: 0 if everything drained,
+    1 if steps were cut off. ``ready`` is set once the socket accepts connections.
+    """
+    return await Daemon(config, shutdown=shutdown, handle_signals=handle_signals).run(ready)
+
+
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    """The node server: the socket, the arena and the service, all tasks in one task group."""
+
+    def __init__(
+        self, config: DaemonConfig, *, shutdown: asyncio.Event | None = None, handle_signals: bool = True
+    ) -> None:
         self.config = config
         self._conn_ids = itertools.count(1)
-        self._stop = asyncio.Event()
+        self._stop = shutdown if shutdown is not None else asyncio.Event()
+        self._handle_signals = handle_signals
+        self._tasks: asyncio.TaskGroup | None = None
+        self._live: set[asyncio.Task[None]] = set()  # the group's tasks still running
         self.service: CheckpointService | None = None
         self.arena: Arena | None = None
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
+        """Serve until shut down (see :func:`serve`); the store is opened first and closed last."""
         cfg = self.config
         stale = remove_stale_arenas()
         if stale:
@@ -95,47 +122,100 @@ class Daemon:
         if cfg.nice:
             os.nice(cfg.nice)  # before any worker thread exists, so they all inherit it
         self.arena = Arena(cfg.arena_size, prefault=cfg.prefault)
-        self.service = CheckpointService(cfg, self.arena, store)
-        prepare_socket_dir(cfg.socket)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cfg.socket)
-        old_umask = os.umask(0o177)
-        try:
-            server = await asyncio.start_unix_server(self._serve_client, path=cfg.socket, limit=1 << 20)
-        finally:
-            os.umask(old_umask)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
-        log.info(
-            "ckptd serving root=%s socket=%s arena=%dMiB pid=%d", cfg.root, cfg.socket, cfg.arena_size >> 20,
-            os.getpid(),
-        )
-        if ready is not None:
-            ready.set()
-        code = 0
+        signals = (signal.SIGTERM, signal.SIGINT) if self._handle_signals else ()
         try:
-            async with server:
-                await self._stop.wait()
-                in_flight = len(self.service.in_flight())
-                log.info("shutting down: draining %d in-flight step(s) within %.0fs", in_flight, cfg.drain_grace_s)
-                if not await self.service.drain(cfg.drain_grace_s):
-                    log.error("grace period over with steps unfinished: they will not commit")
-                    code = 1
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                self.service = CheckpointService(cfg, self.arena, store, spawn=self._spawn)
+                server = await self._listen()
+                for sig in signals:
+                    loop.add_signal_handler(sig, self._stop.set)
+                log.info(
+                    "ckptd serving root=%s socket=%s arena=%dMiB pid=%d", cfg.root, cfg.socket,
+                    cfg.arena_size >> 20, os.getpid(),
+                )
+                if ready is not None:
+                    ready.set()
+                code = await self._serve_until_stopped(server)
+                server.close()
+                # What is left (idle connections, steps cut off by the grace period) ends now.
+                for task in list(self._live):
+                    task.cancel()
+            await server.wait_closed()
         finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            self._tasks = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(cfg.socket)
             self.arena.close()
         log.info("ckptd stopped")
         return code
 
+    async def _listen(self) -> asyncio.Server:
+        cfg = self.config
+        prepare_socket_dir(cfg.socket)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(cfg.socket)
+        old_umask = os.umask(0o177)
+        try:
+            return await asyncio.start_unix_server(self._on_connect, path=cfg.socket, limit=1 << 20)
+        finally:
+            os.umask(old_umask)
+
+    async def _serve_until_stopped(self, server: asyncio.Server) -> int:
+        """Serve until the shutdown trigger, then drain: status requests are still answered meanwhile."""
+        service = self._service()
+        await self._stop.wait()
+        log.info("shutting down: draining %d in-flight step(s) within %.0fs", len(service.in_flight()),
+                 self.config.drain_grace_s)
+        if not await service.drain(self.config.drain_grace_s):
+            log.error("grace period over with steps unfinished: they will not commit")
+            return 1
+        return 0
+
     def stop(self) -> None:
+        """Trigger shutdown (the same as SIGTERM)."""
         self._stop.set()
 
-    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        if self._tasks is None:
+            coro.close()
+            raise RuntimeError(f"the daemon is not running; cannot start {name}")
+        task = self._tasks.create_task(self._guarded(coro, name), name=name)
+        self._live.add(task)
+        task.add_done_callback(self._live.discard)
+        return task
+
+    @staticmethod
+    async def _guarded(coro: Coroutine[Any, Any, None], name: str) -> None:
+        # One task's bug must not cancel the whole group (every save of every client): log it, go on.
+        try:
+            await coro
+        except Exception:
+            log.exception("task %s failed unexpectedly", name)
+
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = next(self._conn_ids)
+        try:
+            self._spawn(self._serve_client(conn, reader, writer), f"conn={conn}")
+        except RuntimeError:  # accepted while shutting down
+            writer.close()
+
+    def _service(self) -> CheckpointService:
+        if self.service is None:
+            raise RuntimeError("the daemon is not running")
+        return self.service
+
+    def _arena(self) -> Arena:
+        if self.arena is None:
+            raise RuntimeError("the daemon is not running")
+        return self.arena
+
+    async def _serve_client(self, conn: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
-        assert self.service is not None and self.arena is not None
+        arena = self._arena()
         try:
             if sock is not None and _peer_uid(sock) != os.getuid():
                 log.warning("conn=%d: refused a peer of another user", conn)
@@ -158,7 +238,7 @@ class Daemon:
         except (ConnectionError, OSError) as exc:
             log.debug("conn=%d: connection lost: %s", conn, exc)
         finally:
-            freed = self.arena.release_owner(conn)
+            freed = arena.release_owner(conn)
             if freed:
                 log.info("conn=%d: client left; released %d unused lease(s)", conn, freed)
             writer.close()
@@ -178,32 +258,32 @@ class Daemon:
             return ErrorReply(v=PROTOCOL_VERSION, code=type(exc).__name__, message=str(exc))
 
     async def _dispatch(self, conn: int, req: Request) -> Reply:
-        assert self.service is not None and self.arena is not None
+        service, arena = self._service(), self._arena()
         v = PROTOCOL_VERSION
         match req:
             case Hello():
                 return Welcome(
-                    v=v, daemon_pid=os.getpid(), arena_path=self.arena.path, arena_bytes=self.arena.size,
+                    v=v, daemon_pid=os.getpid(), arena_path=arena.path, arena_bytes=arena.size,
                     root=self.config.root,
                 )
             case LeaseRequest():
-                if self.service.draining:
+                if service.draining:
                     raise DaemonShuttingDownError("the daemon is shutting down and grants no staging space")
                 if any(n < 0 for n in req.sizes):
                     raise InvalidRequestError(f"lease sizes must be >= 0: {req.sizes[:8]}")
-                lease = await self.arena.lease(conn, req.sizes, max(0.0, req.timeout_s))
+                lease = await arena.lease(conn, req.sizes, max(0.0, req.timeout_s))
                 return LeaseGranted(v=v, lease_id=lease.lease_id, offsets=lease.offsets)
             case SaveRequest():
-                nbytes = await self.service.accept(req, conn)
+                nbytes = await service.accept(req, conn)
                 return SaveAccepted(v=v, step=req.step, nbytes=nbytes)
             case ReleaseRequest():
-                held = self.arena.get(req.lease_id, conn)
+                held = arena.get(req.lease_id, conn)
                 if held is None:
                     raise InvalidRequestError(f"lease {req.lease_id} is not held by this connection")
-                self.arena.release(held)
+                arena.release(held)
                 return Released(v=v, lease_id=req.lease_id)
             case StatusRequest():
-                state, err = await self.service.status(req.step, min(max(0.0, req.wait_s), MAX_STATUS_WAIT_S))
+                state, err = await service.status(req.step, min(max(0.0, req.wait_s), MAX_STATUS_WAIT_S))
                 return StepStatus(
                     v=v, step=req.step, state=state, error_code=type(err).__name__ if err else "",
                     error=str(err) if err else "",

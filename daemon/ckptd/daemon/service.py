@@ -1,10 +1,10 @@
-"""The daemon's work: validate saves, write staged shards as zarr chunks, write the node part, commit.
+"""The daemon's work: validate saves, have their shards written, write the node part, commit.
 
-One :class:`StepJob` per step on this node. Each accepted rank save becomes a task that writes its
-shards chunk by chunk (a daemon-wide semaphore bounds chunks in flight) and frees each shard's arena slot
-as soon as its chunks are written. When every local rank's save is written the node part manifest goes
-to storage; node 0's daemon then commits the step, the others wait for the marker. Nothing here touches
-the training process group.
+One :class:`~ckptd.daemon.job.StepJob` per step on this node (its states live in job.py). Each accepted
+rank save becomes a task of the :class:`~ckptd.daemon.writes.ShardWriter`, which writes its shards chunk
+by chunk and frees each arena slot as soon as its chunks are written. When every local rank's save is
+written the node part manifest goes to storage; node 0's daemon then commits the step, the others wait
+for the marker. Nothing here touches the training process group.
 """
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-import msgspec
-import numpy as np
 from zarr.abc.store import Store
 
-from ckptd.client.protocol import SaveRequest, ShardMeta
+from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
-from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
+from ckptd.daemon.job import NodeStep, RankSave, StepJob
+from ckptd.daemon.writes import ShardWriter, first_leaf
 from ckptd.writer.commit import CheckpointRoot
 from ckptd.writer.errors import (
     CkptdError,
@@ -42,84 +39,43 @@ from ckptd.writer.errors import (
 from ckptd.writer.format import (
     FORMAT_VERSION,
     ArrayRecord,
-    ChunkRecord,
     PartManifest,
-    ShardRecord,
     check_region,
     check_sidecar,
-    chunk_key,
-    chunk_selection_of,
     itemsize,
     plan_chunks,
-    region_chunks,
-    step_dir,
-    storage_dtype,
     validate_key,
 )
-from ckptd.writer.store import is_local, retry_metrics, storage_error
+from ckptd.writer.store import retry_metrics, storage_error
 
 log = logging.getLogger(__name__)
 
-FINAL_STATES = ("committed", "failed")
 KEEP_FINISHED_JOBS = 64
 CLOCK_SKEW_S = 5.0  # failure notes older than a step's start (less this) are an earlier attempt's
-PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting for the node's ranks
 
 
-@dataclass
-class RankSave:
-    request: SaveRequest
-    lease: Lease
-    records: list[tuple[ShardMeta, ShardRecord]] = field(default_factory=list)
-
-
-@dataclass
-class StepJob:
-    step: int
-    node: int
-    num_nodes: int
-    world_size: int
-    local_world_size: int
-    started: float = field(default_factory=time.monotonic)
-    started_wall: float = field(default_factory=time.time)
-    saves: dict[int, RankSave] = field(default_factory=dict)
-    tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
-    written_keys: list[str] = field(default_factory=list)
-    state: str = "pending"
-    error: CkptdError | None = None
-    nbytes: int = 0
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    all_staged: asyncio.Event = field(default_factory=asyncio.Event)  # every local rank handed its data over
-    durable_at: float = 0.0
-    held: dict[str, list[HeldBlock]] = field(default_factory=dict)  # small arrays waiting to be packed
-    held_bytes: int = 0
-    retries_before: Any = None  # the store's retry counters when the step began
-
-    def fail(self, error: CkptdError) -> None:
-        if self.state in FINAL_STATES:
-            return
-        self.state, self.error = "failed", error
-        self.held, self.held_bytes = {}, 0  # small-array copies that will never be written
-        self.finished.set()
+# Starts a background task of the service (the server passes its task group's); the name is for logs.
+Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
 
 class CheckpointService:
-    """Everything the daemon does with saves, independent of the socket that delivers them."""
+    """Everything the daemon does with saves, independent of the socket that delivers them.
 
-    def __init__(self, config: DaemonConfig, arena: Arena, store: Store) -> None:
+    ``spawn`` starts its background tasks (writes, step completion, timeouts): the server passes one that
+    puts them in its task group, so shutdown can cancel them; by default they are plain loop tasks.
+    """
+
+    def __init__(self, config: DaemonConfig, arena: Arena, store: Store, spawn: Spawn | None = None) -> None:
         self.config = config
         self.arena = arena
         self.root = CheckpointRoot(store, config.root)
         self.jobs: dict[int, StepJob] = {}
         self.draining = False
-        self._chunk_slots = asyncio.Semaphore(config.write_concurrency)
+        self.writer = ShardWriter(config, arena, store)
         self._job_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
-        self._sink = ChunkSink(store)
-        pack = config.pack_bytes if config.pack_bytes is not None else (0 if is_local(config.root) else 1 << 20)
-        self._pack_bytes = min(pack, config.chunk_bytes)
-        self._pack_budget = min(PACK_BUDGET_BYTES, config.arena_size // 4)
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -136,7 +92,7 @@ class CheckpointService:
             job = await self._job_for(req)
         if req.rank in job.saves:
             raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
-        if job.state != "pending":
+        if job.state is not StepState.PENDING:
             raise StepFailedError(f"step {req.step} is already {job.state} on this node: {job.error}")
         for name, text in req.sidecars.items():
             if name not in self._sidecars_stored:
@@ -145,12 +101,10 @@ class CheckpointService:
                 self._sidecars_stored.add(name)
         self.arena.adopt(lease)
         save = RankSave(req, lease)
-        job.saves[req.rank] = save
         nbytes = sum(lease.sizes[s.slot] for s in req.shards)
-        job.nbytes += nbytes
-        job.tasks[req.rank] = self._spawn(self._write_rank(job, save), f"write step={req.step} rank={req.rank}")
-        if len(job.saves) == job.local_world_size:
-            job.all_staged.set()
+        last = job.add_save(save, nbytes)
+        job.tasks[req.rank] = self._spawn(self.writer.write_rank(job, save), f"write step={req.step} rank={req.rank}")
+        if last:
             self._spawn(self._finish_node(job), f"finish step={req.step}")
         return nbytes
 
@@ -184,141 +138,60 @@ class CheckpointService:
     async def _job_for(self, req: SaveRequest) -> StepJob:
         async with self._job_lock:
             job = self.jobs.get(req.step)
-            if job is not None and job.state == "committed":
+            if job is not None and job.state is StepState.COMMITTED:
                 raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
-            if job is None or job.state == "failed":  # a failed step may be saved again
+            if job is None or job.state is StepState.FAILED:  # a failed step may be saved again
                 if await self.root.is_committed(req.step):
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
                 await self.root.discard_part(req.step, req.node)
                 if req.node == 0:
                     await self.root.clear_failed(req.step)
-                job = StepJob(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size)
                 metrics = retry_metrics(self.root.store)
-                job.retries_before = metrics.snapshot() if metrics is not None else None
+                job = StepJob(
+                    NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size),
+                    retries_before=metrics.snapshot() if metrics is not None else None,
+                )
                 self.jobs[req.step] = job
                 self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
-            placement = (job.node, job.num_nodes, job.world_size, job.local_world_size)
-            if placement != (req.node, req.num_nodes, req.world_size, req.local_world_size):
+            w = job.where
+            if NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size) != w:
                 raise InvalidRequestError(
                     f"step {req.step}: rank {req.rank} says node {req.node}/{req.num_nodes}, world "
                     f"{req.world_size}, local world {req.local_world_size}; earlier ranks said node "
-                    f"{job.node}/{job.num_nodes}, world {job.world_size}, local world {job.local_world_size}"
+                    f"{w.node}/{w.num_nodes}, world {w.world_size}, local world {w.local_world_size}"
                 )
             return job
 
     def _forget_old_jobs(self) -> None:
         """Keep the records of the newest finished steps only (status of older ones comes from storage)."""
-        finished = sorted(s for s, j in self.jobs.items() if j.state in FINAL_STATES)
+        finished = sorted(s for s, j in self.jobs.items() if j.final)
         for step in finished[:-KEEP_FINISHED_JOBS]:
             del self.jobs[step]
 
-    # --- writing ----------------------------------------------------------------------------------
-    async def _write_rank(self, job: StepJob, save: RankSave) -> None:
-        lease = save.lease
-        # Let the node's other ranks finish their copies before disk writes compete with them for CPU and
-        # memory bandwidth: the data is safe in the arena already, and the stall is what training feels.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.all_staged.wait(), self.config.stage_grace_s)
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for meta in save.request.shards:
-                    tg.create_task(self._write_shard(job, save, meta))
-        except* Exception as group:
-            job.fail(storage_error(_first_leaf(group), self.config.root))
-        finally:
-            self.arena.release(lease)
-
-    async def _write_shard(self, job: StepJob, save: RankSave, meta: ShardMeta) -> None:
-        lease = save.lease
-        numel = math.prod(meta.shape)
-        offset = lease.offsets[meta.slot]
-        data = np.frombuffer(self.arena.mm, dtype=storage_dtype(meta.dtype), count=numel, offset=offset)
-        data = data.reshape(meta.shape)
-        if self._hold_for_packing(job, save, meta, data):
-            self.arena.release_slot(lease, meta.slot)
-            return
-        await self._write_block(job, save, meta, data)
-        self.arena.release_slot(lease, meta.slot)
-
-    def _hold_for_packing(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> bool:
-        """Keep a copy of a small array's block until the node's other ranks arrived (see packing.py)."""
-        if job.state != "pending" or not packable(meta, self._pack_bytes):
-            return False
-        if job.held_bytes + data.nbytes > self._pack_budget:
-            return False
-        job.held.setdefault(meta.key, []).append(HeldBlock(save.request.rank, meta, data.copy()))
-        job.held_bytes += data.nbytes
-        return True
-
-    async def _write_held(self, job: StepJob) -> None:
-        """Write the held small-array blocks: one object per array the node holds whole, else as they came."""
-        held, job.held, job.held_bytes = job.held, {}, 0
-        async with asyncio.TaskGroup() as tg:
-            for blocks in held.values():
-                if covers_whole(blocks):
-                    first = min(blocks, key=lambda b: b.rank)
-                    shape = list(first.meta.global_shape)
-                    whole = msgspec.structs.replace(
-                        first.meta, global_offset=[0] * len(shape), shape=shape, chunk_shape=shape
-                    )
-                    tg.create_task(self._write_block(job, job.saves[first.rank], whole, assemble(blocks)))
-                else:
-                    for b in blocks:
-                        tg.create_task(self._write_block(job, job.saves[b.rank], b.meta, b.data))
-
-    async def _write_block(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> None:
-        """Write one block (whole chunks of its array) and record it for the node part."""
-        chunks = plan_chunks(meta.chunk_shape, itemsize(meta.dtype), self.config.chunk_bytes)
-        check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, chunks)
-        path = f"{step_dir(job.step)}/{meta.key}"
-        arr = None
-        if self.config.codec != "raw":  # compressed chunks go through zarr's codec pipeline
-            arr_meta = await array_metadata(meta.dtype, meta.global_shape, chunks, codec=self.config.codec)
-            arr = open_for_write(self.root.store, path, arr_meta)
-        coords_list = list(region_chunks(meta.global_offset, meta.shape, chunks))
-        records: list[ChunkRecord | None] = [None] * len(coords_list)
-
-        async def one(i: int, coords: tuple[int, ...]) -> None:
-            block = data[chunk_selection_of(coords, chunks, meta.global_shape, meta.global_offset)]
-            key = f"{path}/{chunk_key(coords)}"
-            async with self._chunk_slots:
-                if arr is None:
-                    crc = await self._sink.put(key, block)
-                else:
-                    crc = await checksum(block)
-                    await arr.setitem(chunk_selection(coords, chunks, meta.global_shape), block)
-            records[i] = ChunkRecord(list(coords), block.nbytes, crc)
-            job.written_keys.append(key)
-
-        async with asyncio.TaskGroup() as tg:
-            for i, coords in enumerate(coords_list):
-                tg.create_task(one(i, coords))
-        rec = ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape), [r for r in records if r])
-        save.records.append((meta, rec))
-
+    # --- finishing a step -------------------------------------------------------------------------
     async def _finish_node(self, job: StepJob) -> None:
         await asyncio.gather(*job.tasks.values(), return_exceptions=True)
-        if job.state != "pending":
-            if job.state == "failed":  # a write failed
+        if job.state is not StepState.PENDING:
+            if job.state is StepState.FAILED:  # a write failed
                 if job.node == 0 and job.error is not None:
                     await self._note_failure(job, job.error)
                 self._log_step(job)
             return
         try:
             try:
-                await self._write_held(job)
+                await self.writer.write_held(job)
             except* Exception as group:
-                raise _first_leaf(group) from group
+                raise first_leaf(group) from group
             written = time.monotonic()
             await self.root.make_durable(job.written_keys, synced=self.config.codec == "raw")
             part = self._part(job)
             await self.root.write_part(part)
-            job.state, job.durable_at = "durable", time.monotonic()
+            job.mark_durable()
             log.debug("step=%d node=%d data written %.3fs after the first save, durable %.3fs later",
                       job.step, job.node, written - job.started, job.durable_at - written)
             if job.node == 0:
-                await self.root.commit(job.step, job.num_nodes, self.config.commit_timeout_s)
+                await self.root.commit(job.step, job.where.num_nodes, self.config.commit_timeout_s)
                 if self.config.keep:
                     await self.root.retain(self.config.keep)
             else:
@@ -331,8 +204,7 @@ class CheckpointService:
             if job.node == 0:
                 await self._note_failure(job, err)
         else:
-            job.state = "committed"
-            job.finished.set()
+            job.mark_committed()
         self._log_step(job)
 
     async def _note_failure(self, job: StepJob, exc: CkptdError) -> None:
@@ -356,8 +228,8 @@ class CheckpointService:
             format=FORMAT_VERSION,
             step=job.step,
             node=job.node,
-            num_nodes=job.num_nodes,
-            world_size=job.world_size,
+            num_nodes=job.where.num_nodes,
+            world_size=job.where.world_size,
             ranks=sorted(job.saves),
             arrays=sorted(arrays, key=lambda a: (a.name, a.shards[0].rank)),
             objects={str(r): s.request.objects for r, s in sorted(job.saves.items()) if s.request.objects},
@@ -374,10 +246,10 @@ class CheckpointService:
         finally:
             staged.cancel()
             ended.cancel()
-        if job.state == "pending" and not job.all_staged.is_set():
-            missing = job.local_world_size - len(job.saves)
+        if job.state is StepState.PENDING and not job.all_staged.is_set():
+            local = job.where.local_world_size
             err = SaveTimeoutError(
-                f"step {job.step} node {job.node}: {missing} of {job.local_world_size} local ranks never saved "
+                f"step {job.step} node {job.node}: {job.missing_ranks} of {local} local ranks never saved "
                 f"within {timeout:.0f}s; the step is abandoned (staged data of the others is released)"
             )
             job.fail(err)
@@ -388,28 +260,29 @@ class CheckpointService:
             self._log_step(job)
 
     # --- status -----------------------------------------------------------------------------------
-    async def status(self, step: int, wait_s: float) -> tuple[str, CkptdError | None]:
+    async def status(self, step: int, wait_s: float) -> tuple[StepState, CkptdError | None]:
+        """The step's state on this node (waiting up to ``wait_s`` for a final one) and its error."""
         job = self.jobs.get(step)
         if job is None:
             with self._typed_storage_errors():
                 committed = await self.root.is_committed(step)
             if committed:
-                return "committed", None
-            return "unknown", None
+                return StepState.COMMITTED, None
+            return StepState.UNKNOWN, None
         if wait_s > 0 and not job.finished.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(job.finished.wait(), wait_s)
         return job.state, job.error
 
     # --- lifecycle --------------------------------------------------------------------------------
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def _spawn_detached(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
     def in_flight(self) -> list[StepJob]:
-        return [j for j in self.jobs.values() if j.state not in FINAL_STATES]
+        return [j for j in self.jobs.values() if not j.final]
 
     async def drain(self, grace: float) -> bool:
         """Stop accepting saves; wait up to ``grace`` seconds for in-flight steps. True if all finished."""
@@ -447,9 +320,3 @@ class CheckpointService:
         except Exception as exc:
             raise storage_error(exc, self.config.root) from exc
 
-
-def _first_leaf(exc: BaseException) -> BaseException:
-    """The first real exception inside (possibly nested) exception groups."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc

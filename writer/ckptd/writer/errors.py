@@ -83,6 +83,10 @@ class StepFailedError(CkptdError, RuntimeError):
     """A save was accepted but the step did not commit; the message carries the cause."""
 
 
+class StepStateError(CkptdError, RuntimeError):
+    """A step job was asked for a transition its state machine forbids (a daemon bug, never bad input)."""
+
+
 class StorageError(CkptdError, OSError):
     """Storage refused an operation for good (after retries where retrying made sense)."""
 

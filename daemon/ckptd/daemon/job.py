@@ -1,0 +1,164 @@
+"""One step on this node as a typed state machine: no I/O, every transition in one table.
+
+::
+
+    PENDING --mark_durable--> DURABLE --mark_committed--> COMMITTED
+       |                         |
+       +--------fail-------------+-----> FAILED
+
+``COMMITTED`` and ``FAILED`` are final: a job never leaves them (a failed step saved again gets a new
+job). A transition the table does not allow raises :class:`StepStateError`, except :meth:`StepJob.fail`
+on a job that already ended, which is ignored: the first outcome stands (a write failure and the
+part timeout may race).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ckptd.client.protocol import SaveRequest, ShardMeta, StepState
+from ckptd.daemon.arena import Lease
+from ckptd.daemon.packing import HeldBlock
+from ckptd.writer.errors import CkptdError, StepStateError
+from ckptd.writer.format import ShardRecord
+
+__all__ = ["TRANSITIONS", "HeldBlocks", "NodeStep", "RankSave", "StepJob"]
+
+TRANSITIONS: Mapping[StepState, frozenset[StepState]] = {
+    StepState.PENDING: frozenset({StepState.DURABLE, StepState.FAILED}),
+    StepState.DURABLE: frozenset({StepState.COMMITTED, StepState.FAILED}),
+    StepState.COMMITTED: frozenset(),
+    StepState.FAILED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class NodeStep:
+    """Which step, on which node, of which job shape: fixed by the first rank that saves it."""
+
+    step: int
+    node: int
+    num_nodes: int
+    world_size: int
+    local_world_size: int
+
+
+@dataclass
+class RankSave:
+    """One local rank's accepted save: its request, its staging lease, and the shards written so far."""
+
+    request: SaveRequest
+    lease: Lease
+    records: list[tuple[ShardMeta, ShardRecord]] = field(default_factory=list)
+
+
+@dataclass
+class HeldBlocks:
+    """Copies of small arrays' blocks held until the node's other ranks arrived (see packing.py)."""
+
+    blocks: dict[str, list[HeldBlock]] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def add(self, block: HeldBlock) -> None:
+        self.blocks.setdefault(block.meta.key, []).append(block)
+        self.nbytes += block.data.nbytes
+
+    def take(self) -> dict[str, list[HeldBlock]]:
+        """Hand over every held block and forget them."""
+        blocks, self.blocks, self.nbytes = self.blocks, {}, 0
+        return blocks
+
+
+class StepJob:
+    """A step's life on this node: its rank saves, what was written, and its state.
+
+    ``finished`` is set on entering a final state; ``all_staged`` once every local rank's save was
+    accepted. Both are plain events: waiting on them is the caller's business.
+    """
+
+    def __init__(self, where: NodeStep, retries_before: object = None) -> None:
+        self.where = where
+        # timing
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.durable_at = 0.0
+        self.retries_before = retries_before  # the store's retry counters when the step began
+        # the node's ranks and their writes
+        self.saves: dict[int, RankSave] = {}
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.nbytes = 0
+        self.written_keys: list[str] = []
+        self.held = HeldBlocks()
+        # state
+        self._state = StepState.PENDING
+        self._error: CkptdError | None = None
+        self.finished = asyncio.Event()
+        self.all_staged = asyncio.Event()
+
+    # --- identity ---------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.where.step
+
+    @property
+    def node(self) -> int:
+        return self.where.node
+
+    # --- state ------------------------------------------------------------------------------------
+    @property
+    def state(self) -> StepState:
+        return self._state
+
+    @property
+    def error(self) -> CkptdError | None:
+        """Why the step failed (``None`` unless :attr:`state` is ``FAILED``)."""
+        return self._error
+
+    @property
+    def final(self) -> bool:
+        return self._state.final
+
+    def _move(self, to: StepState) -> None:
+        if to not in TRANSITIONS[self._state]:
+            raise StepStateError(f"step {self.step} node {self.node}: no transition {self._state} -> {to}")
+        self._state = to
+        if to.final:
+            self.finished.set()
+
+    def mark_durable(self) -> None:
+        """The node's data and part manifest are on storage."""
+        self._move(StepState.DURABLE)
+        self.durable_at = time.monotonic()
+
+    def mark_committed(self) -> None:
+        """The step's commit marker is on storage."""
+        self._move(StepState.COMMITTED)
+
+    def fail(self, error: CkptdError) -> bool:
+        """End the step with ``error``; False (and nothing changes) if it had already ended."""
+        if self.final:
+            return False
+        self._error = error  # before the move: waiters woken by it find the error in place
+        self._move(StepState.FAILED)
+        self.held.take()  # small-array copies that will never be written
+        return True
+
+    # --- rank saves -------------------------------------------------------------------------------
+    def add_save(self, save: RankSave, nbytes: int) -> bool:
+        """Record an accepted rank save; True when it was the node's last local rank."""
+        if self._state is not StepState.PENDING:
+            raise StepStateError(f"step {self.step} node {self.node}: a save arrived in state {self._state}")
+        self.saves[save.request.rank] = save
+        self.nbytes += nbytes
+        if len(self.saves) == self.where.local_world_size:
+            self.all_staged.set()
+            return True
+        return False
+
+    @property
+    def missing_ranks(self) -> int:
+        """Local ranks that have not saved yet."""
+        return self.where.local_world_size - len(self.saves)

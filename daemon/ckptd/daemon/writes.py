@@ -1,0 +1,143 @@
+"""Writing staged shards: each rank save's shards, chunk by chunk, from the arena to storage.
+
+A daemon-wide semaphore bounds the chunks in flight; each shard's arena slot is freed as soon as its
+chunks are written. Small arrays a node holds whole are held back and written as one object once the
+node's ranks have all arrived (see packing.py). A failed write fails the step's job; the service
+decides what happens next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+
+import msgspec
+import numpy as np
+from zarr.abc.store import Store
+
+from ckptd.client.protocol import ShardMeta, StepState
+from ckptd.daemon.arena import Arena
+from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.job import RankSave, StepJob
+from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
+from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
+from ckptd.writer.format import (
+    ChunkRecord,
+    ShardRecord,
+    check_region,
+    chunk_key,
+    chunk_selection_of,
+    itemsize,
+    plan_chunks,
+    region_chunks,
+    step_dir,
+    storage_dtype,
+)
+from ckptd.writer.store import is_local, storage_error
+
+PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting for the node's ranks
+
+
+class ShardWriter:
+    """Writes the shards of accepted saves into the step's zarr arrays and records what it wrote."""
+
+    def __init__(self, config: DaemonConfig, arena: Arena, store: Store) -> None:
+        self.config = config
+        self.arena = arena
+        self.store = store
+        self._chunk_slots = asyncio.Semaphore(config.write_concurrency)
+        self._sink = ChunkSink(store)
+        pack = config.pack_bytes if config.pack_bytes is not None else (0 if is_local(config.root) else 1 << 20)
+        self._pack_bytes = min(pack, config.chunk_bytes)
+        self._pack_budget = min(PACK_BUDGET_BYTES, config.arena_size // 4)
+
+    async def write_rank(self, job: StepJob, save: RankSave) -> None:
+        """Write one rank's shards (or hold the small ones); release its lease whatever happens."""
+        lease = save.lease
+        # Let the node's other ranks finish their copies before disk writes compete with them for CPU and
+        # memory bandwidth: the data is safe in the arena already, and the stall is what training feels.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.all_staged.wait(), self.config.stage_grace_s)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for meta in save.request.shards:
+                    tg.create_task(self._write_shard(job, save, meta))
+        except* Exception as group:
+            job.fail(storage_error(first_leaf(group), self.config.root))
+        finally:
+            self.arena.release(lease)
+
+    async def _write_shard(self, job: StepJob, save: RankSave, meta: ShardMeta) -> None:
+        lease = save.lease
+        numel = math.prod(meta.shape)
+        offset = lease.offsets[meta.slot]
+        data = np.frombuffer(self.arena.mm, dtype=storage_dtype(meta.dtype), count=numel, offset=offset)
+        data = data.reshape(meta.shape)
+        if self._hold_for_packing(job, save, meta, data):
+            self.arena.release_slot(lease, meta.slot)
+            return
+        await self._write_block(job, save, meta, data)
+        self.arena.release_slot(lease, meta.slot)
+
+    def _hold_for_packing(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> bool:
+        """Keep a copy of a small array's block until the node's other ranks arrived (see packing.py)."""
+        if job.state is not StepState.PENDING or not packable(meta, self._pack_bytes):
+            return False
+        if job.held.nbytes + data.nbytes > self._pack_budget:
+            return False
+        job.held.add(HeldBlock(save.request.rank, meta, data.copy()))
+        return True
+
+    async def write_held(self, job: StepJob) -> None:
+        """Write the held small-array blocks: one object per array the node holds whole, else as they came."""
+        held = job.held.take()
+        async with asyncio.TaskGroup() as tg:
+            for blocks in held.values():
+                if covers_whole(blocks):
+                    first = min(blocks, key=lambda b: b.rank)
+                    shape = list(first.meta.global_shape)
+                    whole = msgspec.structs.replace(
+                        first.meta, global_offset=[0] * len(shape), shape=shape, chunk_shape=shape
+                    )
+                    tg.create_task(self._write_block(job, job.saves[first.rank], whole, assemble(blocks)))
+                else:
+                    for b in blocks:
+                        tg.create_task(self._write_block(job, job.saves[b.rank], b.meta, b.data))
+
+    async def _write_block(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> None:
+        """Write one block (whole chunks of its array) and record it for the node part."""
+        chunks = plan_chunks(meta.chunk_shape, itemsize(meta.dtype), self.config.chunk_bytes)
+        check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, chunks)
+        path = f"{step_dir(job.step)}/{meta.key}"
+        arr = None
+        if self.config.codec != "raw":  # compressed chunks go through zarr's codec pipeline
+            arr_meta = await array_metadata(meta.dtype, meta.global_shape, chunks, codec=self.config.codec)
+            arr = open_for_write(self.store, path, arr_meta)
+        coords_list = list(region_chunks(meta.global_offset, meta.shape, chunks))
+        records: list[ChunkRecord | None] = [None] * len(coords_list)
+
+        async def one(i: int, coords: tuple[int, ...]) -> None:
+            block = data[chunk_selection_of(coords, chunks, meta.global_shape, meta.global_offset)]
+            key = f"{path}/{chunk_key(coords)}"
+            async with self._chunk_slots:
+                if arr is None:
+                    crc = await self._sink.put(key, block)
+                else:
+                    crc = await checksum(block)
+                    await arr.setitem(chunk_selection(coords, chunks, meta.global_shape), block)
+            records[i] = ChunkRecord(list(coords), block.nbytes, crc)
+            job.written_keys.append(key)
+
+        async with asyncio.TaskGroup() as tg:
+            for i, coords in enumerate(coords_list):
+                tg.create_task(one(i, coords))
+        rec = ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape), [r for r in records if r])
+        save.records.append((meta, rec))
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first real exception inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
