@@ -20,14 +20,14 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from zarr.abc.store import Store
 
 from ckptd.client.protocol import SaveRequest, ShardMeta
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
 from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
-from ckptd.writer.commit import CheckpointRoot
+from ckptd.writer.backends import Backend
+from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import (
     CkptdError,
     DaemonShuttingDownError,
@@ -56,7 +56,6 @@ from ckptd.writer.format import (
     storage_dtype,
     validate_key,
 )
-from ckptd.writer.store import is_local, retry_metrics, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class StepJob:
     durable_at: float = 0.0
     held: dict[str, list[HeldBlock]] = field(default_factory=dict)  # small arrays waiting to be packed
     held_bytes: int = 0
-    retries_before: Any = None  # the store's retry counters when the step began
+    retries_before: Any = None  # the backend's retry counters when the step began
 
     def fail(self, error: CkptdError) -> None:
         if self.state in FINAL_STATES:
@@ -106,18 +105,20 @@ class StepJob:
 class CheckpointService:
     """Everything the daemon does with saves, independent of the socket that delivers them."""
 
-    def __init__(self, config: DaemonConfig, arena: Arena, store: Store) -> None:
+    def __init__(self, config: DaemonConfig, arena: Arena, backend: Backend) -> None:
         self.config = config
         self.arena = arena
-        self.root = CheckpointRoot(store, config.root)
+        self.root = CheckpointWriter(backend)
         self.jobs: dict[int, StepJob] = {}
         self.draining = False
         self._chunk_slots = asyncio.Semaphore(config.write_concurrency)
         self._job_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
         self._sidecars_stored: set[str] = set()
-        self._sink = ChunkSink(store)
-        pack = config.pack_bytes if config.pack_bytes is not None else (0 if is_local(config.root) else 1 << 20)
+        self._sink = ChunkSink(backend)
+        # small arrays packed into one object only where each object costs a request (not on local disks)
+        local = backend.local_root is not None
+        pack = config.pack_bytes if config.pack_bytes is not None else (0 if local else 1 << 20)
         self._pack_bytes = min(pack, config.chunk_bytes)
         self._pack_budget = min(PACK_BUDGET_BYTES, config.arena_size // 4)
 
@@ -193,7 +194,7 @@ class CheckpointService:
                 if req.node == 0:
                     await self.root.clear_failed(req.step)
                 job = StepJob(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size)
-                metrics = retry_metrics(self.root.store)
+                metrics = self.root.backend.metrics
                 job.retries_before = metrics.snapshot() if metrics is not None else None
                 self.jobs[req.step] = job
                 self._forget_old_jobs()
@@ -225,7 +226,7 @@ class CheckpointService:
                 for meta in save.request.shards:
                     tg.create_task(self._write_shard(job, save, meta))
         except* Exception as group:
-            job.fail(storage_error(_first_leaf(group), self.config.root))
+            job.fail(self.root.backend.error(_first_leaf(group)))
         finally:
             self.arena.release(lease)
 
@@ -326,7 +327,7 @@ class CheckpointService:
                     job.step, self.config.commit_timeout_s, since=job.started_wall - CLOCK_SKEW_S
                 )
         except Exception as exc:
-            err = storage_error(exc, self.config.root)
+            err = self.root.backend.error(exc)
             job.fail(err)
             if job.node == 0:
                 await self._note_failure(job, err)
@@ -427,7 +428,7 @@ class CheckpointService:
         took = time.monotonic() - job.started
         mib = job.nbytes / 2**20
         retries = ""
-        metrics = retry_metrics(self.root.store)
+        metrics = self.root.backend.metrics
         if metrics is not None and job.retries_before is not None:  # S3: retried requests during the step
             retries = f" s3_retries={metrics.since(job.retries_before).describe()}"
         log.info(
@@ -445,7 +446,7 @@ class CheckpointService:
         except CkptdError:
             raise
         except Exception as exc:
-            raise storage_error(exc, self.config.root) from exc
+            raise self.root.backend.error(exc) from exc
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
