@@ -22,7 +22,15 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, open_array, read_region, verify_array, write_metadata
+from ckptd.writer.arrays import (
+    ChunkSink,
+    array_metadata,
+    checksum,
+    open_array,
+    read_region,
+    verify_array,
+    write_metadata,
+)
 from ckptd.writer.backends import Backend, Capabilities, open_backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import (
