@@ -50,8 +50,8 @@ class Capabilities:
         :meth:`Backend.create` is atomic: of two racing writers of one key exactly one succeeds. When
         ``False`` (only where the user turned it off explicitly, e.g. S3 ``conditional_put=false`` for
         endpoints that ignore ``If-None-Match``) ``create`` checks, then writes, and racing commit
-        coordinators are not excluded. A backend that cannot create at all refuses
-        (:class:`~ckptd.writer.errors.StorageError`) instead of falling back.
+        coordinators are not excluded. ``create`` is abstract: there is no generic check-then-write
+        fallback a new backend could inherit without saying so.
     needs_fsync:
         Written objects are durable only after :meth:`Backend.sync` (local files); object stores are
         durable once a PUT returns.
