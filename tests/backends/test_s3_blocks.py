@@ -1,5 +1,5 @@
 """The S3 building blocks against a real moto server process: the server helper, the fault proxy,
-and ``ckptd.writer.s3`` (retries, typed errors, conditional PUT, multipart GC)."""
+and ``ckptd.writer.backends.s3`` (retries, typed errors, conditional PUT, multipart GC)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,7 @@ from zarr.storage import FsspecStore
 from ckptd.testing.faultproxy import Fault, FaultProxy, FaultProxyProcess
 from ckptd.testing.fixtures import BUCKET, TRANSIENT_20
 from ckptd.testing.s3server import S3Credentials, S3Server
-from ckptd.writer.errors import (
-    CkptdError,
-    InvalidRequestError,
-    StorageError,
-    StorageNotFoundError,
-    StoragePermissionError,
-)
-from ckptd.writer.s3 import (
+from ckptd.writer.backends.s3 import (
     S3Options,
     abort_incomplete_uploads,
     check_bucket,
@@ -37,6 +30,14 @@ from ckptd.writer.s3 import (
     close_s3_filesystem,
     open_s3_filesystem,
     put_if_absent,
+)
+from ckptd.writer.errors import (
+    CkptdError,
+    ConfigError,
+    InvalidRequestError,
+    StorageError,
+    StorageNotFoundError,
+    StoragePermissionError,
 )
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
@@ -423,9 +424,9 @@ async def test_abort_incomplete_uploads(aws_env: S3Server) -> None:
 
 
 def test_options_validation_and_loop_requirement() -> None:
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(ConfigError):
         S3Options(max_attempts=0)
-    with pytest.raises(InvalidRequestError, match="unknown S3 options"):
+    with pytest.raises(ConfigError, match="unknown S3 options"):
         S3Options.from_mapping({"endpoint": "x"})
     with pytest.raises(InvalidRequestError, match="not an s3:// URL"):
         asyncio.run(open_s3_filesystem("file:///tmp/x", S3Options()))

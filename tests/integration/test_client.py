@@ -18,8 +18,8 @@ from ckptd.client import (
     SaveTimeoutError,
     StepFailedError,
 )
-from ckptd.client.load import load
 from ckptd.client.protocol import PROTOCOL_VERSION, LeaseGranted, LeaseRequest
+from ckptd.client.reader import load
 from ckptd.writer.errors import ArenaError
 
 MB6 = (6 << 20) // 4  # float32 elements in 6 MiB

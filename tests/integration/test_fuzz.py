@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import NonInteractiveExampleWarning
 
 from ckptd.client import CheckpointClient, Placement
-from ckptd.client.load import load
 from ckptd.client.protocol import DEFAULT_MAX_FRAME, HEADER, PROTOCOL_VERSION, decode_reply
+from ckptd.client.reader import load
 from ckptd.testing.launch import DaemonProcess
 
 pytestmark = pytest.mark.timeout(600)

@@ -23,7 +23,6 @@ import torch
 pytest.importorskip("megatron.core")
 
 from ckptd.client import CheckpointClient
-from ckptd.client.load import read_commit, read_sidecar
 from ckptd.client.megatron import (
     _SAVE_PLANS,
     LoadedCheckpoint,
@@ -32,6 +31,7 @@ from ckptd.client.megatron import (
     load_checkpoint,
     save_checkpoint,
 )
+from ckptd.client.reader import read_commit, read_sidecar
 from ckptd.testing.fixtures import megatron_owned_state
 from ckptd.testing.launch import DaemonProcess
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks

@@ -91,7 +91,7 @@ def rank_save(rank: int, world: int, sockets: list[str], local: int, steps: list
 
 def rank_load_check(rank: int, world: int, root: str, step: object, expect_step: int) -> bool:
     template = zero_template(rank, world)
-    from ckptd.client.load import load
+    from ckptd.client.reader import load
 
     out = load(root, step, template, rank=rank)  # type: ignore[arg-type]
     want = tensors(expected_state(rank, world, expect_step))
@@ -187,7 +187,7 @@ def test_daemon_kill_9_mid_save(start_daemon, tmp_path):
     assert time.monotonic() - t0 < 10
     assert not (tmp_path / "ckpt" / "step_2" / "COMMITTED").exists()
 
-    from ckptd.client.load import load
+    from ckptd.client.reader import load
 
     template = {"x": torch.zeros(10)}
     load(root, "latest", template)

@@ -13,7 +13,7 @@ import torch
 from test_s3 import aws_env, cli, in_aws_env, options, s3_flags  # noqa: F401 (fixture)
 
 from ckptd.client import CheckpointClient, Placement
-from ckptd.client.load import load
+from ckptd.client.reader import load
 from ckptd.testing.faultproxy import FaultProxy
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.s3server import S3Server

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from ckptd.client import CheckpointClient, Placement
-from ckptd.client.load import load
 from ckptd.client.protocol import StepState
+from ckptd.client.reader import load
 from ckptd.daemon.config import DaemonConfig, load_config
 from ckptd.daemon.server import serve
 

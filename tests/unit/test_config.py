@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +237,6 @@ def test_sizes_accept_units_in_every_layer(tmp_path: Path) -> None:
 
 
 def test_storage_schema_matches_the_s3_backend() -> None:
-    from ckptd.writer.s3 import S3Options
+    from ckptd.writer.backends.s3 import S3Options
 
-    assert set(StorageOptions.model_fields) == {f.name for f in dataclasses.fields(S3Options)}
+    assert set(StorageOptions.model_fields) == set(S3Options.__struct_fields__)

@@ -443,8 +443,8 @@ class CheckpointClient:
 
     # --- load -------------------------------------------------------------------------------------
     def load(self, step: int | Literal["latest"], template: StateDict) -> dict[str, object]:
-        """Fill the template's tensors in place from a committed step (see :func:`ckptd.client.load.load`)."""
-        from ckptd.client.load import load
+        """Fill the template's tensors in place from a committed step (see :func:`ckptd.client.reader.load`)."""
+        from ckptd.client.reader import load
 
         return load(self.root, step, template, rank=self.placement.rank, storage_options=self.storage_options)
 

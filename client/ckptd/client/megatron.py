@@ -1252,7 +1252,7 @@ def load_checkpoint(
     from the bucket slices. RNG state (``rng``) and ``extra`` come from the saved rank with this rank's
     TP/PP/DP coordinates (the same TP/PP and DP rank 0 when that DP rank did not exist).
     """
-    from ckptd.client.load import load, plan_reads, read_commit, read_flat, read_sidecar
+    from ckptd.client.reader import load, plan_reads, read_commit, read_flat, read_sidecar
 
     root, opts = _root_of(root_or_client, storage_options)
     commit = read_commit(root, step if step == "latest" else int(step), storage_options=opts)  # type: ignore[arg-type]
@@ -1319,7 +1319,7 @@ def _load_merged(
     data (param groups, scalar state such as Adam's step) comes from saved rank 0. RNG state is not
     restored: the saved ranks' generators belong to another parallel layout.
     """
-    from ckptd.client.load import load, plan_reads
+    from ckptd.client.reader import load, plan_reads
     from ckptd.client.reshard import merged_slices
 
     template = _model_template(model_chunks)

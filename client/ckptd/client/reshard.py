@@ -20,21 +20,14 @@ import torch
 
 from ckptd.client.megatron import MegatronLayout, ParamLayout
 from ckptd.client.state import torch_dtype
+from ckptd.client.sync import run_sync
 from ckptd.writer.arrays import open_array, read_region
-from ckptd.writer.commit import CheckpointRoot
 from ckptd.writer.errors import LayoutMismatchError, StateMismatchError
-from ckptd.writer.format import CommitManifest, decode_commit, step_dir
-from ckptd.writer.store import get_bytes
+from ckptd.writer.format import CommitManifest, step_dir
+from ckptd.writer.root import MERGED_DIR, CheckpointRoot, open_root
 
-MERGED_DIR = "merged"
-MERGED_MARKER = "MERGED"
 STATE_PREFIX = "optimizer.state."
 READ_CONCURRENCY = 8
-
-
-async def read_merged_manifest(root: CheckpointRoot, step: int) -> CommitManifest | None:
-    data = await get_bytes(root.store, f"{step_dir(step)}/{MERGED_DIR}/{MERGED_MARKER}")
-    return None if data is None else decode_commit(data)
 
 
 def merged_states(manifest: CommitManifest) -> dict[str, str]:
@@ -52,7 +45,7 @@ async def merged_optimizer_slices(
     root: CheckpointRoot, step: int, layout: MegatronLayout
 ) -> dict[str, torch.Tensor]:
     """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the merged layout."""
-    manifest = await read_merged_manifest(root, step)
+    manifest = await root.read_merged_manifest(step)
     if manifest is None:
         raise LayoutMismatchError(
             f"step {step} was saved with another parallel layout and has not been merged; run "
@@ -100,31 +93,21 @@ def merged_manifest(
     root: str, step: int, storage_options: Mapping[str, Any] | None = None
 ) -> CommitManifest | None:
     """The merge manifest of ``step`` under ``root``, or None if the step was never merged."""
-    from ckptd.writer.store import close_store, normalize_root, open_store
 
     async def go() -> CommitManifest | None:
-        url = normalize_root(root)
-        store = await open_store(url, storage_options, create=False)
-        try:
-            return await read_merged_manifest(CheckpointRoot(store, url), step)
-        finally:
-            await close_store(store)
+        async with open_root(root, storage_options) as ckpt:
+            return await ckpt.read_merged_manifest(step)
 
-    return asyncio.run(go())
+    return run_sync(go())
 
 
 def merged_slices(
     root: str, step: int, layout: MegatronLayout, storage_options: Mapping[str, Any] | None = None
 ) -> dict[str, torch.Tensor]:
     """Synchronous :func:`merged_optimizer_slices` for a root URL."""
-    from ckptd.writer.store import close_store, normalize_root, open_store
 
     async def go() -> dict[str, torch.Tensor]:
-        url = normalize_root(root)
-        store = await open_store(url, storage_options, create=False)
-        try:
-            return await merged_optimizer_slices(CheckpointRoot(store, url), step, layout)
-        finally:
-            await close_store(store)
+        async with open_root(root, storage_options) as ckpt:
+            return await merged_optimizer_slices(ckpt, step, layout)
 
-    return asyncio.run(go())
+    return run_sync(go())

@@ -10,11 +10,14 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ckptd.writer.errors import CkptdError, ConfigError
+
+if TYPE_CHECKING:
+    from ckptd.writer.root import CheckpointRoot
 
 log = logging.getLogger("ckptd")
 
@@ -169,14 +172,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _offline(args: argparse.Namespace) -> int:
-    from ckptd.writer.commit import CheckpointRoot
-    from ckptd.writer.store import close_store, normalize_root, open_store
+    from ckptd.writer.root import open_root
 
-    url = normalize_root(args.root)
     options = _storage_options(args)
-    store = await open_store(url, options, create=False)
-    try:
-        root = CheckpointRoot(store, url)
+    async with open_root(args.root, options, create=False) as root:
         if args.command == "ls":
             return await _ls(root, args.json)
         if args.command == "verify":
@@ -185,20 +184,16 @@ async def _offline(args: argparse.Namespace) -> int:
             return await _gc(root, args.keep, args.dry_run)
         if args.command == "merge":
             return await _merge(root, args.step, args.workers, args.json)
-        raise AssertionError(args.command)
-    finally:
-        await close_store(store)
+        raise ConfigError(f"unknown command {args.command!r}")
 
 
-async def _ls(root: Any, as_json: bool) -> int:
-    from ckptd.client.reshard import read_merged_manifest as read_merged
-
+async def _ls(root: CheckpointRoot, as_json: bool) -> int:
     rows = []
     committed = set(await root.committed_steps())
     for step in await root.steps():
         row: dict[str, Any] = {"step": step, "committed": step in committed, "merged": False}
         if step in committed:
-            row["merged"] = await read_merged(root, step) is not None
+            row["merged"] = await root.read_merged_manifest(step) is not None
             c = await root.read_commit(step)
             row.update(bytes=c.nbytes, arrays=len(c.arrays), nodes=c.num_nodes, world_size=c.world_size,
                        committed_at=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)))
@@ -215,8 +210,7 @@ async def _ls(root: Any, as_json: bool) -> int:
     return 0
 
 
-async def _verify(root: Any, which: str | None, as_json: bool) -> int:
-    from ckptd.client.reshard import read_merged_manifest as read_merged
+async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int:
     from ckptd.writer.arrays import verify_array
     from ckptd.writer.errors import CorruptCheckpointError
     from ckptd.writer.format import step_dir
@@ -232,7 +226,7 @@ async def _verify(root: Any, which: str | None, as_json: bool) -> int:
     results = []
     for step in steps:
         commit = await root.read_commit(step)
-        merged = await read_merged(root, step)
+        merged = await root.read_merged_manifest(step)
         t0 = time.perf_counter()
         verified, errors = 0, []
         for rec in [*commit.arrays, *(merged.arrays if merged else [])]:
@@ -255,7 +249,7 @@ async def _verify(root: Any, which: str | None, as_json: bool) -> int:
     return 1 if failures else 0
 
 
-async def _merge(root: Any, which: str, workers: int, as_json: bool) -> int:
+async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) -> int:
     from ckptd.daemon.merge import run_merge
 
     step: int | str = which if which == "latest" else int(which)
@@ -272,15 +266,14 @@ async def _merge(root: Any, which: str, workers: int, as_json: bool) -> int:
     return 0
 
 
-async def _gc(root: Any, keep: int, dry_run: bool) -> int:
+async def _gc(root: CheckpointRoot, keep: int, dry_run: bool) -> int:
+    from ckptd.writer.commit import CheckpointWriter
+
+    writer = CheckpointWriter(root.backend)
     if dry_run:
-        committed = await root.committed_steps()
-        newest = committed[-1] if committed else None
-        doomed = set(committed[: -max(1, keep)]) if committed else set()
-        doomed |= {s for s in await root.steps() if newest is not None and s < newest and s not in committed}
-        print("would remove steps:", sorted(doomed) or "none")
+        print("would remove steps:", await writer.doomed_steps(keep) or "none")
         return 0
-    removed = await root.retain(keep)
+    removed = await writer.retain(keep)
     print("removed steps:", removed or "none")
     return 0
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ckptd.client.protocol import SaveRequest, ShardMeta, StepState
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.packing import HeldBlock
+from ckptd.writer.backends import RetryMetrics
 from ckptd.writer.errors import CkptdError, StepStateError
 from ckptd.writer.format import ShardRecord
 
@@ -79,13 +80,13 @@ class StepJob:
     accepted. Both are plain events: waiting on them is the caller's business.
     """
 
-    def __init__(self, where: NodeStep, retries_before: object = None) -> None:
+    def __init__(self, where: NodeStep, retries_before: RetryMetrics | None = None) -> None:
         self.where = where
         # timing
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.durable_at = 0.0
-        self.retries_before = retries_before  # the store's retry counters when the step began
+        self.retries_before = retries_before  # the backend's retry counters when the step began
         # the node's ranks and their writes
         self.saves: dict[int, RankSave] = {}
         self.tasks: dict[int, asyncio.Task[None]] = {}

@@ -38,9 +38,10 @@ import numpy as np
 import torch
 
 from ckptd.client.megatron import MegatronLayout, ModelPiece, ParamLayout
-from ckptd.client.reshard import MERGED_DIR, MERGED_MARKER, STATE_PREFIX
+from ckptd.client.reshard import STATE_PREFIX
+from ckptd.client.sync import run_sync
 from ckptd.writer.arrays import ChunkSink, array_metadata, open_array, read_region, write_group, write_metadata
-from ckptd.writer.commit import CheckpointRoot
+from ckptd.writer.backends import Backend
 from ckptd.writer.errors import CheckpointNotFoundError, ShardLayoutError
 from ckptd.writer.format import (
     FORMAT_VERSION,
@@ -56,7 +57,7 @@ from ckptd.writer.format import (
     region_chunks,
     step_dir,
 )
-from ckptd.writer.store import close_store, get_bytes, list_dir, normalize_root, open_store, put_bytes, sync_all
+from ckptd.writer.root import MERGED_DIR, MERGED_MARKER, CheckpointRoot, open_root
 
 log = logging.getLogger(__name__)
 
@@ -262,35 +263,31 @@ def merge(root: str, step: int | str = "latest", *, workers: int = 2,
     """Synchronous entry point: merge one committed step under ``root``."""
 
     async def go() -> MergeSummary:
-        url = normalize_root(root)
-        store = await open_store(url, storage_options, create=False)
-        try:
-            return await run_merge(CheckpointRoot(store, url), step, workers=workers, progress=progress)
-        finally:
-            await close_store(store)
+        async with open_root(root, storage_options) as ckpt:
+            return await run_merge(ckpt, step, workers=workers, progress=progress)
 
-    return asyncio.run(go())
+    return run_sync(go())
 
 
 async def run_merge(
     ckpt: CheckpointRoot, step: int | str = "latest", *, workers: int = 2, progress: bool = True
 ) -> MergeSummary:
     t0 = time.monotonic()
-    store = ckpt.store
+    store, backend = ckpt.store, ckpt.backend
     n = await ckpt.resolve(step)
     commit = await ckpt.read_commit(n)
     prefix = step_dir(n)
     marker = f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}"
-    if await store.exists(marker):
-        done = msgspec.json.decode(await get_bytes(store, marker) or b"{}")
+    if await backend.exists(marker):
+        done = msgspec.json.decode(await backend.get(marker) or b"{}")
         return MergeSummary(n, len(done.get("arrays", [])), 0, 0, 0, 0, time.monotonic() - t0, already_merged=True)
     names = layout_names(commit.objects)
     layouts = [MegatronLayout.from_json(await ckpt.read_sidecar(s)) for s in sorted(set(names.values()))]
     plan = plan_merge(commit, layouts)
-    finished = await _finished_tasks(store, prefix)
+    finished = await _finished_tasks(backend, prefix)
     todo = [t for t in plan.tasks if t.name not in finished]
     bar = Progress(sum(t.nbytes for t in todo)) if progress else None
-    sink = ChunkSink(store, fsync_each=False)  # many small pieces: one filesystem sync per bucket instead
+    sink = ChunkSink(backend, fsync_each=False)  # many small pieces: one filesystem sync per bucket instead
     sem = asyncio.Semaphore(max(1, workers))
     records: dict[str, list[ShardRecord]] = {name: list(recs) for name, recs in _records_of(finished).items()}
     written = 0
@@ -300,8 +297,8 @@ async def run_merge(
         async with sem:
             out = await _merge_task(store, sink, prefix, task, plan.arrays)
         doc = {name: [msgspec.to_builtins(r) for r in recs] for name, recs in out.items()}
-        await sync_all(store)  # the bucket's chunks are durable before its progress note claims them
-        await put_bytes(store, f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}/{task.name}.json", encode_json(doc))
+        await backend.sync_all()  # the bucket's chunks are durable before its progress note claims them
+        await backend.put(f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}/{task.name}.json", encode_json(doc))
         for name, recs in out.items():
             records.setdefault(name, []).extend(recs)
             written += sum(c.nbytes for r in recs for c in r.chunks)
@@ -315,7 +312,7 @@ async def run_merge(
     finally:
         if bar is not None:
             bar.close()
-    manifest = await _commit_merge(store, prefix, commit, plan, records)
+    manifest = await _commit_merge(backend, prefix, commit, plan, records)
     return MergeSummary(n, len(manifest.arrays), len(todo), len(plan.tasks) - len(todo),
                         sum(t.nbytes for t in todo), written, time.monotonic() - t0)
 
@@ -345,11 +342,11 @@ async def _merge_task(
     return out
 
 
-async def _finished_tasks(store: Any, prefix: str) -> dict[str, dict[str, list[ShardRecord]]]:
+async def _finished_tasks(backend: Backend, prefix: str) -> dict[str, dict[str, list[ShardRecord]]]:
     folder = f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}"
     done: dict[str, dict[str, list[ShardRecord]]] = {}
-    for name in await list_dir(store, folder):
-        data = await get_bytes(store, f"{folder}/{name}")
+    for name in await backend.list_dir(folder):
+        data = await backend.get(f"{folder}/{name}")
         if data is None or not name.endswith(".json"):
             continue
         raw = msgspec.json.decode(data, type=dict[str, list[ShardRecord]])
@@ -366,7 +363,7 @@ def _records_of(finished: Mapping[str, Mapping[str, list[ShardRecord]]]) -> dict
 
 
 async def _commit_merge(
-    store: Any, prefix: str, commit: CommitManifest, plan: MergePlan, records: Mapping[str, list[ShardRecord]]
+    backend: Backend, prefix: str, commit: CommitManifest, plan: MergePlan, records: Mapping[str, list[ShardRecord]]
 ) -> CommitManifest:
     arrays = []
     for name in sorted(plan.arrays):
@@ -378,13 +375,13 @@ async def _commit_merge(
             raise ShardLayoutError(f"{name}: merged pieces cover {covered} of {want} chunks")
         arrays.append(ArrayRecord(name, spec.torch_dtype, list(spec.shape), list(spec.chunks), shards, "raw"))
         meta = await array_metadata(spec.torch_dtype, spec.shape, spec.chunks, codec="raw")
-        await write_metadata(store, f"{prefix}/{name}", meta)
-    await write_group(store, f"{prefix}/{MERGED_DIR}", {"ckptd": {"content": CONTENT, "step": commit.step}})
+        await write_metadata(backend.store, f"{prefix}/{name}", meta)
+    await write_group(backend.store, f"{prefix}/{MERGED_DIR}", {"ckptd": {"content": CONTENT, "step": commit.step}})
     manifest = CommitManifest(
         format=FORMAT_VERSION, step=commit.step, num_nodes=commit.num_nodes, world_size=commit.world_size,
         arrays=arrays, objects={"content": CONTENT, "source": "dp_layout"},
         nbytes=sum(c.nbytes for a in arrays for s in a.shards for c in s.chunks), committed_at=time.time(),
     )
-    await sync_all(store)  # metadata durable before the marker
-    await asyncio.shield(put_bytes(store, f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}", encode_json(manifest)))
+    await backend.sync_all()  # metadata durable before the marker
+    await asyncio.shield(backend.put(f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}", encode_json(manifest)))
     return manifest

@@ -21,8 +21,6 @@ import struct
 from collections.abc import Coroutine
 from typing import Any
 
-from zarr.abc.store import Store
-
 from ckptd.client.protocol import (
     HEADER,
     PROTOCOL_VERSION,
@@ -46,8 +44,8 @@ from ckptd.client.protocol import (
 from ckptd.daemon.arena import Arena, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.service import CheckpointService
+from ckptd.writer.backends import Backend, open_backend
 from ckptd.writer.errors import CkptdError, DaemonShuttingDownError, InvalidRequestError, ProtocolError
-from ckptd.writer.store import close_store, open_store, retry_metrics
 
 log = logging.getLogger(__name__)
 
@@ -103,21 +101,20 @@ class Daemon:
         self.arena: Arena | None = None
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
-        """Serve until shut down (see :func:`serve`); the store is opened first and closed last."""
+        """Serve until shut down (see :func:`serve`); the storage backend is opened first and closed last."""
         cfg = self.config
         stale = remove_stale_arenas()
         if stale:
             log.info("removed %d stale arena file(s) of dead daemons: %s", len(stale), ", ".join(stale))
-        store = await open_store(cfg.root, cfg.storage_options)  # checks the bucket: fails loudly, typed
+        backend = await open_backend(cfg.root, cfg.storage_options)  # checks the bucket: fails loudly, typed
         try:
-            return await self._run(store, ready)
+            return await self._run(backend, ready)
         finally:
-            metrics = retry_metrics(store)
-            if metrics is not None:
-                log.info("S3 requests retried since start: %s", metrics.describe())
-            await close_store(store)
+            if backend.metrics is not None:
+                log.info("S3 requests retried since start: %s", backend.metrics.describe())
+            await backend.close()
 
-    async def _run(self, store: Store, ready: asyncio.Event | None) -> int:
+    async def _run(self, backend: Backend, ready: asyncio.Event | None) -> int:
         cfg = self.config
         if cfg.nice:
             os.nice(cfg.nice)  # before any worker thread exists, so they all inherit it
@@ -127,7 +124,7 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
-                self.service = CheckpointService(cfg, self.arena, store, spawn=self._spawn)
+                self.service = CheckpointService(cfg, self.arena, backend, spawn=self._spawn)
                 server = await self._listen()
                 for sig in signals:
                     loop.add_signal_handler(sig, self._stop.set)

@@ -17,14 +17,13 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-from zarr.abc.store import Store
-
 from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
 from ckptd.daemon.writes import ShardWriter, first_leaf
-from ckptd.writer.commit import CheckpointRoot
+from ckptd.writer.backends import Backend
+from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import (
     CkptdError,
     DaemonShuttingDownError,
@@ -46,7 +45,6 @@ from ckptd.writer.format import (
     plan_chunks,
     validate_key,
 )
-from ckptd.writer.store import retry_metrics, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +63,13 @@ class CheckpointService:
     puts them in its task group, so shutdown can cancel them; by default they are plain loop tasks.
     """
 
-    def __init__(self, config: DaemonConfig, arena: Arena, store: Store, spawn: Spawn | None = None) -> None:
+    def __init__(self, config: DaemonConfig, arena: Arena, backend: Backend, spawn: Spawn | None = None) -> None:
         self.config = config
         self.arena = arena
-        self.root = CheckpointRoot(store, config.root)
+        self.root = CheckpointWriter(backend)
         self.jobs: dict[int, StepJob] = {}
         self.draining = False
-        self.writer = ShardWriter(config, arena, store)
+        self.writer = ShardWriter(config, arena, backend)
         self._job_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._spawn: Spawn = spawn or self._spawn_detached
@@ -146,7 +144,7 @@ class CheckpointService:
                 await self.root.discard_part(req.step, req.node)
                 if req.node == 0:
                     await self.root.clear_failed(req.step)
-                metrics = retry_metrics(self.root.store)
+                metrics = self.root.backend.metrics
                 job = StepJob(
                     NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size),
                     retries_before=metrics.snapshot() if metrics is not None else None,
@@ -199,7 +197,7 @@ class CheckpointService:
                     job.step, self.config.commit_timeout_s, since=job.started_wall - CLOCK_SKEW_S
                 )
         except Exception as exc:
-            err = storage_error(exc, self.config.root)
+            err = self.root.backend.error(exc)
             job.fail(err)
             if job.node == 0:
                 await self._note_failure(job, err)
@@ -300,7 +298,7 @@ class CheckpointService:
         took = time.monotonic() - job.started
         mib = job.nbytes / 2**20
         retries = ""
-        metrics = retry_metrics(self.root.store)
+        metrics = self.root.backend.metrics
         if metrics is not None and job.retries_before is not None:  # S3: retried requests during the step
             retries = f" s3_retries={metrics.since(job.retries_before).describe()}"
         log.info(
@@ -318,5 +316,5 @@ class CheckpointService:
         except CkptdError:
             raise
         except Exception as exc:
-            raise storage_error(exc, self.config.root) from exc
+            raise self.root.backend.error(exc) from exc
 

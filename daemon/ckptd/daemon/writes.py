@@ -14,7 +14,6 @@ import math
 
 import msgspec
 import numpy as np
-from zarr.abc.store import Store
 
 from ckptd.client.protocol import ShardMeta, StepState
 from ckptd.daemon.arena import Arena
@@ -22,6 +21,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import RankSave, StepJob
 from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
 from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
+from ckptd.writer.backends import Backend
 from ckptd.writer.format import (
     ChunkRecord,
     ShardRecord,
@@ -34,7 +34,6 @@ from ckptd.writer.format import (
     step_dir,
     storage_dtype,
 )
-from ckptd.writer.store import is_local, storage_error
 
 PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting for the node's ranks
 
@@ -42,13 +41,15 @@ PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting 
 class ShardWriter:
     """Writes the shards of accepted saves into the step's zarr arrays and records what it wrote."""
 
-    def __init__(self, config: DaemonConfig, arena: Arena, store: Store) -> None:
+    def __init__(self, config: DaemonConfig, arena: Arena, backend: Backend) -> None:
         self.config = config
         self.arena = arena
-        self.store = store
+        self.backend = backend
         self._chunk_slots = asyncio.Semaphore(config.write_concurrency)
-        self._sink = ChunkSink(store)
-        pack = config.pack_bytes if config.pack_bytes is not None else (0 if is_local(config.root) else 1 << 20)
+        self._sink = ChunkSink(backend)
+        # small arrays packed into one object only where each object costs a request (not on local disks)
+        local = backend.local_root is not None
+        pack = config.pack_bytes if config.pack_bytes is not None else (0 if local else 1 << 20)
         self._pack_bytes = min(pack, config.chunk_bytes)
         self._pack_budget = min(PACK_BUDGET_BYTES, config.arena_size // 4)
 
@@ -64,7 +65,7 @@ class ShardWriter:
                 for meta in save.request.shards:
                     tg.create_task(self._write_shard(job, save, meta))
         except* Exception as group:
-            job.fail(storage_error(first_leaf(group), self.config.root))
+            job.fail(self.backend.error(first_leaf(group)))
         finally:
             self.arena.release(lease)
 
@@ -113,7 +114,7 @@ class ShardWriter:
         arr = None
         if self.config.codec != "raw":  # compressed chunks go through zarr's codec pipeline
             arr_meta = await array_metadata(meta.dtype, meta.global_shape, chunks, codec=self.config.codec)
-            arr = open_for_write(self.store, path, arr_meta)
+            arr = open_for_write(self.backend.store, path, arr_meta)
         coords_list = list(region_chunks(meta.global_offset, meta.shape, chunks))
         records: list[ChunkRecord | None] = [None] * len(coords_list)
 

@@ -131,25 +131,23 @@ def _prepare_root(root: str) -> None:
 async def _inspect(root: str) -> tuple[list[int], dict[int, Any], dict[str, Any]]:
     """Committed steps, their manifests, and a full checksum pass over the latest one."""
     from ckptd.writer.arrays import verify_array
-    from ckptd.writer.commit import CheckpointRoot
     from ckptd.writer.errors import CkptdError
     from ckptd.writer.format import step_dir
-    from ckptd.writer.store import normalize_root, open_store
+    from ckptd.writer.root import open_root
 
-    url = normalize_root(root)
-    ckpt = CheckpointRoot(await open_store(url, None, create=False), url)
-    steps = await ckpt.committed_steps()
-    commits = {s: await ckpt.read_commit(s) for s in steps}
-    report: dict[str, Any] = {"ok": False, "step": None, "bytes": 0, "arrays": 0, "errors": []}
-    if steps:
-        latest = commits[steps[-1]]
-        report.update(step=latest.step, arrays=len(latest.arrays))
-        for rec in latest.arrays:
-            try:
-                report["bytes"] += await verify_array(ckpt.store, step_dir(latest.step), rec)
-            except CkptdError as exc:
-                report["errors"].append(f"{type(exc).__name__}: {exc}")
-        report["ok"] = not report["errors"]
+    async with open_root(root) as ckpt:
+        steps = await ckpt.committed_steps()
+        commits = {s: await ckpt.read_commit(s) for s in steps}
+        report: dict[str, Any] = {"ok": False, "step": None, "bytes": 0, "arrays": 0, "errors": []}
+        if steps:
+            latest = commits[steps[-1]]
+            report.update(step=latest.step, arrays=len(latest.arrays))
+            for rec in latest.arrays:
+                try:
+                    report["bytes"] += await verify_array(ckpt.store, step_dir(latest.step), rec)
+                except CkptdError as exc:
+                    report["errors"].append(f"{type(exc).__name__}: {exc}")
+            report["ok"] = not report["errors"]
     return steps, commits, report
 
 

@@ -25,9 +25,9 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import MemoryStore, StorePath
 
+from ckptd.writer.backends import Backend
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
 from ckptd.writer.format import ARRAY_ATTR, ArrayRecord, storage_dtype
-from ckptd.writer.store import local_path, put_body
 
 CODECS = ("raw", "zstd")
 _meta_cache: dict[tuple[Any, ...], ArrayV3Metadata] = {}
@@ -79,15 +79,15 @@ class ChunkSink:
     crc32c, little-endian — so any zarr v3 reader decodes and verifies it. Doing it here lets one pass
     compute the checksum the manifest records and the one the codec stores, and lets local roots write
     straight from the staging arena (``writev``, no intermediate copy) and ``fsync`` in the same worker
-    thread. Object stores get one buffer through the zarr store (fsspec) API.
+    thread. Other backends get one buffer (:meth:`Backend.put_body`).
     """
 
-    def __init__(self, store: Store, *, fsync_each: bool = True) -> None:
-        """``fsync_each=False`` leaves durability to the caller (:func:`ckptd.writer.store.sync_all`):
-        cheaper when many small chunks are written, as the merge does."""
-        self.store = store
-        self.local_root = local_path(store)
-        self.fsync_each = fsync_each
+    def __init__(self, backend: Backend, *, fsync_each: bool = True) -> None:
+        """``fsync_each=False`` leaves durability to the caller (:meth:`Backend.sync_all`): cheaper
+        when many small chunks are written, as the merge does. Ignored where writes need no fsync."""
+        self.backend = backend
+        self.local_root = backend.local_root
+        self.fsync_each = fsync_each and backend.capabilities.needs_fsync
 
     async def put(self, key: str, block: np.ndarray) -> int:
         """Write one chunk; returns the crc32c of its (decoded) bytes.
@@ -97,7 +97,7 @@ class ChunkSink:
         if self.local_root is not None:
             return await asyncio.to_thread(_put_local, os.path.join(self.local_root, key), block, self.fsync_each)
         body, crc = await asyncio.to_thread(_encode, block)
-        await put_body(self.store, key, body)
+        await self.backend.put_body(key, body)
         return crc
 
 

@@ -20,107 +20,52 @@ bind to the loop that made them); :func:`open_s3_filesystem` enforces that.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
-import re
-from collections import Counter
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
-from urllib.parse import urlparse
 
+import msgspec
 import s3fs
 from zarr.storage import FsspecStore
 
+from ckptd.writer.backends import Backend, Capabilities, RetryMetrics
+from ckptd.writer.backends.s3_errors import (
+    classify_error,
+    count_fault,
+    count_retry,
+    describe_location,
+    error_code,
+    error_status,
+    split_s3_url,
+    treat_429_as_throttling,
+)
 from ckptd.writer.errors import (
     CkptdError,
-    InvalidRequestError,
+    ConfigError,
     StorageError,
     StorageNotFoundError,
-    StoragePermissionError,
 )
 
 __all__ = [
-    "S3Metrics",
+    "S3Backend",
     "S3Options",
     "abort_incomplete_uploads",
     "check_bucket",
     "classify_error",
     "close_s3_filesystem",
     "open_s3_filesystem",
-    "open_s3_store",
     "put_if_absent",
-    "s3_metrics",
-    "s3_options",
     "split_s3_url",
 ]
 
 logger = logging.getLogger(__name__)
 
-_NOT_FOUND_CODES = frozenset({"NoSuchBucket", "NoSuchKey", "NotFound", "404", "NoSuchUpload"})
-_PERMISSION_CODES = frozenset(
-    {
-        "AccessDenied",
-        "403",
-        "AllAccessDisabled",
-        "AccountProblem",
-        "InvalidAccessKeyId",
-        "InvalidClientTokenId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "ExpiredTokenException",
-        "InvalidToken",
-        "TokenRefreshRequired",
-        "UnrecognizedClientException",
-        "InvalidSecurity",
-    }
-)
-# exception class names from botocore's credential chain (matched by name: several are optional there)
-_CREDENTIAL_ERRORS = frozenset(
-    {
-        "NoCredentialsError",
-        "PartialCredentialsError",
-        "CredentialRetrievalError",
-        "ProfileNotFound",
-        "NoAuthTokenError",
-        "UnauthorizedSSOTokenError",
-        "SSOTokenLoadError",
-        "TokenRetrievalError",
-    }
-)
-_SECRET_PATTERNS = [
-    re.compile(r"\b(?:AKIA|ASIA|AROA|AIDA)[A-Z0-9]{12,}\b"),
-    re.compile(r"(?i)(x-amz-(?:credential|signature|security-token)=)[^&\s\"']+"),
-    re.compile(
-        r"(?i)((?:signature|credential|awsaccesskeyid|aws_secret_access_key|secret)\s*[=:]\s*)[^,&\s\"']+"
-    ),
-]
 _ABORT_CONCURRENCY = 8
-# codes botocore's standard retry mode already treats as throttling (botocore.retries.standard)
-_THROTTLING_CODES = frozenset(
-    {
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "ProvisionedThroughputExceededException",
-        "TransactionInProgressException",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "LimitExceededException",
-        "RequestThrottled",
-        "SlowDown",
-        "PriorRequestNotComplete",
-        "EC2ThrottledException",
-    }
-)
 
 
-@dataclass(frozen=True, slots=True)
-class S3Options:
+class S3Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to reach S3 (or an S3-compatible endpoint). Credentials are deliberately not part of it.
 
     Attributes
@@ -171,36 +116,47 @@ class S3Options:
     conditional_put: bool = True
 
     def __post_init__(self) -> None:
+        # also for direct construction, which msgspec does not validate
         if self.addressing_style not in ("auto", "virtual", "path"):
-            raise InvalidRequestError(
-                f"addressing_style must be auto, virtual or path: {self.addressing_style!r}"
-            )
+            raise ConfigError(f"addressing_style must be auto, virtual or path: {self.addressing_style!r}")
         if self.request_checksums not in ("when_supported", "when_required"):
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"request_checksums must be when_supported or when_required: {self.request_checksums!r}"
             )
         if self.retry_mode not in ("standard", "adaptive"):
-            raise InvalidRequestError(f"retry_mode must be standard or adaptive: {self.retry_mode!r}")
+            raise ConfigError(f"retry_mode must be standard or adaptive: {self.retry_mode!r}")
         for name in ("max_attempts", "fs_retries", "max_pool_connections", "multipart_concurrency"):
             if getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("connect_timeout", "read_timeout"):
             if not getattr(self, name) > 0:
-                raise InvalidRequestError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> S3Options:
-        """Build from a plain mapping (config file, CLI); unknown keys are an error, not ignored.
+        """Build from already-typed values (config file, settings, API); ``None`` means "not given".
 
-        Strings are converted to the field's type (CLI flags and environment values arrive as text);
-        ``None`` means "not given".
+        Types are strict (``"3"`` is not an int: text goes through :meth:`typed_from_text` first);
+        unknown keys, wrong types and values out of range raise :class:`ConfigError`.
         """
-        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(kinds))
+        return cls._convert({k: v for k, v in values.items() if v is not None}, strict=True)
+
+    @classmethod
+    def typed_from_text(cls, values: Mapping[str, str]) -> dict[str, Any]:
+        """The typed values of options given as text (``--storage-option KEY=VALUE``, environment):
+        ``"false"`` -> ``False``, ``"2"`` -> ``2``; :class:`ConfigError` if one does not parse."""
+        converted = cls._convert(values, strict=False)
+        return {k: getattr(converted, k) for k in values}
+
+    @classmethod
+    def _convert(cls, values: Mapping[str, Any], *, strict: bool) -> S3Options:
+        unknown = sorted(set(values) - set(cls.__struct_fields__))
         if unknown:
-            raise InvalidRequestError(f"unknown S3 options {unknown}; known: {sorted(kinds)}")
-        given = {k: _coerce_option(k, kinds[k], v) for k, v in values.items() if v is not None}
-        return cls(**given)
+            raise ConfigError(f"unknown S3 options {unknown}; known: {sorted(cls.__struct_fields__)}")
+        try:
+            return msgspec.convert(dict(values), cls, strict=strict)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid S3 option: {exc}") from exc
 
     @property
     def worst_case_requests(self) -> int:
@@ -208,55 +164,74 @@ class S3Options:
         return self.max_attempts * self.fs_retries
 
 
-@dataclass
-class S3Metrics:
-    """What one filesystem's HTTP client went through: retried attempts and the faults that caused them.
+class S3Backend(Backend):
+    """A prefix of an S3 bucket (or an S3-compatible endpoint) through an async ``s3fs`` filesystem.
 
-    ``faults`` counts failed attempts by S3 error code (``SlowDown``, ``Throttling``, ``InternalError``)
-    or exception class (``ConnectionClosedError``, ``ReadTimeoutError``); only 5xx, 429 and connection
-    failures count, not ordinary answers such as a 404 to an existence check.
+    The backend owns its filesystem (closed by :meth:`close`) and the retry counters its requests fill
+    (:attr:`metrics`). ``create`` is a conditional PUT (atomic) unless ``conditional_put`` is off.
     """
 
-    retries: int = 0
-    faults: Counter[str] = field(default_factory=Counter)
+    def __init__(self, url: str, fs: s3fs.S3FileSystem, options: S3Options, metrics: RetryMetrics) -> None:
+        bucket, prefix = split_s3_url(url)
+        self._path = f"{bucket}/{prefix}".rstrip("/")
+        capabilities = Capabilities(
+            atomic_create=options.conditional_put, needs_fsync=False, multipart_cleanup=True
+        )
+        super().__init__(url, FsspecStore(fs, path=self._path, read_only=False), capabilities)
+        self.fs = fs
+        self.options = options
+        self.metrics = metrics
 
-    def snapshot(self) -> S3Metrics:
-        return S3Metrics(self.retries, Counter(self.faults))
+    @classmethod
+    async def open(cls, url: str, options: Mapping[str, Any] | S3Options | None = None) -> S3Backend:
+        """Open the filesystem in the running loop and check the bucket (one HEAD): a missing bucket
+        or denied access fails here, typed."""
+        opts = options if isinstance(options, S3Options) else S3Options.from_mapping(options or {})
+        metrics = RetryMetrics()
+        fs = await open_s3_filesystem(url, opts, metrics)
+        try:
+            await check_bucket(fs, url)
+        except BaseException:
+            await close_s3_filesystem(fs)
+            raise
+        if not opts.conditional_put:
+            logger.warning(
+                "%s: conditional_put is off: commit markers are written check-then-put, which does not "
+                "exclude a racing coordinator", describe_location(url),
+            )
+        return cls(url, fs, opts, metrics)
 
-    def since(self, earlier: S3Metrics) -> S3Metrics:
-        return S3Metrics(self.retries - earlier.retries, self.faults - earlier.faults)
+    async def create(self, key: str, data: bytes) -> bool:
+        return await put_if_absent(self.fs, f"{self._path}/{key}", data, conditional=self.options.conditional_put)
 
-    def describe(self) -> str:
-        kinds = ",".join(f"{k}:{n}" for k, n in sorted(self.faults.items()))
-        return f"{self.retries}" + (f" ({kinds})" if kinds else "")
+    async def put_body(self, key: str, body: bytearray) -> None:
+        """The bytearray goes out as the request body, without the copies of zarr's ``Buffer`` round trip."""
+        try:
+            await self.fs._pipe_file(f"{self._path}/{key}", body)
+        except Exception as exc:
+            raise self.error(exc) from exc
 
+    async def abort_uploads(self, prefix: str) -> int:
+        bucket, _, base = self._path.partition("/")
+        key_prefix = f"{base}/{prefix}".strip("/") + "/"
+        return await abort_incomplete_uploads(self.fs, bucket, key_prefix)
 
-def s3_metrics(fs: Any) -> S3Metrics | None:
-    """The retry counters of a filesystem made by :func:`open_s3_filesystem` (``None`` for others)."""
-    metrics = getattr(fs, "ckptd_metrics", None)
-    return metrics if isinstance(metrics, S3Metrics) else None
+    def error(self, exc: BaseException) -> CkptdError:
+        return classify_error(exc, self.url)
 
-
-def s3_options(fs: Any) -> S3Options | None:
-    """The options a filesystem made by :func:`open_s3_filesystem` was opened with."""
-    options = getattr(fs, "ckptd_options", None)
-    return options if isinstance(options, S3Options) else None
-
-
-def split_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` → ``("bucket", "a/b")``; raise :class:`InvalidRequestError` otherwise."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("s3", "s3a") or not parsed.netloc:
-        raise InvalidRequestError(f"not an s3:// URL: {_scrub(url)!r}")
-    return parsed.netloc, parsed.path.strip("/")
+    async def close(self) -> None:
+        await close_s3_filesystem(self.fs)
 
 
-async def open_s3_filesystem(url: str, options: S3Options) -> s3fs.S3FileSystem:
+async def open_s3_filesystem(
+    url: str, options: S3Options, metrics: RetryMetrics | None = None
+) -> s3fs.S3FileSystem:
     """An ``s3fs.S3FileSystem(asynchronous=True)`` for ``url``'s bucket, bound to the running loop.
 
     The client is created here (``set_session``), so a missing or broken credential chain fails now
     with :class:`StoragePermissionError` rather than on the first write. The bucket itself is not
     contacted; use :func:`check_bucket` for that. Close the result with :func:`close_s3_filesystem`.
+    Retries and faults of its requests are counted into ``metrics``.
     """
     loop = asyncio.get_running_loop()  # RuntimeError outside a loop: the fs would bind to the wrong one
     bucket, prefix = split_s3_url(url)
@@ -302,12 +277,10 @@ async def open_s3_filesystem(url: str, options: S3Options) -> s3fs.S3FileSystem:
         client = await fs.set_session()
     except Exception as exc:
         raise classify_error(exc, url) from exc
-    metrics = S3Metrics()
-    client.meta.events.register_first("needs-retry.s3", _treat_429_as_throttling)
-    client.meta.events.register_first("needs-retry.s3", functools.partial(_count_fault, metrics))
-    client.meta.events.register("request-created.s3", functools.partial(_count_retry, metrics))
-    fs.ckptd_metrics = metrics
-    fs.ckptd_options = options
+    counters = metrics if metrics is not None else RetryMetrics()
+    client.meta.events.register_first("needs-retry.s3", treat_429_as_throttling)
+    client.meta.events.register_first("needs-retry.s3", functools.partial(count_fault, counters))
+    client.meta.events.register("request-created.s3", functools.partial(count_retry, counters))
     return fs
 
 
@@ -320,14 +293,6 @@ async def close_s3_filesystem(fs: s3fs.S3FileSystem) -> None:
     await creator.__aexit__(None, None, None)
 
 
-async def open_s3_store(root: str, options: Mapping[str, Any] | S3Options | None = None) -> FsspecStore:
-    """A zarr ``FsspecStore`` at ``root`` (``s3://bucket/prefix``) over :func:`open_s3_filesystem`."""
-    opts = options if isinstance(options, S3Options) else S3Options.from_mapping(options or {})
-    bucket, prefix = split_s3_url(root)
-    fs = await open_s3_filesystem(root, opts)
-    return FsspecStore(fs, path=f"{bucket}/{prefix}".rstrip("/"), read_only=False)
-
-
 async def check_bucket(fs: s3fs.S3FileSystem, url: str) -> None:
     """Fail fast unless ``url``'s bucket exists and the credentials may use it (one HEAD request)."""
     bucket, _prefix = split_s3_url(url)
@@ -336,44 +301,6 @@ async def check_bucket(fs: s3fs.S3FileSystem, url: str) -> None:
     except Exception as exc:
         raise classify_error(exc, url) from exc
 
-
-def classify_error(exc: BaseException, url: str) -> CkptdError:
-    """Map an exception from botocore/aiobotocore/s3fs to ckptd's typed storage errors.
-
-    :class:`StorageNotFoundError` for a missing bucket/object, :class:`StoragePermissionError` for
-    denied access, unknown or wrong keys and missing credentials, :class:`StorageError` for the rest
-    (including transient faults that outlived their retries). The message names the bucket and
-    prefix, the S3 error code and HTTP status, never a credential. Already-typed errors pass through.
-    The caller should ``raise classify_error(exc, url) from exc``.
-    """
-    if isinstance(exc, CkptdError):
-        return exc
-    where = _where(url)
-    for err in _chain(exc):
-        if type(err).__name__ in _CREDENTIAL_ERRORS:
-            return StoragePermissionError(
-                f"no usable AWS credentials for {where} ({type(err).__name__}): "
-                "configure the standard AWS chain (environment, profile or instance role)"
-            )
-        response = getattr(err, "response", None)
-        if isinstance(response, Mapping) and isinstance(response.get("Error"), Mapping):
-            code = str(response["Error"].get("Code") or "")
-            message = _scrub(str(response["Error"].get("Message") or ""))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            detail = f"{code or 'error'}, HTTP {status}" + (f": {message}" if message else "")
-            if code in _NOT_FOUND_CODES or status == 404:
-                what = "bucket does not exist" if code == "NoSuchBucket" else "not found"
-                return StorageNotFoundError(f"{what}: {where} ({detail})")
-            if code in _PERMISSION_CODES or status == 403:
-                return StoragePermissionError(f"access denied to {where} ({detail})")
-            return StorageError(f"S3 request failed for {where} ({detail})")
-    name = type(exc).__name__
-    text = _scrub(str(exc))
-    if isinstance(exc, FileNotFoundError):
-        return StorageNotFoundError(f"not found: {where} ({name}: {text})")
-    if isinstance(exc, PermissionError):
-        return StoragePermissionError(f"access denied to {where} ({name}: {text})")
-    return StorageError(f"S3 operation failed for {where} ({name}: {text})")
 
 
 async def abort_incomplete_uploads(
@@ -401,7 +328,7 @@ async def abort_incomplete_uploads(
                 await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             except Exception as exc:
                 err = classify_error(exc, url)
-                if isinstance(err, StorageNotFoundError) and _error_code(exc) == "NoSuchUpload":
+                if isinstance(err, StorageNotFoundError) and error_code(exc) == "NoSuchUpload":
                     return
                 raise err from exc
             aborted += 1
@@ -459,14 +386,14 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
             await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
             return True
         except Exception as exc:
-            code, status = _error_code(exc), _error_status(exc)
+            code, status = error_code(exc), error_status(exc)
             if code == "PreconditionFailed" or status == 412 or isinstance(exc, FileExistsError):
                 return await _holds(fs, bucket, key, data, url)
             if code == "NotImplemented" or status == 501:
                 logger.warning(
                     "%s: the endpoint rejects conditional PUTs (If-None-Match); falling back to a "
                     "check-then-put, which does not exclude a racing writer",
-                    _where(url),
+                    describe_location(url),
                 )
                 return await put_if_absent(fs, path, data, conditional=False)
             if code == "ConditionalRequestConflict" or status == 409:
@@ -475,69 +402,6 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
             raise classify_error(exc, url) from exc
     raise StorageError(f"conditional PUT of {url} kept conflicting with concurrent writers")
 
-
-# --- internals ------------------------------------------------------------------------------------
-def _coerce_option(name: str, kind: str, value: Any) -> Any:
-    if not isinstance(value, str) or kind not in ("int", "float", "bool"):
-        return value
-    if kind == "bool":
-        lowered = value.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise InvalidRequestError(f"S3 option {name} must be true or false, got {value!r}")
-    try:
-        return int(value) if kind == "int" else float(value)
-    except ValueError:
-        raise InvalidRequestError(f"S3 option {name} must be a number, got {value!r}") from None
-
-
-def _count_retry(metrics: S3Metrics, request: Any = None, **_kwargs: Any) -> None:
-    """``request-created`` runs once per attempt; attempts after the first are retries."""
-    context = getattr(request, "context", None) or {}
-    attempt = context.get("retries", {}).get("attempt", 1)
-    if attempt > 1:
-        metrics.retries += 1
-
-
-def _count_fault(
-    metrics: S3Metrics, response: Any = None, caught_exception: BaseException | None = None, **_kwargs: Any
-) -> None:
-    """Runs on ``needs-retry`` after every attempt; counts the failures a retry may follow."""
-    if caught_exception is not None:
-        metrics.faults[type(caught_exception).__name__] += 1
-        logger.debug("S3 attempt failed: %s", type(caught_exception).__name__)
-        return
-    if not isinstance(response, tuple) or len(response) != 2:
-        return
-    http, parsed = response
-    status = getattr(http, "status_code", None)
-    if isinstance(status, int) and (status >= 500 or status == 429):
-        error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
-        code = str(error.get("OriginalCode") or error.get("Code") or status)
-        metrics.faults[code] += 1
-        logger.debug("S3 attempt failed: HTTP %s %s", status, code)
-
-
-def _treat_429_as_throttling(response: Any = None, **_kwargs: Any) -> None:
-    """Make botocore retry every HTTP 429, not only those whose error code it knows.
-
-    botocore's standard and adaptive modes retry 500/502/503/504 by status but 429 only by error
-    code (``Throttling``, ``SlowDown``...): a 429 answered to a HEAD (no body, so the code is just
-    ``"429"``) or with another code (``TooManyRequests``) fails at once. Runs first on
-    ``needs-retry`` and renames such codes to ``Throttling``, so the regular handler retries them with
-    throttling backoff, attempt limit and retry quota. Returns ``None``: it never decides itself.
-    """
-    if not isinstance(response, tuple) or len(response) != 2:
-        return
-    http, parsed = response
-    if getattr(http, "status_code", None) != 429 or not isinstance(parsed, dict):
-        return
-    error = parsed.setdefault("Error", {})
-    if error.get("Code") not in _THROTTLING_CODES:
-        error["OriginalCode"] = error.get("Code")
-        error["Code"] = "Throttling"
 
 
 async def _put(fs: s3fs.S3FileSystem, bucket: str, key: str, data: bytes, url: str) -> None:
@@ -552,7 +416,7 @@ async def _exists(fs: s3fs.S3FileSystem, bucket: str, key: str, url: str) -> boo
         await fs._call_s3("head_object", Bucket=bucket, Key=key)
     except Exception as exc:
         err = classify_error(exc, url)
-        if isinstance(err, StorageNotFoundError) and _error_code(exc) != "NoSuchBucket":
+        if isinstance(err, StorageNotFoundError) and error_code(exc) != "NoSuchBucket":
             return False
         raise err from exc
     return True
@@ -565,51 +429,3 @@ async def _holds(fs: s3fs.S3FileSystem, bucket: str, key: str, data: bytes, url:
         raise classify_error(exc, url) from exc
     return bytes(stored) == data
 
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        err = todo.pop(0)
-        if id(err) in seen:
-            continue
-        seen.add(id(err))
-        yield err
-        todo.extend(e for e in (err.__cause__, err.__context__) if e is not None)
-
-
-def _client_response(exc: BaseException) -> Mapping[str, Any] | None:
-    for err in _chain(exc):
-        response = getattr(err, "response", None)
-        if isinstance(response, Mapping) and isinstance(response.get("Error"), Mapping):
-            return response
-    return None
-
-
-def _error_code(exc: BaseException) -> str | None:
-    response = _client_response(exc)
-    return None if response is None else str(response["Error"].get("Code") or "")
-
-
-def _error_status(exc: BaseException) -> int | None:
-    response = _client_response(exc)
-    if response is None:
-        return None
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return int(status) if status is not None else None
-
-
-def _where(url: str) -> str:
-    try:
-        bucket, prefix = split_s3_url(url)
-    except InvalidRequestError:
-        return _scrub(url)
-    return f"bucket {bucket!r}, prefix {prefix!r} (s3://{bucket}/{prefix})"
-
-
-def _scrub(text: str) -> str:
-    """Remove anything that looks like a credential or a signature from ``text``."""
-    text = _SECRET_PATTERNS[0].sub("<redacted>", text)
-    for pattern in _SECRET_PATTERNS[1:]:
-        text = pattern.sub(r"\1<redacted>", text)
-    return text

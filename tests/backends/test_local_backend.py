@@ -1,0 +1,39 @@
+"""The backend conformance suite against a local directory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.testing.conformance import BackendConformance
+from ckptd.writer.backends import Capabilities, open_backend
+from ckptd.writer.backends.local import LocalBackend
+
+
+class TestLocalBackend(BackendConformance):
+    expected = Capabilities(atomic_create=True, needs_fsync=True, multipart_cleanup=False)
+    expects_local_root = True
+
+    @pytest.fixture
+    def backend_url(self, tmp_path: Path) -> str:
+        return str(tmp_path / "root")
+
+    @pytest.fixture
+    def backend_options(self) -> Mapping[str, Any]:
+        return {}
+
+    @pytest.fixture
+    def missing_url(self, tmp_path: Path) -> str:
+        return f"file://{tmp_path}/no/such/root"
+
+
+async def test_file_urls_and_relative_paths_are_one_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with await open_backend("file://" + str(tmp_path / "r")) as a, await open_backend("r") as b:
+        assert isinstance(a, LocalBackend) and a.url == b.url == str(tmp_path / "r")
+        await a.put("k", b"v")
+        assert await b.get("k") == b"v"
+        assert a.local_root == str(tmp_path / "r")

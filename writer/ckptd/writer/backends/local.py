@@ -1,0 +1,127 @@
+"""A checkpoint root in a local (or network-mounted POSIX) directory.
+
+Files are durable only after ``fsync`` (of the file and of its directory); the create-once write goes
+to a temporary name, is made durable, then hard-linked into place, which fails if the name exists —
+atomic, and readers never see a partial file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import uuid
+from collections.abc import Iterable
+
+import fsspec
+from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+from zarr.storage import FsspecStore
+
+from ckptd.writer.backends import Backend, Capabilities
+from ckptd.writer.errors import CkptdError, StorageError, StorageNotFoundError, StoragePermissionError
+
+CAPABILITIES = Capabilities(atomic_create=True, needs_fsync=True, multipart_cleanup=False)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+class LocalBackend(Backend):
+    """A directory on a POSIX filesystem, seen through fsspec's local filesystem."""
+
+    def __init__(self, path: str) -> None:
+        fs = AsyncFileSystemWrapper(fsspec.filesystem("file", auto_mkdir=True))
+        super().__init__(path, FsspecStore(fs, path=path, read_only=False), CAPABILITIES)
+        self._path = path
+
+    @classmethod
+    def open(cls, path: str, *, create: bool = True) -> LocalBackend:
+        """The backend at absolute ``path``; with ``create`` the directory is made if missing."""
+        if create:
+            os.makedirs(path, exist_ok=True)
+        elif not os.path.isdir(path):
+            raise StorageNotFoundError(f"checkpoint root {path} does not exist")
+        return cls(path)
+
+    @property
+    def local_root(self) -> str:
+        return self._path
+
+    async def create(self, key: str, data: bytes) -> bool:
+        try:
+            return await asyncio.to_thread(_link_into_place, os.path.join(self._path, key), data)
+        except OSError as exc:
+            raise self.error(exc) from exc
+
+    async def sync(self, keys: Iterable[str], *, files: bool = True) -> None:
+        paths = [os.path.join(self._path, k) for k in keys]
+
+        def _sync() -> None:
+            dirs = set()
+            for p in paths:
+                dirs.add(os.path.dirname(p))
+                if files:
+                    _fsync_path(p)
+            for d in dirs:
+                _fsync_path(d)
+
+        try:
+            await asyncio.to_thread(_sync)
+        except OSError as exc:
+            raise self.error(exc) from exc
+
+    async def sync_all(self) -> None:
+        """One ``syncfs`` of the root's filesystem."""
+
+        def _syncfs() -> None:
+            fd = os.open(self._path, os.O_RDONLY)
+            try:
+                if _LIBC.syncfs(fd) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err), self._path)
+            finally:
+                os.close(fd)
+
+        try:
+            await asyncio.to_thread(_syncfs)
+        except OSError as exc:
+            raise self.error(exc) from exc
+
+    def error(self, exc: BaseException) -> CkptdError:
+        if isinstance(exc, CkptdError):
+            return exc
+        if isinstance(exc, FileNotFoundError):
+            return StorageNotFoundError(f"{self.url}: {exc}")
+        if isinstance(exc, PermissionError):
+            return StoragePermissionError(f"{self.url}: {exc}")
+        return StorageError(f"{self.url}: {type(exc).__name__}: {exc}")
+
+
+def _link_into_place(path: str, data: bytes) -> bool:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            with open(path, "rb") as fh:
+                return fh.read() == data
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    _fsync_path(os.path.dirname(path))
+    return True
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

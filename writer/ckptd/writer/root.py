@@ -1,0 +1,162 @@
+"""The read view of a checkpoint root: which steps exist, which committed, their manifests and sidecars.
+
+A step is a checkpoint only once its ``COMMITTED`` marker exists; ``latest`` is a hint, the markers are
+the truth. Nothing here writes: the commit sequence lives in :mod:`ckptd.writer.commit`.
+
+    async with open_root(url, options) as root:
+        commit = await root.read_commit(await root.resolve("latest"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from zarr.abc.store import Store
+
+from ckptd.writer.backends import Backend, open_backend
+from ckptd.writer.errors import (
+    CheckpointNotFoundError,
+    CkptdError,
+    CorruptCheckpointError,
+    UncommittedStepError,
+)
+from ckptd.writer.fanout import bounded_map
+from ckptd.writer.format import (
+    COMMIT_MARKER,
+    FAILED_MARKER,
+    LATEST,
+    PARTS_DIR,
+    SIDECAR_DIR,
+    CommitManifest,
+    PartManifest,
+    check_sidecar,
+    decode_commit,
+    decode_part,
+    parse_step_dir,
+    step_dir,
+)
+
+if TYPE_CHECKING:
+    from ckptd.writer.backends.s3 import S3Options
+
+# The merge job's output folder and marker under a step (docs/merge.md).
+MERGED_DIR = "merged"
+MERGED_MARKER = "MERGED"
+
+#: small reads (markers, part manifests) in flight at once
+READ_CONCURRENCY = 16
+
+
+class CheckpointRoot:
+    """All checkpoints under one root, read through its :class:`~ckptd.writer.backends.Backend`.
+
+    The root does not own the backend: whoever opened it closes it (:func:`open_root` does).
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    @property
+    def store(self) -> Store:
+        """The zarr store at the root (array metadata and reads)."""
+        return self.backend.store
+
+    async def steps(self) -> list[int]:
+        """Every step directory present, committed or not, ascending."""
+        found = [parse_step_dir(name) for name in await self.backend.list_dir("")]
+        return sorted(s for s in found if s is not None)
+
+    async def is_committed(self, step: int) -> bool:
+        return await self.backend.exists(f"{step_dir(step)}/{COMMIT_MARKER}")
+
+    async def committed_steps(self) -> list[int]:
+        steps = await self.steps()
+        flags = await bounded_map(self.is_committed, steps, limit=READ_CONCURRENCY)
+        return [s for s, ok in zip(steps, flags, strict=True) if ok]
+
+    async def latest(self) -> int | None:
+        """The newest committed step (by the markers, not by the ``latest`` hint)."""
+        committed = await self.committed_steps()
+        return committed[-1] if committed else None
+
+    async def latest_hint(self) -> int | None:
+        """What the ``latest`` object says (``None`` if absent or unreadable)."""
+        data = await self.backend.get(LATEST)
+        try:
+            return int(data) if data else None
+        except ValueError:
+            return None
+
+    async def resolve(self, step: int | str) -> int:
+        """``"latest"`` -> the newest committed step; an int stays as it is."""
+        if step == "latest":
+            found = await self.latest()
+            if found is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.url or 'the root'}")
+            return found
+        if not isinstance(step, int):
+            raise CheckpointNotFoundError(f"step must be an int or 'latest', got {step!r}")
+        return step
+
+    async def read_commit(self, step: int) -> CommitManifest:
+        """The commit manifest of a committed step; :class:`UncommittedStepError` if it never committed."""
+        data = await self.backend.get(f"{step_dir(step)}/{COMMIT_MARKER}")
+        if data is None:
+            if await self.backend.list_dir(step_dir(step)):
+                raise UncommittedStepError(f"step {step} under {self.url} never committed: it is not a checkpoint")
+            raise CheckpointNotFoundError(f"no checkpoint for step {step} under {self.url}")
+        try:
+            return decode_commit(data)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"step {step}: unreadable {COMMIT_MARKER}: {exc}") from exc
+
+    async def read_parts(self, step: int) -> dict[int, PartManifest]:
+        """The node part manifests present for ``step``, by node."""
+        prefix = f"{step_dir(step)}/{PARTS_DIR}"
+        names = await self.backend.list_dir(prefix)
+        found = await bounded_map(lambda n: self.backend.get(f"{prefix}/{n}"), names, limit=READ_CONCURRENCY)
+        parts: dict[int, PartManifest] = {}
+        for data in found:
+            if data is not None:
+                part = decode_part(data)
+                parts[part.node] = part
+        return parts
+
+    async def read_sidecar(self, name: str) -> str:
+        """A content-addressed document (e.g. a layout sidecar), checked against its hash."""
+        data = await self.backend.get(f"{SIDECAR_DIR}/{name}")
+        if data is None:
+            raise CheckpointNotFoundError(f"sidecar {name} not found under {self.url}")
+        text = data.decode()
+        try:
+            check_sidecar(name, text)
+        except CkptdError as exc:
+            raise CorruptCheckpointError(f"sidecar {name} does not match its hash") from exc
+        return text
+
+    async def read_failed(self, step: int) -> dict[str, Any] | None:
+        """The coordinator's failure note for ``step`` (``None`` if there is none)."""
+        data = await self.backend.get(f"{step_dir(step)}/{FAILED_MARKER}")
+        return None if data is None else dict(msgspec.json.decode(data))
+
+    async def read_merged_manifest(self, step: int) -> CommitManifest | None:
+        """The merge manifest of ``step`` (``ckptd merge``), or ``None`` if it was never merged."""
+        data = await self.backend.get(f"{step_dir(step)}/{MERGED_DIR}/{MERGED_MARKER}")
+        return None if data is None else decode_commit(data)
+
+
+@contextlib.asynccontextmanager
+async def open_root(
+    url: str, options: Mapping[str, Any] | S3Options | None = None, *, create: bool = False
+) -> AsyncIterator[CheckpointRoot]:
+    """Open the backend at ``url`` (see :func:`~ckptd.writer.backends.open_backend`), yield its read
+    view, and close the backend on exit. ``create=False`` (readers) refuses a missing local root."""
+    async with await open_backend(url, options, create=create) as backend:
+        yield CheckpointRoot(backend)
