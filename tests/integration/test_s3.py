@@ -346,8 +346,8 @@ def test_covers_whole_needs_an_exact_tiling() -> None:
 
 
 def test_merge_uses_piece_grid_when_the_model_array_was_packed() -> None:
-    from ckptd.client.megatron import ModelPiece
-    from ckptd.daemon.merge import _merged_array
+    from ckptd.writer.layout import ModelPiece
+    from ckptd.writer.merge import _merged_array
     from ckptd.writer.format import ArrayRecord
 
     # a (2 layers, 64) bias: one piece per layer; packed on S3 into one (2, 64) chunk, else (1, 64) chunks

@@ -192,7 +192,7 @@ async def _offline(args: argparse.Namespace) -> int:
 
 
 async def _ls(root: Any, as_json: bool) -> int:
-    from ckptd.client.reshard import read_merged_manifest as read_merged
+    from ckptd.writer.merge import read_merged_manifest as read_merged
 
     rows = []
     committed = set(await root.committed_steps())
@@ -217,7 +217,7 @@ async def _ls(root: Any, as_json: bool) -> int:
 
 
 async def _verify(root: Any, which: str | None, as_json: bool) -> int:
-    from ckptd.client.reshard import read_merged_manifest as read_merged
+    from ckptd.writer.merge import read_merged_manifest as read_merged
     from ckptd.writer.arrays import verify_array
     from ckptd.writer.errors import CorruptCheckpointError
     from ckptd.writer.format import step_dir
@@ -257,7 +257,7 @@ async def _verify(root: Any, which: str | None, as_json: bool) -> int:
 
 
 async def _merge(root: Any, which: str, workers: int, as_json: bool) -> int:
-    from ckptd.daemon.merge import run_merge
+    from ckptd.writer.merge import run_merge
 
     step: int | str = which if which == "latest" else int(which)
     summary = await run_merge(root, step, workers=workers, progress=not as_json)
