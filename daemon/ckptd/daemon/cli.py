@@ -217,10 +217,10 @@ async def _ls(root: Any, as_json: bool) -> int:
 
 
 async def _verify(root: Any, which: str | None, as_json: bool) -> int:
-    from ckptd.writer.merge import read_merged_manifest as read_merged
     from ckptd.writer.arrays import verify_array
     from ckptd.writer.errors import CorruptCheckpointError
     from ckptd.writer.format import step_dir
+    from ckptd.writer.merge import read_merged_manifest as read_merged
 
     if which is None:
         steps = await root.committed_steps()

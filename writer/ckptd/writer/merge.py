@@ -362,8 +362,9 @@ def piece_of(flat: np.ndarray, pl: Placement) -> np.ndarray:
     """The placement's piece of a bucket's state, shaped as stored (a view: no copy)."""
     param = flat[pl.start : pl.end]
     p = pl.piece
+    numel = math.prod(p.view_shape)
     last = p.view_offset + sum((n - 1) * s for n, s in zip(p.view_shape, p.view_stride, strict=True))
-    if param.size != math.prod(pl.shape) or p.view_offset < 0 or (math.prod(p.view_shape) and last >= param.size):
+    if param.size != math.prod(pl.shape) or p.view_offset < 0 or (numel > 0 and last >= param.size):
         raise ShardLayoutError(f"{p.key}: model piece lies outside its param of shape {pl.shape}")
     view = np.lib.stride_tricks.as_strided(
         param[p.view_offset :],

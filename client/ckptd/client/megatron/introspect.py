@@ -88,7 +88,8 @@ def dense_dp() -> tuple[int, int]:
     """(size, rank) of the data-parallel group (with context parallelism) dense params replicate over."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_data_parallel_world_size(with_context_parallel=True), ps.get_data_parallel_rank(with_context_parallel=True)
+    size = ps.get_data_parallel_world_size(with_context_parallel=True)
+    return size, ps.get_data_parallel_rank(with_context_parallel=True)
 
 
 def expert_dp() -> tuple[int, int]:

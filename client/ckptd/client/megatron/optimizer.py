@@ -155,7 +155,9 @@ def _plain(obj: object, where: str) -> Any:
     raise InvalidRequestError(f"{where}: cannot store {type(obj).__name__} as plain optimizer data")
 
 
-def optimizer_meta(optimizer: object, layout: MegatronLayout, scalar_names: Sequence[str] | None = None) -> OptimizerMeta:
+def optimizer_meta(
+    optimizer: object, layout: MegatronLayout, scalar_names: Sequence[str] | None = None
+) -> OptimizerMeta:
     """The optimizer's plain data (stored under ``optim_meta``): param groups, scalar state, grad scaler."""
     binding = bind(optimizer, layout)
     names = state_names(binding)[1] if scalar_names is None else scalar_names
