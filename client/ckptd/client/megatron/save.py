@@ -14,6 +14,7 @@ from ckptd.client.megatron.model import model_state
 from ckptd.client.megatron.optimizer import optimizer_meta, optimizer_shards, state_names
 from ckptd.client.megatron.rng import rng_state
 from ckptd.client.state import Plan, Shard, plan_state
+from ckptd.writer.layout import MegatronLayout
 from ckptd.writer.format import (
     EXTRA,
     LAYOUT_FIELD,
@@ -47,6 +48,21 @@ def _param_signature(model_chunks: Sequence[torch.nn.Module]) -> tuple[int, ...]
     return tuple(p.data_ptr() for c in model_chunks for p in c.parameters())
 
 
+def megatron_record(layout: MegatronLayout, layout_json: str) -> dict[str, Any]:
+    """The per-rank ``megatron`` record: the layout sidecar's name and this rank's parallel coordinates."""
+    return {
+        "version": MEGATRON_CHECKPOINT_VERSION,
+        LAYOUT_FIELD: sidecar_name(layout_json),
+        "tp": layout.tp_rank,
+        "tp_size": layout.tp_size,
+        "pp": layout.pp_rank,
+        "pp_size": layout.pp_size,
+        "dp": layout.dp_rank,
+        "dp_size": layout.dp_size,
+        "megatron_core": layout.megatron_core_version,
+    }
+
+
 def save_plan(
     model_chunks: Sequence[torch.nn.Module], optimizer: object, rank: int, elem_names: Sequence[str] | None = None
 ) -> SavePlan:
@@ -69,17 +85,7 @@ def save_plan(
     state.update(optimizer_shards(optimizer, layout))
     shards = plan_state(state, rank).shards  # validates keys, dtypes and chunk grids; drops replicas
     layout_json = layout.to_json()
-    record: dict[str, Any] = {
-        "version": MEGATRON_CHECKPOINT_VERSION,
-        LAYOUT_FIELD: sidecar_name(layout_json),
-        "tp": layout.tp_rank,
-        "tp_size": layout.tp_size,
-        "pp": layout.pp_rank,
-        "pp_size": layout.pp_size,
-        "dp": layout.dp_rank,
-        "dp_size": layout.dp_size,
-        "megatron_core": layout.megatron_core_version,
-    }
+    record = megatron_record(layout, layout_json)
     plan = SavePlan(chunk_ids, signature, elem_names, layout_json, record, shards)
     cache.save = plan
     logger.info(
