@@ -35,7 +35,7 @@ RENAMED = {
 DEFAULT_SPELLINGS = ("model/", "optim/", "merged/", "optimizer.state.", "/param", "MERGED")
 
 
-def _scenario(root: str) -> dict[str, Any]:  # noqa: PLR0915 - one linear story
+def _scenario(root: str) -> dict[str, Any]:
     import asyncio
     from dataclasses import dataclass
 
@@ -54,7 +54,9 @@ def _scenario(root: str) -> dict[str, Any]:  # noqa: PLR0915 - one linear story
     from ckptd.writer.merge import layout_names, plan_merge, read_merged_manifest, run_merge
     from ckptd.writer.store import close_store, open_store, put_bytes
 
-    def piece(key: str, shape: tuple[int, ...], off: tuple[int, ...], view_off: int, view: tuple[int, ...]) -> ModelPiece:
+    def piece(
+        key: str, shape: tuple[int, ...], off: tuple[int, ...], view_off: int, view: tuple[int, ...]
+    ) -> ModelPiece:
         stride = tuple(int(torch.empty(view).stride()[i]) for i in range(len(view)))
         return ModelPiece(key, shape, off, 0, view_off, view, stride, (0, 0, 0))
 
