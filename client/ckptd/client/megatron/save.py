@@ -14,7 +14,6 @@ from ckptd.client.megatron.model import model_state
 from ckptd.client.megatron.optimizer import optimizer_meta, optimizer_shards, state_names
 from ckptd.client.megatron.rng import rng_state
 from ckptd.client.state import Plan, Shard, plan_state
-from ckptd.writer.layout import MegatronLayout
 from ckptd.writer.format import (
     EXTRA,
     LAYOUT_FIELD,
@@ -24,6 +23,7 @@ from ckptd.writer.format import (
     RNG_RECORD,
     sidecar_name,
 )
+from ckptd.writer.layout import MegatronLayout
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient, SaveHandle
