@@ -75,7 +75,8 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, cfg: dict[str, 
     import torch.distributed as dist
 
     from ckptd.client import CheckpointClient
-    from ckptd.client.megatron import _save_plan, save_checkpoint
+    from ckptd.client.megatron import save_checkpoint
+    from ckptd.client.megatron.save import save_plan
     from ckptd.testing.toy_gpt import build_gpt
 
     model, optimizer, train_step = build_gpt(**cfg)
@@ -89,7 +90,7 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, cfg: dict[str, 
     handle = save_checkpoint(client, 1, model, optimizer, extra={"iteration": 1})
     out["ckptd_first_stall_s"] = time.perf_counter() - t0
     handle.wait(1200)
-    shards = _save_plan(model, optimizer, rank).shards
+    shards = save_plan(model, optimizer, rank).shards
     staged = sum(s.nbytes for s in shards)
     out["staged_bytes"] = staged
 

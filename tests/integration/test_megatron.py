@@ -24,13 +24,13 @@ pytest.importorskip("megatron.core")
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import (
-    _SAVE_PLANS,
     LoadedCheckpoint,
     MegatronLayout,
     get_layout,
     load_checkpoint,
     save_checkpoint,
 )
+from ckptd.client.megatron.layout import cached_plan
 from ckptd.client.reader import read_commit, read_sidecar
 from ckptd.testing.fixtures import megatron_owned_state
 from ckptd.testing.launch import DaemonProcess
@@ -104,6 +104,12 @@ def _owned_ranges(optimizer: Any) -> dict[str, tuple[tuple[int, int], dict[str, 
     return {e["name"]: (e["range"], e["tensors"]) for e in megatron_owned_state(optimizer)}
 
 
+def _save_plan_of(optimizer: Any) -> Any:
+    cached = cached_plan(optimizer)
+    assert cached is not None and cached.save is not None
+    return cached.save
+
+
 # --- rank bodies (module level: they run in forked rank processes) -------------------------------
 def _train_save_reload(rank: int, world: int, socket: str, root: str, build: dict[str, Any],
                        extra_key_check: bool) -> dict[str, Any]:
@@ -113,7 +119,7 @@ def _train_save_reload(rank: int, world: int, socket: str, root: str, build: dic
     client = CheckpointClient(socket)
     losses = [train_step(i) for i in range(K - 1)]
     first = save_checkpoint(client, K - 1, model, optimizer, extra={"iteration": K - 1})
-    plan = _SAVE_PLANS[optimizer]
+    plan = _save_plan_of(optimizer)
     losses.append(train_step(K - 1))
     first.wait(60)
     random.seed(10 + rank)  # distinct RNG states per rank, so the restore is checked per rank
@@ -121,7 +127,7 @@ def _train_save_reload(rank: int, world: int, socket: str, root: str, build: dic
     torch.manual_seed(30 + rank)
     extra = {"iteration": K, "scheduler": {"num_steps": K * 8, "lr": [1e-3, 0.5]}, "note": "ckptd"}
     handle = save_checkpoint(client, K, model, optimizer, extra=extra)
-    reused = _SAVE_PLANS[optimizer] is plan  # the second save reused the planned shards
+    reused = _save_plan_of(optimizer) is plan  # the second save reused the planned shards
     at_save = _live(model, optimizer)
     rng_at_save = _rng_snapshot()
     owned_at_save = _owned_ranges(optimizer)

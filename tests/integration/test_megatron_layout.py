@@ -24,8 +24,10 @@ from ckptd.client.megatron import (
     apply_optimizer_state,
     get_layout,
     model_state,
+    optimizer_meta,
     optimizer_read_regions,
-    optimizer_state,
+    optimizer_shards,
+    view_of,
 )
 from ckptd.client.state import Shard, plan_state
 from ckptd.testing.fixtures import megatron_owned_state
@@ -60,6 +62,14 @@ def _shards(state: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _materialized(optimizer: Any, layout: MegatronLayout) -> dict[str, Shard]:
+    """The save path's bucket-slice shards (optimizer_shards), each staged into a real tensor."""
+    return {
+        k: Shard(s.key, s.materialize(), s.global_shape, s.global_offset, s.replica_id, s.chunk_shape)
+        for k, s in optimizer_shards(optimizer, layout).items()
+    }
+
+
 def _layout_rank(rank: int, world: int, build: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, train_step = build_gpt(**build)
     for it in range(2):
@@ -67,13 +77,21 @@ def _layout_rank(rank: int, world: int, build: dict[str, Any]) -> dict[str, Any]
     layout = get_layout(model, optimizer)
     assert get_layout(model, optimizer) is layout  # cached
     assert MegatronLayout.from_json(layout.to_json()) == layout
-    opt = optimizer_state(optimizer, layout)
-    again = optimizer_state(optimizer, layout)  # staging tensors are reused across saves
-    assert all(opt[k].data is again[k].data for k in opt if k != OPTIM_META)
+    shards = optimizer_shards(optimizer, layout)
+    # the shards hold no memory (a zero-stride placeholder): each stages its slice from the live optimizer,
+    # writing every element of the slot (params and padding), so a dirty staging slot cannot leak through
+    assert all(s.data.stride() == (0,) for s in shards.values())
+    for s in shards.values():
+        slot = torch.full(s.data.shape, float("nan"), dtype=s.data.dtype)
+        s.stage_into(slot)
+        assert torch.equal(slot, s.materialize()), s.key
+    opt = _materialized(optimizer, layout)
+    again = _materialized(optimizer, layout)
+    assert all(torch.equal(opt[k].data, again[k].data) for k in opt)
     return {
         "layout": layout.to_json(),
         "optim": _shards(opt),
-        "meta": opt[OPTIM_META],
+        "meta": optimizer_meta(optimizer, layout),
         "model": _shards(model_state(model, min_split_bytes=0)),
         "reference": megatron_owned_state(optimizer, layout),
     }
@@ -167,7 +185,7 @@ def test_layout_merge_formula_matches_live_optimizer(case: str) -> None:
                 main = fulls[MAIN_PARAM][lo:hi].view(p.shape)
                 assert p.model_pieces, p.name
                 for piece in p.model_pieces:
-                    view = piece.view_of(main)
+                    view = view_of(piece, main)
                     region = piece.region()
                     stored, _ = model[layout.model_key(piece.key)]
                     want = view.to(torch.bfloat16) if bf16 else view
@@ -221,7 +239,7 @@ def test_model_state_tiles_every_param_once_with_dp_split() -> None:
         for p in bucket.params:
             seen.add(p.name)
             for piece in p.model_pieces:
-                view = piece.view_of(params[p.name])
+                view = view_of(piece, params[p.name])
                 region = piece.region()
                 stored, _ = arrays[layout.model_key(piece.key)]
                 assert torch.equal(stored[region].reshape(piece.view_shape), view), piece.key
@@ -232,17 +250,15 @@ def test_model_state_tiles_every_param_once_with_dp_split() -> None:
     assert results[1]["staged"] == 0 and results[0]["staged"] > 0
 
 
-def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v if k == OPTIM_META else v.data.detach().clone()) for k, v in state.items()}
-
-
 def _round_trip_rank(rank: int, world: int, build: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.utils import unwrap_model
 
     model, optimizer, train_step = build_gpt(**build)
     for it in range(3):
         train_step(it)
-    saved = _snapshot(optimizer_state(optimizer, get_layout(model, optimizer)))
+    layout = get_layout(model, optimizer)
+    saved: dict[str, Any] = {k: v.data for k, v in _materialized(optimizer, layout).items()}
+    saved[OPTIM_META] = optimizer_meta(optimizer, layout)
     weights = {k: v.clone() for k, v in unwrap_model(model[0]).state_dict().items() if isinstance(v, torch.Tensor)}
     expected = [train_step(3), train_step(4)]
 
@@ -275,10 +291,9 @@ def _save_rank(rank: int, world: int, out: str, build: dict[str, Any]) -> float:
     for it in range(3):
         train_step(it)
     layout = get_layout(model, optimizer)
-    state = optimizer_state(optimizer, layout)
     record = {
-        "optim": _shards(state),
-        "meta": state[OPTIM_META],
+        "optim": _shards(_materialized(optimizer, layout)),
+        "meta": optimizer_meta(optimizer, layout),
         "reference": megatron_owned_state(optimizer, layout),
     }
     if rank == 0:

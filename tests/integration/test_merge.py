@@ -21,7 +21,15 @@ import zarr
 pytest.importorskip("megatron.core")
 
 from ckptd.client import CheckpointClient, Placement
-from ckptd.client.megatron import MegatronLayout, get_layout, model_state, optimizer_state
+from ckptd.client.megatron import (
+    OPTIM_META,
+    MegatronLayout,
+    get_layout,
+    model_state,
+    optimizer_meta,
+    optimizer_shards,
+    view_of,
+)
 from ckptd.testing.fixtures import megatron_owned_state
 from ckptd.testing.launch import run_ranks
 from ckptd.writer.format import sidecar_name
@@ -41,7 +49,13 @@ def _rank_save(rank: int, world: int, socket_path: str, build: dict[str, Any], s
         train_step(it)
     layout = get_layout(model, optimizer)
     text = layout.to_json()
-    state = {**model_state(model), **optimizer_state(optimizer, layout), "megatron": {"layout": sidecar_name(text)}}
+    # the save path's shards (they stage themselves from the live optimizer), as save_checkpoint stages them
+    state = {
+        **model_state(model),
+        **optimizer_shards(optimizer, layout),
+        OPTIM_META: optimizer_meta(optimizer, layout),
+        "megatron": {"layout": sidecar_name(text)},
+    }
     client = CheckpointClient(socket_path, placement=Placement(rank, world, world, 0))
     client.save(step, state, sidecars=[text]).wait(120)
     client.close()
@@ -83,7 +97,7 @@ def _check_merged_equals_live(root: str, results: list[dict[str, Any]]) -> int:
                 arr = zarr.open_array(root, path=f"step_1/merged/optimizer.state.{state}.{piece.key}", mode="r")
                 region = piece.region()
                 got = torch.from_numpy(np.asarray(arr[region]))
-                want = piece.view_of(value.contiguous()).reshape(got.shape)
+                want = view_of(piece, value.contiguous()).reshape(got.shape)
                 assert torch.equal(got, want), f"{piece.key} {state} differs from the live optimizer"
                 checked += 1
     return checked

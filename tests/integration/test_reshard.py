@@ -140,3 +140,60 @@ def test_save_merge_and_reshard_on_s3(s3, start_daemon) -> None:
     assert json.loads(verify.stdout)[0]["merged"] is True
     losses = run_ranks(_load_with_options, 4, root, 2, options(s3.endpoint_url), env=env)[0]
     assert _close(losses, original), (losses, original)
+
+
+def _load_counting_opens(rank: int, world: int, root: str, tp: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Load from S3 counting store opens (one bucket check each) and closes, recording leaked sessions."""
+    import gc
+    import logging
+    import warnings
+
+    import ckptd.writer.backends.s3 as s3_mod
+
+    counts = {"bucket_checks": 0, "closes": 0}
+    real_check, real_close = s3_mod.check_bucket, s3_mod.S3Backend.close
+
+    async def check_bucket(*args: Any, **kwargs: Any) -> None:
+        counts["bucket_checks"] += 1
+        await real_check(*args, **kwargs)
+
+    async def close(self: Any) -> None:
+        counts["closes"] += 1
+        await real_close(self)
+
+    s3_mod.check_bucket = check_bucket  # type: ignore[assignment]
+    s3_mod.S3Backend.close = close  # type: ignore[method-assign]
+    logged: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("asyncio").addHandler(Collect())  # aiohttp reports unclosed sessions there too
+    model, optimizer, train_step = build_gpt(tp=tp, seed=4321, data_seed=1234, **BUILD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_checkpoint(root, K, model, optimizer, storage_options=opts)
+        gc.collect()
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning) or "nclosed" in str(w.message)]
+    leaks += [m for m in logged if "nclosed" in m]
+    return {"counts": counts, "leaks": leaks, "step": loaded.step,
+            "losses": [train_step(K + i) for i in range(AFTER)]}
+
+
+@pytest.mark.s3
+def test_load_from_s3_opens_the_store_once_and_leaks_no_session(s3, proxy, start_daemon) -> None:
+    from ckptd.testing.launch import run_ranks
+
+    env = aws_env(s3)
+    root = f"s3://{BUCKET}/opens-{os.getpid()}"
+    d = start_daemon(root, "s3o", *s3_flags(s3.endpoint_url), env=env)
+    original = run_ranks(_save, 2, d.socket, 1, env=env)[0]
+    proxy.reset_stats()
+    results = run_ranks(_load_counting_opens, 2, root, 1, options(proxy.url), env=env)
+    for r in results:
+        assert r["counts"] == {"bucket_checks": 1, "closes": 1}, r["counts"]  # one store per load_checkpoint
+        assert r["leaks"] == [], r["leaks"]
+        assert r["step"] == K
+    assert results[0]["losses"] == original  # same TP and DP: bit-exact
+    assert proxy.stats().requests > 0  # the reads went through the proxy, i.e. to S3

@@ -346,9 +346,9 @@ def test_covers_whole_needs_an_exact_tiling() -> None:
 
 
 def test_merge_uses_piece_grid_when_the_model_array_was_packed() -> None:
-    from ckptd.client.megatron import ModelPiece
-    from ckptd.daemon.merge import _merged_array
     from ckptd.writer.format import ArrayRecord
+    from ckptd.writer.layout import ModelPiece
+    from ckptd.writer.merge import _merged_array
 
     # a (2 layers, 64) bias: one piece per layer; packed on S3 into one (2, 64) chunk, else (1, 64) chunks
     piece = ModelPiece(key="decoder.bias", global_shape=(2, 64), global_offset=(1, 0), prepend_axis_num=1,

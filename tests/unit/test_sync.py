@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ckptd.client.sync import run_sync
+from ckptd.writer.sync import run_sync
 
 
 async def _where() -> tuple[int, int]:

@@ -9,7 +9,7 @@ caller that reads several things opens storage once::
         await load_async(root, commit.step, template)
 
 The synchronous functions (:func:`load`, :func:`read_commit`, :func:`read_flat`, :func:`read_sidecar`)
-take a URL and run the async core through :func:`ckptd.client.sync.run_sync`, so they also work from a
+take a URL and run the async core through :func:`ckptd.writer.sync.run_sync`, so they also work from a
 thread that runs an event loop.
 
 ``load`` fills a template in place; the whole template is checked against the commit manifest before a
@@ -27,16 +27,17 @@ import numpy as np
 import torch
 
 from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard, torch_dtype
-from ckptd.client.sync import run_sync
 from ckptd.writer.arrays import open_array, read_region
 from ckptd.writer.errors import StateMismatchError
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import ArrayRecord, CommitManifest, step_dir, validate_key
 from ckptd.writer.root import CheckpointRoot, open_root
+from ckptd.writer.sync import run_sync
 
 __all__ = [
     "READ_CONCURRENCY",
     "copy_into",
+    "fill_async",
     "load",
     "load_async",
     "opened",
@@ -78,17 +79,23 @@ async def load_async(
     """Async :func:`load`; ``root`` may be an opened :class:`CheckpointRoot`."""
     async with opened(root, storage_options) as ckpt:
         commit = await ckpt.read_commit(await ckpt.resolve(step))
-        targets = plan_reads(commit, template)
-        prefix = step_dir(commit.step)
-
-        async def one(shard: Shard) -> None:
-            arr = await open_array(ckpt.store, f"{prefix}/{shard.key}")
-            data = await read_region(arr, shard.global_offset, tuple(shard.data.shape))
-            copy_into(shard.data, data)
-
-        await bounded_map(one, targets, limit=READ_CONCURRENCY)
+        await fill_async(ckpt, commit, template)
     objects = commit.objects.get(str(rank), commit.objects.get("0", {}))
     return _with_objects(template, objects)
+
+
+async def fill_async(ckpt: CheckpointRoot, commit: CommitManifest, template: Mapping[str, Any]) -> None:
+    """Fill the template's tensors in place from ``commit``'s arrays, everything checked first
+    (:func:`plan_reads`); reads bounded to :data:`READ_CONCURRENCY` at once."""
+    targets = plan_reads(commit, template)
+    prefix = step_dir(commit.step)
+
+    async def one(shard: Shard) -> None:
+        arr = await open_array(ckpt.store, f"{prefix}/{shard.key}")
+        data = await read_region(arr, shard.global_offset, tuple(shard.data.shape))
+        copy_into(shard.data, data)
+
+    await bounded_map(one, targets, limit=READ_CONCURRENCY)
 
 
 async def read_commit_async(

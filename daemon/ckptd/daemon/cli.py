@@ -250,7 +250,7 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
 
 
 async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) -> int:
-    from ckptd.daemon.merge import run_merge
+    from ckptd.writer.merge import run_merge
 
     step: int | str = which if which == "latest" else int(which)
     summary = await run_merge(root, step, workers=workers, progress=not as_json)

@@ -59,7 +59,7 @@ Size = Annotated[int, BeforeValidator(parse_size)]
 class StorageOptions(BaseModel):
     """The ``[storage]`` table: how to reach S3. ``None`` means "not given" (the backend's default applies).
 
-    The keys and their meaning are those of :class:`ckptd.writer.s3.S3Options`; credentials are never
+    The keys and their meaning are those of :class:`ckptd.writer.backends.s3.S3Options`; credentials are never
     options (they come from the AWS chain).
     """
 

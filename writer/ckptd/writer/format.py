@@ -322,3 +322,76 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
         nbytes=sum(p.nbytes for p in parts),
         committed_at=0.0,
     )
+
+
+# === Megatron integration and merged layout: stored names ==========================================
+# Every name the Megatron integration (ckptd.client.megatron), the offline merge (ckptd.writer.merge) and
+# the merged-layout reader store or look up is spelled here and nowhere else. The functions read the
+# module's constants at call time, so a renamed prefix changes every writer and reader at once.
+MEGATRON_CHECKPOINT_VERSION = 1  # the per-rank ``megatron`` record's version
+MEGATRON_LAYOUT_VERSION = 1  # the layout sidecar's (and the optimizer metadata's) version
+MEGATRON_RECORD = "megatron"  # per-rank plain data: layout sidecar name, parallel ranks and sizes
+MODEL_PREFIX = "model/"  # model/<ShardedTensor key>
+OPTIM_PREFIX = "optim/"  # optim/<mp>/buf<g>/bucket<b>/<state>
+OPTIM_META = "optim_meta"  # plain optimizer data: param groups, scalar per-param state, grad scaler
+MAIN_PARAM = "param"  # the bucket state holding the fp32 main params
+RNG_PREFIX = "rng/"  # rng/torch, rng/cuda, rng/cuda_tracker/<name>: per-rank arrays
+RNG_RECORD = "rng"  # Python's and NumPy's RNG state, plain data
+EXTRA = "extra"  # the caller's plain data
+LAYOUT_FIELD = "layout"  # the record field naming the layout sidecar
+
+MERGED_DIR = "merged"  # step_N/merged/: the fully-reshardable layout
+MERGED_MARKER = "MERGED"  # step_N/merged/MERGED: the merge's manifest, written last
+MERGED_PROGRESS_DIR = "_progress"  # step_N/merged/_progress/<task>.json: one per finished bucket
+MERGED_CONTENT = "fully_reshardable"
+STATE_PREFIX = "optimizer.state."  # merged/optimizer.state.<state>.<model key>
+
+
+def model_key(sharded_key: str, prefix: str | None = None) -> str:
+    """``model/<ShardedTensor key>``: the array of one model tensor in model space."""
+    return validate_key(f"{MODEL_PREFIX if prefix is None else prefix}{sharded_key}")
+
+
+def optim_mp(tp: int, pp: int, ep: int | None = None) -> str:
+    """The model-parallel tag of optimizer keys: ``tp<t>.pp<p>`` (dense) or ``tp<t>.ep<e>.pp<p>`` (expert)."""
+    return f"tp{tp}.pp{pp}" if ep is None else f"tp{tp}.ep{ep}.pp{pp}"
+
+
+def bucket_prefix(mp: str, buffer: int, bucket: int, prefix: str | None = None) -> str:
+    """``optim/<mp>/buf<g>/bucket<b>/``: every state of one padded bucket is stored under it."""
+    return f"{OPTIM_PREFIX if prefix is None else prefix}{mp}/buf{buffer}/bucket{bucket}/"
+
+
+def bucket_key(mp: str, buffer: int, bucket: int, state: str, prefix: str | None = None) -> str:
+    """``optim/<mp>/buf<g>/bucket<b>/<state>``: one state of one padded bucket, a 1-D array."""
+    return validate_key(bucket_prefix(mp, buffer, bucket, prefix) + state)
+
+
+def bucket_states(names: Sequence[str], prefix: str) -> list[str]:
+    """The states stored directly under a :func:`bucket_prefix` among ``names``, sorted."""
+    return sorted(n[len(prefix) :] for n in names if n.startswith(prefix) and "/" not in n[len(prefix) :])
+
+
+def split_bucket_key(key: str) -> tuple[str, str]:
+    """``(bucket prefix, state)`` of a :func:`bucket_key`."""
+    prefix, _, state = key.rpartition("/")
+    return prefix + "/", state
+
+
+def merged_array_name(state: str, sharded_key: str) -> str:
+    """``merged/optimizer.state.<state>.<model key>``, relative to the step directory."""
+    return validate_key(f"{MERGED_DIR}/{STATE_PREFIX}{state}.{sharded_key}")
+
+
+def merged_state_of(name: str) -> str | None:
+    """The state of a :func:`merged_array_name` (``exp_avg``...), or None for another array."""
+    prefix = f"{MERGED_DIR}/{STATE_PREFIX}"
+    return name[len(prefix) :].split(".", 1)[0] if name.startswith(prefix) else None
+
+
+def merged_marker(step: int) -> str:
+    return f"{step_dir(step)}/{MERGED_DIR}/{MERGED_MARKER}"
+
+
+def merged_progress_dir(step: int) -> str:
+    return f"{step_dir(step)}/{MERGED_DIR}/{MERGED_PROGRESS_DIR}"

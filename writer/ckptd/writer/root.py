@@ -35,6 +35,7 @@ from ckptd.writer.format import (
     check_sidecar,
     decode_commit,
     decode_part,
+    merged_marker,
     parse_step_dir,
     step_dir,
 )
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     from ckptd.writer.backends.s3 import S3Options
 
 # The merge job's output folder and marker under a step (docs/merge.md).
-MERGED_DIR = "merged"
-MERGED_MARKER = "MERGED"
 
 #: small reads (markers, part manifests) in flight at once
 READ_CONCURRENCY = 16
@@ -148,8 +147,13 @@ class CheckpointRoot:
 
     async def read_merged_manifest(self, step: int) -> CommitManifest | None:
         """The merge manifest of ``step`` (``ckptd merge``), or ``None`` if it was never merged."""
-        data = await self.backend.get(f"{step_dir(step)}/{MERGED_DIR}/{MERGED_MARKER}")
-        return None if data is None else decode_commit(data)
+        data = await self.backend.get(merged_marker(step))
+        if data is None:
+            return None
+        try:
+            return decode_commit(data)
+        except msgspec.DecodeError as exc:
+            raise CorruptCheckpointError(f"step {step}: unreadable merge manifest: {exc}") from exc
 
 
 @contextlib.asynccontextmanager

@@ -19,6 +19,9 @@ Output, next to the step's model arrays (which are in model space already):
 Memory is bounded by the work in flight: each worker holds one bucket's state array (plus the chunk
 being written), whatever the model size. Workers run over (model-parallel rank, buffer, bucket).
 Re-running a killed merge skips finished buckets and rewrites the rest identically.
+
+This module reads and writes storage only: the layouts are data (:mod:`ckptd.writer.layout`), every
+stored name comes from :mod:`ckptd.writer.format`, and the arithmetic is numpy (no torch, no Megatron).
 """
 
 from __future__ import annotations
@@ -35,35 +38,52 @@ from typing import Any, TextIO
 
 import msgspec
 import numpy as np
-import torch
+from zarr.abc.store import Store
 
-from ckptd.client.megatron import MegatronLayout, ModelPiece, ParamLayout
-from ckptd.client.reshard import STATE_PREFIX
-from ckptd.client.sync import run_sync
 from ckptd.writer.arrays import ChunkSink, array_metadata, open_array, read_region, write_group, write_metadata
 from ckptd.writer.backends import Backend
 from ckptd.writer.errors import CheckpointNotFoundError, ShardLayoutError
 from ckptd.writer.format import (
     FORMAT_VERSION,
+    LAYOUT_FIELD,
+    MERGED_CONTENT,
+    MERGED_DIR,
     ArrayRecord,
     ChunkRecord,
     CommitManifest,
     ShardRecord,
+    bucket_states,
     check_region,
     chunk_key,
     chunk_selection_of,
     encode_json,
     itemsize,
+    merged_array_name,
+    merged_marker,
+    merged_progress_dir,
+    merged_state_of,
+    model_key,
     region_chunks,
     step_dir,
 )
-from ckptd.writer.root import MERGED_DIR, MERGED_MARKER, CheckpointRoot, open_root
+from ckptd.writer.layout import MegatronLayout, ModelPiece, ParamLayout, decode_layout
+from ckptd.writer.root import CheckpointRoot, open_root
+from ckptd.writer.sync import run_sync
 
 log = logging.getLogger(__name__)
 
-PROGRESS_DIR = "_progress"
-CONTENT = "fully_reshardable"
 _SIDECAR_RE = re.compile(r"^[0-9a-f]{64}\.json$")
+
+
+# --- reading the merged layout ----------------------------------------------------------------------
+def merged_states(manifest: CommitManifest) -> dict[str, str]:
+    """state name -> torch dtype of the merged arrays."""
+    out: dict[str, str] = {}
+    for rec in manifest.arrays:
+        state = merged_state_of(rec.name)
+        if state is not None:
+            out[state] = rec.torch_dtype
+    return out
 
 
 # --- planning (pure) ------------------------------------------------------------------------------
@@ -91,7 +111,7 @@ class MergeTask:
     """One bucket of one model-parallel rank: read each state once, write all its params' pieces."""
 
     name: str  # e.g. tp0.pp1.buf0.bucket2
-    source_prefix: str  # optim/<mp>/buf<g>/bucket<b>
+    source_prefix: str  # optim/<mp>/buf<g>/bucket<b>/
     padded_numel: int
     itemsize: int
     states: tuple[str, ...]
@@ -120,7 +140,7 @@ def layout_names(objects: Mapping[str, Any]) -> dict[str, str]:
     def walk(rank: str, obj: Any) -> None:
         if isinstance(obj, Mapping):
             for k, v in obj.items():
-                if k == "layout" and isinstance(v, str) and _SIDECAR_RE.match(v):
+                if k == LAYOUT_FIELD and isinstance(v, str) and _SIDECAR_RE.match(v):
                     found[rank] = v
                 else:
                     walk(rank, v)
@@ -153,11 +173,11 @@ def plan_merge(commit: CommitManifest, layouts: Iterable[MegatronLayout]) -> Mer
         for buf, bucket in layout.buckets():
             if buf.mp != mp or buf.replica_id != 0:
                 continue
-            prefix = f"optim/{mp}/buf{buf.index}/bucket{bucket.index}"
-            states = sorted(name.rsplit("/", 1)[1] for name in stored if name.startswith(prefix + "/"))
+            prefix = layout.bucket_prefix(buf, bucket)
+            states = bucket_states(list(stored), prefix)
             if not states:
                 raise CheckpointNotFoundError(f"step {commit.step}: no stored optimizer state under {prefix}")
-            first = stored[f"{prefix}/{states[0]}"]
+            first = stored[prefix + states[0]]
             if first.shape != [bucket.padded_numel]:
                 raise ShardLayoutError(
                     f"{prefix}: stored bucket has shape {first.shape}, the layout says {bucket.padded_numel}"
@@ -168,9 +188,11 @@ def plan_merge(commit: CommitManifest, layouts: Iterable[MegatronLayout]) -> Mer
                     if not _is_main(piece):
                         continue
                     for state in states:
-                        rec = stored[f"{prefix}/{state}"]
-                        name = f"{MERGED_DIR}/{STATE_PREFIX}{state}.{piece.key}"
-                        arrays[name] = _merged_array(name, rec.torch_dtype, piece, stored, arrays.get(name))
+                        rec = stored[prefix + state]
+                        name = merged_array_name(state, piece.key)
+                        arrays[name] = _merged_array(
+                            name, rec.torch_dtype, piece, stored, arrays.get(name), layout.model_prefix
+                        )
                         placements[state].append(_placement(name, param, bucket.start, piece))
             tasks.append(MergeTask(
                 name=f"{mp}.buf{buf.index}.bucket{bucket.index}",
@@ -185,8 +207,7 @@ def plan_merge(commit: CommitManifest, layouts: Iterable[MegatronLayout]) -> Mer
             for pls in task.placements.values():
                 for p in pls:
                     if p.array == arr.name:
-                        shape = (1,) * p.piece.prepend_axis_num + p.piece.view_shape
-                        check_region(arr.name, arr.shape, p.piece.global_offset, shape, arr.chunks)
+                        check_region(arr.name, arr.shape, p.piece.global_offset, p.piece.stored_shape, arr.chunks)
     return MergePlan(commit.step, tuple(tasks), arrays)
 
 
@@ -195,10 +216,15 @@ def _placement(array: str, param: ParamLayout, bucket_start: int, piece: ModelPi
 
 
 def _merged_array(
-    name: str, torch_dtype: str, piece: ModelPiece, stored: Mapping[str, ArrayRecord], seen: MergedArray | None
+    name: str,
+    torch_dtype: str,
+    piece: ModelPiece,
+    stored: Mapping[str, ArrayRecord],
+    seen: MergedArray | None,
+    model_prefix: str | None = None,
 ) -> MergedArray:
-    model = stored.get(f"model/{piece.key}")
-    own = (1,) * piece.prepend_axis_num + piece.view_shape
+    model = stored.get(model_key(piece.key, model_prefix))
+    own = piece.stored_shape
     if model is not None and tuple(model.shape) == piece.global_shape and _whole_chunks(piece, own, model.chunks):
         chunks = tuple(model.chunks)  # the model's own grid: any TP/PP reads its region by whole chunks
     else:  # no model array, or one coarser than the pieces (a small array packed into one object on S3)
@@ -277,14 +303,14 @@ async def run_merge(
     n = await ckpt.resolve(step)
     commit = await ckpt.read_commit(n)
     prefix = step_dir(n)
-    marker = f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}"
+    marker = merged_marker(n)
     if await backend.exists(marker):
         done = msgspec.json.decode(await backend.get(marker) or b"{}")
         return MergeSummary(n, len(done.get("arrays", [])), 0, 0, 0, 0, time.monotonic() - t0, already_merged=True)
     names = layout_names(commit.objects)
-    layouts = [MegatronLayout.from_json(await ckpt.read_sidecar(s)) for s in sorted(set(names.values()))]
+    layouts = [decode_layout(await ckpt.read_sidecar(s)) for s in sorted(set(names.values()))]
     plan = plan_merge(commit, layouts)
-    finished = await _finished_tasks(backend, prefix)
+    finished = await _finished_tasks(backend, n)
     todo = [t for t in plan.tasks if t.name not in finished]
     bar = Progress(sum(t.nbytes for t in todo)) if progress else None
     sink = ChunkSink(backend, fsync_each=False)  # many small pieces: one filesystem sync per bucket instead
@@ -298,7 +324,7 @@ async def run_merge(
             out = await _merge_task(store, sink, prefix, task, plan.arrays)
         doc = {name: [msgspec.to_builtins(r) for r in recs] for name, recs in out.items()}
         await backend.sync_all()  # the bucket's chunks are durable before its progress note claims them
-        await backend.put(f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}/{task.name}.json", encode_json(doc))
+        await backend.put(f"{merged_progress_dir(n)}/{task.name}.json", encode_json(doc))
         for name, recs in out.items():
             records.setdefault(name, []).extend(recs)
             written += sum(c.nbytes for r in recs for c in r.chunks)
@@ -312,27 +338,43 @@ async def run_merge(
     finally:
         if bar is not None:
             bar.close()
-    manifest = await _commit_merge(backend, prefix, commit, plan, records)
+    manifest = await _commit_merge(backend, commit, plan, records)
     return MergeSummary(n, len(manifest.arrays), len(todo), len(plan.tasks) - len(todo),
                         sum(t.nbytes for t in todo), written, time.monotonic() - t0)
 
 
+def piece_of(flat: np.ndarray, pl: Placement) -> np.ndarray:
+    """The placement's piece of a bucket's state, shaped as stored (a view: no copy)."""
+    param = flat[pl.start : pl.end]
+    p = pl.piece
+    numel = math.prod(p.view_shape)
+    last = p.view_offset + sum((n - 1) * s for n, s in zip(p.view_shape, p.view_stride, strict=True))
+    if param.size != math.prod(pl.shape) or p.view_offset < 0 or (numel > 0 and last >= param.size):
+        raise ShardLayoutError(f"{p.key}: model piece lies outside its param of shape {pl.shape}")
+    view = np.lib.stride_tricks.as_strided(
+        param[p.view_offset :],
+        shape=p.view_shape,
+        strides=tuple(s * param.itemsize for s in p.view_stride),
+        writeable=False,
+    )
+    return view.reshape(p.stored_shape)
+
+
 async def _merge_task(
-    store: Any, sink: ChunkSink, prefix: str, task: MergeTask, arrays: Mapping[str, MergedArray]
+    store: Store, sink: ChunkSink, prefix: str, task: MergeTask, arrays: Mapping[str, MergedArray]
 ) -> dict[str, list[ShardRecord]]:
     out: dict[str, list[ShardRecord]] = {}
     for state in task.states:
-        arr = await open_array(store, f"{prefix}/{task.source_prefix}/{state}")
+        arr = await open_array(store, f"{prefix}/{task.source_prefix}{state}")
         bucket = await read_region(arr, [0], [task.padded_numel])  # one bucket in memory
-        flat = torch.from_numpy(np.ascontiguousarray(bucket))
+        flat = np.ascontiguousarray(bucket).reshape(-1)
         for pl in task.placements[state]:
             merged = arrays[pl.array]
-            param_state = flat[pl.start : pl.end].view(pl.shape)
-            piece = pl.piece.view_of(param_state).reshape((1,) * pl.piece.prepend_axis_num + pl.piece.view_shape)
+            piece = piece_of(flat, pl)
             chunks: list[ChunkRecord] = []
             for coords in region_chunks(pl.piece.global_offset, piece.shape, merged.chunks):
                 sel = chunk_selection_of(coords, merged.chunks, merged.shape, pl.piece.global_offset)
-                block = piece[sel].numpy()
+                block = piece[sel]
                 crc = await sink.put(f"{prefix}/{pl.array}/{chunk_key(coords)}", block)
                 chunks.append(ChunkRecord(list(coords), block.nbytes, crc))
             out.setdefault(pl.array, []).append(
@@ -342,8 +384,8 @@ async def _merge_task(
     return out
 
 
-async def _finished_tasks(backend: Backend, prefix: str) -> dict[str, dict[str, list[ShardRecord]]]:
-    folder = f"{prefix}/{MERGED_DIR}/{PROGRESS_DIR}"
+async def _finished_tasks(backend: Backend, step: int) -> dict[str, dict[str, list[ShardRecord]]]:
+    folder = merged_progress_dir(step)
     done: dict[str, dict[str, list[ShardRecord]]] = {}
     for name in await backend.list_dir(folder):
         data = await backend.get(f"{folder}/{name}")
@@ -363,8 +405,9 @@ def _records_of(finished: Mapping[str, Mapping[str, list[ShardRecord]]]) -> dict
 
 
 async def _commit_merge(
-    backend: Backend, prefix: str, commit: CommitManifest, plan: MergePlan, records: Mapping[str, list[ShardRecord]]
+    backend: Backend, commit: CommitManifest, plan: MergePlan, records: Mapping[str, list[ShardRecord]]
 ) -> CommitManifest:
+    prefix = step_dir(commit.step)
     arrays = []
     for name in sorted(plan.arrays):
         spec = plan.arrays[name]
@@ -376,12 +419,13 @@ async def _commit_merge(
         arrays.append(ArrayRecord(name, spec.torch_dtype, list(spec.shape), list(spec.chunks), shards, "raw"))
         meta = await array_metadata(spec.torch_dtype, spec.shape, spec.chunks, codec="raw")
         await write_metadata(backend.store, f"{prefix}/{name}", meta)
-    await write_group(backend.store, f"{prefix}/{MERGED_DIR}", {"ckptd": {"content": CONTENT, "step": commit.step}})
+    attrs = {"ckptd": {"content": MERGED_CONTENT, "step": commit.step}}
+    await write_group(backend.store, f"{prefix}/{MERGED_DIR}", attrs)
     manifest = CommitManifest(
         format=FORMAT_VERSION, step=commit.step, num_nodes=commit.num_nodes, world_size=commit.world_size,
-        arrays=arrays, objects={"content": CONTENT, "source": "dp_layout"},
+        arrays=arrays, objects={"content": MERGED_CONTENT, "source": "dp_layout"},
         nbytes=sum(c.nbytes for a in arrays for s in a.shards for c in s.chunks), committed_at=time.time(),
     )
     await backend.sync_all()  # metadata durable before the marker
-    await asyncio.shield(backend.put(f"{prefix}/{MERGED_DIR}/{MERGED_MARKER}", encode_json(manifest)))
+    await asyncio.shield(backend.put(merged_marker(commit.step), encode_json(manifest)))
     return manifest

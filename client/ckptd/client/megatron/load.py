@@ -1,0 +1,297 @@
+"""``load_checkpoint``: restore model, optimizer and RNG state in place, from the DP or the merged layout.
+
+One async core (:func:`load_checkpoint_async`) reads everything through one opened
+:class:`~ckptd.writer.root.CheckpointRoot`; the sync :func:`load_checkpoint` opens the store once
+(:func:`~ckptd.writer.root.open_root`), runs the core and closes the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ckptd.client.megatron.layout import bind, get_layout
+from ckptd.client.megatron.model import model_template
+from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
+from ckptd.client.megatron.reshard import merged_optimizer_slices
+from ckptd.client.megatron.rng import restore_rng, rng_template
+from ckptd.client.reader import fill_async, plan_reads, read_flat_async
+from ckptd.client.state import Shard, dtype_name
+from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, StateMismatchError
+from ckptd.writer.format import (
+    EXTRA,
+    LAYOUT_FIELD,
+    MAIN_PARAM,
+    MEGATRON_CHECKPOINT_VERSION,
+    MEGATRON_RECORD,
+    OPTIM_META,
+    RNG_RECORD,
+    CommitManifest,
+    bucket_states,
+)
+from ckptd.writer.layout import MegatronLayout, decode_layout
+from ckptd.writer.root import CheckpointRoot, open_root
+from ckptd.writer.sync import run_sync
+
+if TYPE_CHECKING:
+    from ckptd.client.client import CheckpointClient
+    from ckptd.client.megatron.introspect import MegatronOptimizer
+
+logger = logging.getLogger(__name__)
+
+Record = dict[str, Any]  # a saved rank's ``megatron`` record (plain data)
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` restored besides the tensors it filled in place."""
+
+    step: int
+    extra: object  # the ``extra`` plain data given to save_checkpoint (None if there was none)
+    source_rank: int  # the saved rank whose RNG state and ``extra`` were restored
+
+
+def load_checkpoint(
+    root_or_client: str | CheckpointClient,
+    step: int | str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    *,
+    strict: bool = True,
+    rng: bool = True,
+    storage_options: Mapping[str, object] | None = None,
+) -> LoadedCheckpoint:
+    """Restore model, optimizer and RNG state saved by ``save_checkpoint``, in place, on every rank.
+
+    ``root_or_client`` is the checkpoint root (path or URL) or a ``CheckpointClient``; ``step`` an int
+    or ``"latest"``. The tensor-parallel and pipeline-parallel sizes must equal the saving run's, or the
+    step must have been merged (``ckptd merge``); the data-parallel size may differ (each rank reads its
+    own slice of every stored bucket, clipped to the stored padding). No collective. The store is opened
+    once for the whole load and closed before returning.
+
+    Everything is checked before any live tensor is written: another TP/PP without the merged layout
+    raises :class:`LayoutMismatchError`; a model key missing from the checkpoint, another global shape or
+    dtype, a param that sits elsewhere in the grad buffers, or (``strict``) a checkpoint key the model
+    lacks raises :class:`StateMismatchError` naming it. Model params come from the model arrays; the
+    optimizer's fp32 main params and states from the bucket slices. RNG state (``rng``) and ``extra``
+    come from the saved rank with this rank's TP/PP/DP coordinates (the same TP/PP and DP rank 0 when
+    that DP rank did not exist).
+    """
+    root, opts = _root_of(root_or_client, storage_options)
+
+    async def run() -> LoadedCheckpoint:
+        async with open_root(root, opts) as ckpt:
+            return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng)
+
+    return run_sync(run())
+
+
+def _root_of(
+    root_or_client: str | CheckpointClient, storage_options: Mapping[str, object] | None
+) -> tuple[str, Mapping[str, object] | None]:
+    if isinstance(root_or_client, str):
+        return root_or_client, storage_options
+    return str(root_or_client.root), storage_options or root_or_client.storage_options
+
+
+async def load_checkpoint_async(
+    ckpt: CheckpointRoot,
+    step: int | str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    *,
+    strict: bool = True,
+    rng: bool = True,
+) -> LoadedCheckpoint:
+    """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed)."""
+    which: int | Literal["latest"] = "latest" if step == "latest" else int(step)
+    commit = await ckpt.read_commit(await ckpt.resolve(which))
+    layout = get_layout(model_chunks, optimizer)
+    records = _saved_records(commit)
+    try:
+        _check_parallel_sizes(commit.step, records, layout)
+    except LayoutMismatchError:
+        manifest = await ckpt.read_merged_manifest(commit.step)
+        if manifest is None:
+            raise
+        return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout)
+    same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
+    if not same_mp:
+        raise LayoutMismatchError(
+            f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
+        )
+    source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
+    saved_layout = decode_layout(await ckpt.read_sidecar(records[source][LAYOUT_FIELD]))
+
+    # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
+    template = model_template(model_chunks)
+    plan_reads(commit, template)
+    if strict:
+        _check_no_extra_keys(commit, saved_layout, template)
+    _check_structure(saved_layout, layout)
+    regions = _optimizer_regions(commit, layout, optimizer)
+    rng_tensors = rng_template(commit, source) if rng else {}
+
+    # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place
+    slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions))
+    slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
+    await fill_async(ckpt, commit, {**template, **rng_tensors})
+    drop_unsaved_state(optimizer, layout, slices)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    source_objects = commit.objects[str(source)]
+    if rng:
+        restore_rng(rng_tensors, source_objects.get(RNG_RECORD))
+    logger.info(
+        "loaded step %d (tp%d pp%d dp%d/%d, saved at DP %d)",
+        commit.step, layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.dp_size, records[source]["dp_size"],
+    )
+    return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source)
+
+
+async def _load_merged(
+    ckpt: CheckpointRoot,
+    commit: CommitManifest,
+    manifest: CommitManifest,
+    records: Mapping[int, Record],
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    layout: MegatronLayout,
+) -> LoadedCheckpoint:
+    """Load a step saved with another TP/PP from its merged (fully reshardable) layout.
+
+    Model tensors are in model space already, so each rank reads its new regions of them; the optimizer
+    state of each of this rank's buckets is rebuilt from the per-parameter merged arrays. Plain optimizer
+    data (param groups, scalar state such as Adam's step) comes from saved rank 0. RNG state is not
+    restored: the saved ranks' generators belong to another parallel layout.
+    """
+    template = model_template(model_chunks)
+    plan_reads(commit, template)  # every model key and shape checked before anything is written
+    slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout))
+    source = min(records)
+    meta = commit.objects[str(source)][OPTIM_META]
+    slices[OPTIM_META] = [_uniform_scalars(meta)]
+    await fill_async(ckpt, commit, template)
+    drop_unsaved_state(optimizer, layout, slices)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    saved = records[source]
+    logger.info(
+        "loaded step %d from its merged layout (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
+        commit.step, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank, layout.pp_rank,
+        layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
+    )
+    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+
+
+# --- checks (pure) --------------------------------------------------------------------------------------
+def _saved_records(commit: CommitManifest) -> dict[int, Record]:
+    out = {}
+    for rank, objects in commit.objects.items():
+        rec = objects.get(MEGATRON_RECORD) if isinstance(objects, Mapping) else None
+        if isinstance(rec, Mapping):
+            if rec.get("version") != MEGATRON_CHECKPOINT_VERSION:
+                raise InvalidRequestError(f"step {commit.step}: unsupported Megatron record {rec.get('version')!r}")
+            out[int(rank)] = dict(rec)
+    if not out:
+        raise StateMismatchError(f"step {commit.step} was not written by save_checkpoint: no Megatron layout record")
+    return out
+
+
+def _uniform_scalars(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Scalar per-param state must be one value for all params to carry over to another layout."""
+    for opt in meta.get("optimizers", {}).values():
+        for name, value in opt.get("scalar_state", {}).items():
+            if isinstance(value, Mapping) and "by_param" in value:
+                raise LayoutMismatchError(
+                    f"scalar optimizer state {name!r} differs between params; it cannot be mapped onto another "
+                    "parallel layout"
+                )
+    return meta
+
+
+def _check_parallel_sizes(step: int, records: Mapping[int, Record], layout: MegatronLayout) -> None:
+    sizes = {(rec["tp_size"], rec["pp_size"]) for rec in records.values()}
+    if sizes != {(layout.tp_size, layout.pp_size)}:
+        saved = ", ".join(f"TP={t} PP={p}" for t, p in sorted(sizes))
+        raise LayoutMismatchError(
+            f"step {step} was saved with {saved}; this model runs TP={layout.tp_size} PP={layout.pp_size}. Its "
+            "optimizer state is in the DP layout, which loads only with the same TP/PP (any DP). To change TP/PP, "
+            f"build the merged (fully reshardable) layout first: `ckptd merge ROOT --step {step}`, then load that"
+        )
+
+
+def _check_no_extra_keys(commit: CommitManifest, saved: MegatronLayout, template: Mapping[str, Shard]) -> None:
+    have = {s.key for s in template.values()}
+    expected = {saved.model_key(piece.key) for _b, bucket in saved.buckets() for p in bucket.params
+                for piece in p.model_pieces}
+    if saved.pp_size == 1 and not any(b.is_expert for b in saved.buffers):
+        expected |= {rec.name for rec in commit.arrays if rec.name.startswith(saved.model_prefix)}
+    extra = sorted(expected - have)
+    if extra:
+        raise StateMismatchError(
+            f"{extra[0]}: in checkpoint step {commit.step} but not in the model"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            + "; pass strict=False to ignore checkpoint keys the model lacks"
+        )
+
+
+def _check_structure(saved: MegatronLayout, live: MegatronLayout) -> None:
+    """Same buffers, buckets and params at the same bucket-relative offsets (the DP size may differ)."""
+    if len(saved.buffers) != len(live.buffers):
+        raise StateMismatchError(f"the checkpoint has {len(saved.buffers)} grad buffers, the model {len(live.buffers)}")
+    for sb, lb in zip(saved.buffers, live.buffers, strict=True):
+        what = ("optimizer_index", "gbuf_index", "param_dtype", "grad_dtype", "is_expert", "mp")
+        s_attrs, l_attrs = ([getattr(b, a) for a in what] for b in (sb, lb))
+        if s_attrs != l_attrs:
+            raise StateMismatchError(f"grad buffer {lb.index}: checkpoint {s_attrs} vs model {l_attrs} ({what})")
+        if len(sb.buckets) != len(lb.buckets):
+            raise StateMismatchError(
+                f"grad buffer {lb.index}: the checkpoint has {len(sb.buckets)} buckets, the model {len(lb.buckets)} "
+                "(another bucket_size or overlap_grad_reduce setting?)"
+            )
+        for sk, lk in zip(sb.buckets, lb.buckets, strict=True):
+            s_params = [(p.name, p.start - sk.start, p.end - sk.start, p.shape) for p in sk.params]
+            l_params = [(p.name, p.start - lk.start, p.end - lk.start, p.shape) for p in lk.params]
+            for sp, lp in zip(s_params, l_params, strict=False):
+                if sp != lp:
+                    raise StateMismatchError(
+                        f"{lp[0]}: buffer {lb.index} bucket {lk.index} has it at {lp[1:]} (offset, end, shape); "
+                        f"the checkpoint has {sp[0]} at {sp[1:]}"
+                    )
+            if len(s_params) != len(l_params):
+                longer = s_params if len(s_params) > len(l_params) else l_params
+                raise StateMismatchError(
+                    f"{longer[min(len(s_params), len(l_params))][0]}: buffer {lb.index} bucket {lk.index} holds "
+                    f"{len(s_params)} params in the checkpoint, {len(l_params)} in the model"
+                )
+
+
+def _optimizer_regions(commit: CommitManifest, layout: MegatronLayout, optimizer: object) -> dict[str, tuple[int, int]]:
+    """Every stored state of every bucket of this rank, with the region this rank reads."""
+    arrays = {rec.name: rec for rec in commit.arrays}
+    binding = bind(optimizer, layout)
+    regions: dict[str, tuple[int, int]] = {}
+    for buf, bucket in layout.buckets():
+        prefix = layout.bucket_prefix(buf, bucket)
+        start, stop = buf.dp_rank * buf.slice_numel(bucket), (buf.dp_rank + 1) * buf.slice_numel(bucket)
+        main_key = prefix + MAIN_PARAM
+        if main_key not in arrays:
+            raise StateMismatchError(f"{main_key}: not in checkpoint step {commit.step}")
+        for state in bucket_states(list(arrays), prefix):
+            name = prefix + state
+            rec = arrays[name]
+            if len(rec.shape) != 1 or rec.shape[0] < bucket.numel_unpadded:
+                raise StateMismatchError(
+                    f"{name}: the checkpoint holds shape {tuple(rec.shape)}, the model's bucket has "
+                    f"{bucket.numel_unpadded} elements"
+                )
+            entries = binding.owned[(buf.index, bucket.index)]
+            if name == main_key and entries and rec.torch_dtype != dtype_name(entries[0].main.dtype):
+                raise StateMismatchError(
+                    f"{name}: the checkpoint has dtype {rec.torch_dtype}, the main params {entries[0].main.dtype}"
+                )
+            regions[name] = (start, stop)
+    return regions

@@ -1,0 +1,144 @@
+"""``save_checkpoint``: stage a rank's model shards, optimizer bucket slices, RNG and extra data."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ckptd.client.megatron.layout import bind, get_layout, rank_plan
+from ckptd.client.megatron.model import model_state
+from ckptd.client.megatron.optimizer import optimizer_meta, optimizer_shards, state_names
+from ckptd.client.megatron.rng import rng_state
+from ckptd.client.state import Plan, Shard, plan_state
+from ckptd.writer.format import (
+    EXTRA,
+    LAYOUT_FIELD,
+    MEGATRON_CHECKPOINT_VERSION,
+    MEGATRON_RECORD,
+    OPTIM_META,
+    RNG_RECORD,
+    sidecar_name,
+)
+from ckptd.writer.layout import MegatronLayout
+
+if TYPE_CHECKING:
+    from ckptd.client.client import CheckpointClient, SaveHandle
+    from ckptd.client.megatron.introspect import MegatronOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SavePlan:
+    """What does not change between saves of one (model, optimizer): computed once, then reused."""
+
+    chunk_ids: tuple[int, ...]
+    signature: tuple[int, ...]  # storage addresses of every param: a moved param invalidates the plan
+    elem_names: tuple[str, ...]
+    layout_json: str
+    record: dict[str, Any]  # the per-rank ``megatron`` record
+    shards: list[Shard]  # model and optimizer shards this rank writes (main replicas), validated
+
+
+def _param_signature(model_chunks: Sequence[torch.nn.Module]) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for c in model_chunks for p in c.parameters())
+
+
+def megatron_record(layout: MegatronLayout, layout_json: str) -> dict[str, Any]:
+    """The per-rank ``megatron`` record: the layout sidecar's name and this rank's parallel coordinates."""
+    return {
+        "version": MEGATRON_CHECKPOINT_VERSION,
+        LAYOUT_FIELD: sidecar_name(layout_json),
+        "tp": layout.tp_rank,
+        "tp_size": layout.tp_size,
+        "pp": layout.pp_rank,
+        "pp_size": layout.pp_size,
+        "dp": layout.dp_rank,
+        "dp_size": layout.dp_size,
+        "megatron_core": layout.megatron_core_version,
+    }
+
+
+def save_plan(
+    model_chunks: Sequence[torch.nn.Module], optimizer: object, rank: int, elem_names: Sequence[str] | None = None
+) -> SavePlan:
+    """The cached :class:`SavePlan` of this (model chunks, optimizer), (re)planned when it went stale."""
+    layout = get_layout(model_chunks, optimizer)
+    binding = bind(optimizer, layout)
+    elem_names = tuple(state_names(binding)[0] if elem_names is None else elem_names)
+    chunk_ids = tuple(id(c) for c in model_chunks)
+    signature = _param_signature(model_chunks)
+    cache = rank_plan(optimizer)
+    plan = cache.save
+    if plan is not None and (plan.chunk_ids, plan.signature, plan.elem_names) == (chunk_ids, signature, elem_names):
+        return plan
+    model = model_state(model_chunks)
+    objects = {k: v for k, v in model.items() if not isinstance(v, Shard)}
+    if objects:  # e.g. Transformer Engine's _extra_state: not stored yet (see docs/megatron.md)
+        logger.warning("rank %d: model ShardedObjects %s are not saved by ckptd", rank, sorted(objects)[:5])
+    # detached views: staging reads them after the optimizer has updated the params in place
+    state: dict[str, Shard] = {k: replace(v, data=v.data.detach()) for k, v in model.items() if isinstance(v, Shard)}
+    state.update(optimizer_shards(optimizer, layout))
+    shards = plan_state(state, rank).shards  # validates keys, dtypes and chunk grids; drops replicas
+    layout_json = layout.to_json()
+    record = megatron_record(layout, layout_json)
+    plan = SavePlan(chunk_ids, signature, elem_names, layout_json, record, shards)
+    cache.save = plan
+    logger.info(
+        "rank %d: planned Megatron save: %d shards, %.1f MiB, layout %s",
+        rank, len(shards), sum(s.nbytes for s in shards) / 2**20, record[LAYOUT_FIELD][:12],
+    )
+    return plan
+
+
+def save_checkpoint(
+    client: CheckpointClient,
+    step: int,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    *,
+    extra: Mapping[str, object] | None = None,
+    rng: bool = True,
+) -> SaveHandle:
+    """Stage this rank's model shards, DP-local optimizer slices, RNG state and ``extra`` for ``step``.
+
+    Call it on every rank, like Megatron-LM's ``save_checkpoint(iteration, model, optimizer, ...)``
+    (``model_chunks`` is its ``model`` list of DDP-wrapped chunks, ``optimizer`` what
+    ``get_megatron_optimizer`` returned). Returns the :class:`~ckptd.client.client.SaveHandle` as soon as
+    the data is in the daemon's shared memory; training may go on and overwrite its tensors at once.
+    ``handle.wait()`` blocks until the step committed (or raises why it did not).
+
+    - model: ``sharded_state_dict()`` in model space (``model/<key>``), DP-replicated tensors split
+      across DP ranks;
+    - optimizer: one contiguous slice per (buffer, bucket, state) of the padded bucket
+      (``optim/<mp>/buf<g>/bucket<b>/<state>``), copied straight from the optimizer into the slot, plus
+      its plain data (param groups, ``step``, grad scaler);
+    - RNG (``rng=True``): torch (and CUDA, and Megatron's CUDA RNG tracker) states as per-rank arrays,
+      Python's and NumPy's as plain data;
+    - ``extra``: plain data (dict/list/str/int/float/bool/None): iteration, scheduler ``state_dict()``,
+      consumed samples...;
+    - the :class:`~ckptd.writer.layout.MegatronLayout` as a content-addressed sidecar, named in this
+      rank's ``megatron`` record (sent once per connection, stored once per root).
+
+    Everything static (keys, shapes, bucket layout, the planned shard list) is computed on the first
+    call and reused; a later call does the copy and two short socket round trips. No collective.
+    """
+    p = client.placement
+    layout = get_layout(model_chunks, optimizer)
+    elem_names, scalar_names = state_names(bind(optimizer, layout))
+    plan = save_plan(model_chunks, optimizer, p.rank, elem_names)
+    objects: dict[str, Any] = {
+        MEGATRON_RECORD: plan.record,
+        OPTIM_META: optimizer_meta(optimizer, layout, scalar_names),
+    }
+    if extra is not None:
+        objects[EXTRA] = dict(extra)
+    shards = list(plan.shards)
+    if rng:
+        rng_shards, objects[RNG_RECORD] = rng_state(p.rank, p.world_size)
+        shards += rng_shards
+    return client.save_plan(step, Plan(shards, objects), sidecars=[plan.layout_json])
