@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pwd
 import socket
@@ -26,6 +25,7 @@ from ckptd.client.protocol import (
     decode_reply,
     encode,
 )
+from ckptd.testing.fixtures import tree_digest
 from ckptd.writer.errors import (
     CkptdError,
     DuplicateSaveError,
@@ -92,26 +92,15 @@ def _meta(key: str, shape: list[int], offset: list[int] | None = None, gshape: l
                      shape=shape, chunk_shape=chunk or shape, slot=slot)
 
 
-def _tree_digest(root: str) -> str:
-    h = hashlib.sha256()
-    for dirpath, _dirs, files in sorted(os.walk(root)):
-        for name in sorted(files):
-            path = os.path.join(dirpath, name)
-            h.update(path.encode())
-            with open(path, "rb") as fh:
-                h.update(fh.read())
-    return h.hexdigest()
-
-
 @pytest.fixture
 def served(start_daemon, tmp_path):
     root = str(tmp_path / "ckpt")
     d = start_daemon(root)
     client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
     client.save(1, {"w": torch.arange(16.0)}).wait(30)
-    before = _tree_digest(os.path.join(root, "step_1"))
+    before = tree_digest(os.path.join(root, "step_1"))
     yield d, client, root
-    assert _tree_digest(os.path.join(root, "step_1")) == before, "a committed step changed"
+    assert tree_digest(os.path.join(root, "step_1")) == before, "a committed step changed"
     # ... and the daemon still serves a normal save after all of it
     client2 = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
     client2.save(100, {"w": torch.arange(4.0)}).wait(30)

@@ -9,7 +9,6 @@ and reads back bit-exact, and the daemon's anonymous memory is back near its bas
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import time
@@ -27,6 +26,7 @@ from hypothesis.errors import NonInteractiveExampleWarning
 from ckptd.client import CheckpointClient, Placement
 from ckptd.client.protocol import DEFAULT_MAX_FRAME, HEADER, PROTOCOL_VERSION, decode_reply
 from ckptd.client.reader import load
+from ckptd.testing.fixtures import tree_digest
 from ckptd.testing.launch import DaemonProcess
 
 pytestmark = pytest.mark.timeout(600)
@@ -130,17 +130,6 @@ def _rss_anon(pid: int) -> int:
     raise AssertionError("no RssAnon")
 
 
-def _tree_digest(root: str) -> str:
-    h = hashlib.sha256()
-    for dirpath, _dirs, files in sorted(os.walk(root)):
-        for name in sorted(files):
-            path = os.path.join(dirpath, name)
-            h.update(path.encode())
-            with open(path, "rb") as fh:
-                h.update(fh.read())
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def daemon(module_sockdir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, str]]:
     root = str(tmp_path_factory.mktemp("fuzz") / "ckpt")
@@ -178,7 +167,7 @@ def test_after_fuzzing_a_normal_client_saves_bit_exact(daemon: tuple[DaemonProce
     client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
     w = torch.randn(1 << 16)
     client.save(1_000_001, {"w": w}).wait(60)
-    committed = _tree_digest(os.path.join(root, "step_1000001"))
+    committed = tree_digest(os.path.join(root, "step_1000001"))
     baseline = _rss_anon(d.proc.pid)
 
     # one more round of fuzzing, directly (no hypothesis shrinking), heavier on hostile and huge frames
@@ -193,7 +182,7 @@ def test_after_fuzzing_a_normal_client_saves_bit_exact(daemon: tuple[DaemonProce
     client.save(1_000_002, {"w": w, "x": x}).wait(60)
     out = load(root, 1_000_002, {"w": torch.empty_like(w), "x": torch.empty_like(x)})
     assert torch.equal(out["w"], w) and torch.equal(out["x"], x)
-    assert _tree_digest(os.path.join(root, "step_1000001")) == committed, "a committed step changed"
+    assert tree_digest(os.path.join(root, "step_1000001")) == committed, "a committed step changed"
     client.close()
     # allocator slack: the daemon frees what the connections held; fragmentation may keep a little
     deadline = time.monotonic() + 10

@@ -6,6 +6,8 @@ Plain module, no fixtures (those live in ``conftest.py``); importable in forked 
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Any
 
 BUCKET = "ckpt"  # the bucket the ``s3`` and ``s3_auth`` fixtures create
@@ -44,3 +46,15 @@ def megatron_owned_state(optimizer: Any, layout: Any = None) -> list[dict[str, A
                 }
             )
     return out
+
+
+def tree_digest(root: str) -> str:
+    """One hash over every file's path and bytes below ``root``: a committed step must never change."""
+    h = hashlib.sha256()
+    for dirpath, _dirs, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            path = os.path.join(dirpath, name)
+            h.update(path.encode())
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
