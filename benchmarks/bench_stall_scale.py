@@ -55,8 +55,8 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
           repeats: int, megatron: bool) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
-
     from bench_megatron import _megatron_save
+
     from ckptd.client import CheckpointClient
     from ckptd.client.megatron import save_checkpoint
     from ckptd.client.megatron.staged import cached
@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
         save_checkpoint(client, step, model, optimizer, extra={"iteration": step}).wait(1200)
         first = time.perf_counter() - t0
         staged = cached(optimizer)
-        assert staged is not None  # noqa: S101 - benchmark bookkeeping
+        assert staged is not None
         plan = staged.plan
         src = torch.empty(plan.nbytes, dtype=torch.uint8).fill_(1)
         dst = torch.empty(plan.nbytes, dtype=torch.uint8).fill_(0)  # pre-faulted

@@ -40,7 +40,7 @@ def _live(model: list[torch.nn.Module], optimizer: Any) -> dict[str, Any]:
     for oi, opt in enumerate(optimizer.chained_optimizers):
         inner = opt.optimizer
         out[f"{oi}/groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-        for param, (gi, go) in opt.model_param_group_index_map.items():
+        for gi, go in opt.model_param_group_index_map.values():
             main = inner.param_groups[gi]["params"][go]
             out[f"{oi}/{gi}.{go}/main"] = main.detach().clone()
             for k, v in inner.state.get(main, {}).items():
