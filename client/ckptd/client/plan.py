@@ -18,6 +18,7 @@ at save time are checked against the plan's dtype and shape before the lease (:c
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ class Piece(NamedTuple):
     nbytes: int = 0  # zeros: this many bytes
 
 
+# lookups per (optimizer, param): the states to take from it, with the dtype and shape planned
+_Groups = list[tuple[torch.optim.Optimizer, torch.Tensor, list[tuple[str, torch.dtype, torch.Size]]]]
+
+
 class _Dst(NamedTuple):
     rel: int
     dtype: torch.dtype
@@ -89,11 +94,12 @@ def shard_meta(shard: Shard, slot: int) -> ShardMeta:
     )
 
 
-def params_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
+def params_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[list[Any], ...]:
     """Address, dtype and shape of every tensor: a param replaced (``.data =``, a new Parameter), cast or
-    resized changes it. Cheap enough for every save (no torch op runs)."""
+    resized changes it. Cheap enough for every save (no torch op runs; list comprehensions, no tuples of
+    tuples)."""
     ts = list(tensors)
-    return tuple(map(torch.Tensor.data_ptr, ts)), tuple(t.dtype for t in ts), tuple(t.shape for t in ts)
+    return list(map(torch.Tensor.data_ptr, ts)), [t.dtype for t in ts], [t.shape for t in ts]
 
 
 class ModuleWatch:
@@ -110,9 +116,9 @@ class ModuleWatch:
     def fingerprint(self) -> tuple[Any, ...]:
         params = [p for d in self._params for p in d.values() if p is not None]
         return (
-            tuple(id(p) for p in params),
-            tuple(id(m) for d in self._subs for m in d.values()),
-            params_fingerprint(params),
+            list(map(id, params)),
+            list(map(id, itertools.chain.from_iterable(d.values() for d in self._subs))),
+            *params_fingerprint(params),
         )
 
 
@@ -140,6 +146,7 @@ class StagePlan:
     _dynamic: list[tuple[_Dst, _Dst]] = field(default_factory=list)  # (source as planned, slot)
     _zeros: list[_Dst] = field(default_factory=list)
     _views: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=OrderedDict)
+    _groups: _Groups | None = None
     registered: tuple[Welcome, int] | None = None  # (the daemon's Welcome, plan id) it is registered under
     cuda: bool = False
 
@@ -167,15 +174,17 @@ class StagePlan:
         """This save's looked-up sources (fetched, then ``dynamic``), checked against the plan; call it
         before leasing so a stale plan costs no staging space."""
         out: list[torch.Tensor] = []
-        found: dict[int, dict[str, Any]] = {}  # one (slow: Tensor.__hash__) state lookup per param
-        for f, d, _ in self._fetched:
-            st = found.get(id(f.key))
-            if st is None:
-                st = found[id(f.key)] = f.owner.state.get(f.key) or {}
-            t = st.get(f.name)
-            if not isinstance(t, torch.Tensor) or t.dtype != d.dtype or t.shape != d.shape:
-                raise StalePlanError(f"optimizer state {f.name!r} changed since the save was planned")
-            out.append(t)
+        for owner, key, wanted in self._fetch_groups():
+            st = owner.state.get(key) or {}  # one (slow: Tensor.__hash__) lookup per param
+            for name, dtype, shape in wanted:
+                t = st.get(name)
+                try:
+                    ok = t.dtype == dtype and t.shape == shape  # type: ignore[union-attr]
+                except AttributeError:  # gone, or no longer a tensor
+                    ok = False
+                if not ok:
+                    raise StalePlanError(f"optimizer state {name!r} changed since the save was planned")
+                out.append(t)  # type: ignore[arg-type]
         if len(dynamic) != len(self._dynamic):
             raise StalePlanError(f"{len(dynamic)} per-save tensors given, the plan has {len(self._dynamic)}")
         for t, (d, _) in zip(dynamic, self._dynamic, strict=True):
@@ -183,6 +192,17 @@ class StagePlan:
                 raise StalePlanError(f"a per-save tensor is {t.dtype}{tuple(t.shape)}, planned {d.dtype}{d.shape}")
             out.append(t)
         return out
+
+    def _fetch_groups(self) -> _Groups:
+        """The lookups grouped per (optimizer, param), in ``_fetched`` order (consecutive per param)."""
+        if self._groups is None:
+            groups: _Groups = []
+            for f, d, _ in self._fetched:
+                if not groups or groups[-1][0] is not f.owner or groups[-1][1] is not f.key:
+                    groups.append((f.owner, f.key, []))
+                groups[-1][2].append((f.name, d.dtype, torch.Size(d.shape)))
+            self._groups = groups
+        return self._groups
 
     def _dst_views(self, arena: torch.Tensor, base: int) -> tuple[list[torch.Tensor], ...]:
         key = (arena.data_ptr(), base)
@@ -268,6 +288,7 @@ def build_stage_plan(
     for i, ps in enumerate(pieces):
         if i not in spans:
             _compile_pieces(plan, runs, sorted(ps, key=lambda p: p.lo), offsets[i], shards[i].data.dtype)
+    plan._fetched.sort(key=lambda e: (id(e[0].owner), id(e[0].key)))  # a param's states together: one lookup
     for s, i in zip(dynamic, range(len(shards), len(everything)), strict=True):
         d = _Dst(offsets[i], s.data.dtype, tuple(s.data.shape))
         plan._dynamic.append((d, d))
