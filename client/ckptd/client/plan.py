@@ -131,7 +131,8 @@ def groups_fingerprint(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...
 class StagePlan:
     """A rank's static save layout and copy program (see the module docstring).
 
-    ``shards`` are staged from the pieces they describe (:meth:`Shard.stage_pieces`); ``dynamic`` shards
+    ``shards`` are staged from the pieces they describe (a ``stage_pieces()`` method, as
+    :class:`~ckptd.client.megatron.optimizer.BucketSliceShard` has), else whole; ``dynamic`` shards
     keep their slot but get their tensor at each save (in order: :meth:`stage`'s ``dynamic`` argument),
     checked against the dtype and shape they had here.
     """

@@ -143,37 +143,46 @@ def save_checkpoint(
     naming the plan. A change of structure plans again. No collective.
     """
     t0 = time.perf_counter()
+    try:
+        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0)
+    except StalePlanError:  # a state tensor changed under the plan in a way the fingerprint missed: replan once
+        forget(optimizer)
+        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0)
+
+
+def _save_once(
+    client: CheckpointClient,
+    step: int,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: object,
+    extra: Mapping[str, object] | None,
+    rng: bool,
+    t0: float,
+) -> SaveHandle:
     p = client.placement
     layout = get_layout(model_chunks, optimizer)
     binding = bind(optimizer, layout)
-    for attempt in range(2):
-        staged = cached(optimizer)
-        rng_shards: list[Shard] = []
-        objects: dict[str, Any] = {}
-        if rng:
-            rng_shards, objects[RNG_RECORD] = rng_state(p.rank, p.world_size)
-        rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
-        states = owned_states(staged.owned) if staged is not None else {}
-        if (
-            staged is None
-            or staged.chunk_ids != tuple(id(c) for c in model_chunks)
-            or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
-        ):
-            staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
-            states = owned_states(staged.owned)
-        objects[MEGATRON_RECORD] = staged.record
-        objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
-        if extra is not None:
-            objects[EXTRA] = dict(extra)
-        try:
-            return client.save_staged(
-                step, staged.plan, [s.data for s in rng_shards], objects, sidecars=[staged.layout_json], t0=t0
-            )
-        except StalePlanError:  # a state tensor changed under the plan: plan again, once
-            forget(optimizer)
-            if attempt:
-                raise
-    raise AssertionError("unreachable")
+    staged = cached(optimizer)
+    rng_shards: list[Shard] = []
+    objects: dict[str, Any] = {}
+    if rng:
+        rng_shards, objects[RNG_RECORD] = rng_state(p.rank, p.world_size)
+    rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
+    states = owned_states(staged.owned) if staged is not None else {}
+    if (
+        staged is None
+        or staged.chunk_ids != tuple(id(c) for c in model_chunks)
+        or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
+    ):
+        staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
+        states = owned_states(staged.owned)
+    objects[MEGATRON_RECORD] = staged.record
+    objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
+    if extra is not None:
+        objects[EXTRA] = dict(extra)
+    return client.save_staged(
+        step, staged.plan, [s.data for s in rng_shards], objects, sidecars=[staged.layout_json], t0=t0
+    )
 
 
 def _plan_staged(
