@@ -19,11 +19,13 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
+import msgspec
 import torch
 
 from ckptd.client.paths import default_socket_path
+from ckptd.client.plan import StagePlan
 from ckptd.client.protocol import (
     HEADER,
     PROTOCOL_VERSION,
@@ -31,6 +33,7 @@ from ckptd.client.protocol import (
     Hello,
     LeaseGranted,
     LeaseRequest,
+    PlanRegistered,
     ReleaseRequest,
     Reply,
     SaveAccepted,
@@ -51,6 +54,7 @@ from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
     DaemonUnavailableError,
+    PlanUnknownError,
     ProtocolError,
     SaveTimeoutError,
     StepFailedError,
@@ -364,6 +368,70 @@ class CheckpointClient:
     def save_plan(self, step: int, plan: Plan, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Like :meth:`save` for an already planned state (callers that cache their plan)."""
         return self._save(step, plan, sidecars, time.perf_counter())
+
+    def save_staged(
+        self,
+        step: int,
+        plan: StagePlan,
+        dynamic: Sequence[torch.Tensor],
+        objects: dict[str, Any],
+        *,
+        sidecars: Sequence[str] = (),
+        t0: float | None = None,
+    ) -> SaveHandle:
+        """Like :meth:`save_plan` for a compiled :class:`~ckptd.client.plan.StagePlan`: registered with the
+        daemon once (again after it restarted), then per save one span lease, the plan's batched copies
+        (``dynamic``: its per-save tensors, in order) and a request that names the plan. Raises
+        :class:`~ckptd.client.plan.StalePlanError` before leasing when a looked-up source changed."""
+        t0 = time.perf_counter() if t0 is None else t0
+        self._raise_background_errors()
+        docs = {sidecar_name(t): t for t in sidecars}
+        docs = {n: t for n, t in docs.items() if n not in self._sidecars_sent}
+        encode_objects(objects)
+        sources = plan.sources(dynamic)
+        plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)
+        timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
+        try:
+            lease = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=[plan.span],
+                                 timeout_s=timeout)
+            grant = self._request(lease)
+        except BackpressureError:
+            if self.backpressure == "skip":
+                log.warning("rank %d: step %d skipped: staging arena still full", self.placement.rank, step)
+                return SaveHandle(None, step, 0, time.perf_counter() - t0, skipped=True)
+            raise
+        grant = _expect(grant, LeaseGranted)
+        try:
+            if self._arena_t is None:
+                raise DaemonUnavailableError("no staging arena mapped: the client is closed")
+            if plan.cuda and not self._pinned:
+                self._pin_arena()
+            plan.stage(self._arena_t, grant.offsets[0], sources)
+            p = self.placement
+            req = SaveRequest(
+                v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
+                node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size, shards=[],
+                objects=objects, sidecars=docs, plan_id=plan_id,
+            )
+            try:
+                reply = self._request(req)
+            except PlanUnknownError:  # the daemon dropped it (or is another one): register again, resend
+                reply = self._request(msgspec.structs.replace(req, plan_id=self._register_plan(plan)))
+            self._sidecars_sent.update(docs)
+        except BaseException:
+            with contextlib.suppress(CkptdError):
+                self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))
+            raise
+        accepted = _expect(reply, SaveAccepted)
+        handle = SaveHandle(self, step, accepted.nbytes, time.perf_counter() - t0)
+        self._handles.append(handle)
+        return handle
+
+    def _register_plan(self, plan: StagePlan) -> int:
+        reply = _expect(self._request(plan.register_message(self.placement.rank)), PlanRegistered)
+        if self._welcome is not None:
+            plan.registered = (self._welcome, reply.plan_id)
+        return reply.plan_id
 
     def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
         """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked."""

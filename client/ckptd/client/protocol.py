@@ -89,6 +89,9 @@ class SaveRequest(_Msg, frozen=True, tag="save"):
     # Content-addressed documents written once per root (e.g. a Megatron layout): name -> JSON text.
     # Names are "<sha256 of the text>.json"; the daemon checks the hash and skips ones already stored.
     sidecars: dict[str, str] = {}
+    # A plan registered with RegisterPlan: the daemon takes the shards (and their slots in the lease's one
+    # contiguous span) from it, and ``shards`` is empty. 0: no plan, ``shards`` says everything.
+    plan_id: int = 0
 
 
 class ReleaseRequest(_Msg, frozen=True, tag="release"):
@@ -186,6 +189,7 @@ def frame_length(header: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> int:
 
 
 _PLAIN_LEAVES = (str, int, float, bool, type(None))
+_FLAT_LEAVES = frozenset(_PLAIN_LEAVES)
 
 
 def _check_plain(obj: object, path: str) -> None:
@@ -199,6 +203,8 @@ def _check_plain(obj: object, path: str) -> None:
             _check_plain(v, f"{path}/{k}")
         return
     if isinstance(obj, list | tuple):
+        if all(type(v) in _FLAT_LEAVES for v in obj):  # e.g. an RNG state: skip the per-item recursion
+            return
         for i, v in enumerate(obj):
             _check_plain(v, f"{path}[{i}]")
         return
@@ -215,3 +221,29 @@ def encode_objects(objects: object) -> None:
         _encoder.encode(objects)
     except (TypeError, OverflowError) as exc:
         raise ProtocolError(f"non-tensor state must be plain data (dict/list/str/int/float/bool/None): {exc}") from exc
+
+
+# --- save plans (appended: registered once per run, named by id in later SaveRequests) ----------------
+class RegisterPlan(_Msg, frozen=True, tag="register_plan"):
+    """A rank's static save layout: every shard's meta and where its slot sits in one contiguous span.
+
+    ``offsets[i]``/``sizes[i]`` are slot ``i``'s byte offset from the span's start and its size; a save
+    with this plan leases one slot of ``span`` bytes and the daemon places slot ``i`` at base + offsets[i].
+    The daemon validates it once and answers :class:`PlanRegistered`.
+    """
+
+    rank: int
+    shards: list[ShardMeta]
+    offsets: list[int]
+    sizes: list[int]
+    span: int
+
+
+class PlanRegistered(_Msg, frozen=True, tag="plan_registered"):
+    plan_id: int
+
+
+AnyRequest = Request | RegisterPlan
+AnyReply = Reply | PlanRegistered
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_reply_decoder = msgspec.msgpack.Decoder(AnyReply)

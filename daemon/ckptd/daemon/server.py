@@ -24,14 +24,16 @@ from typing import Any
 from ckptd.client.protocol import (
     HEADER,
     PROTOCOL_VERSION,
+    AnyReply,
+    AnyRequest,
     ErrorReply,
     Hello,
     LeaseGranted,
     LeaseRequest,
+    PlanRegistered,
+    RegisterPlan,
     Released,
     ReleaseRequest,
-    Reply,
-    Request,
     SaveAccepted,
     SaveRequest,
     StatusRequest,
@@ -242,11 +244,11 @@ class Daemon:
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
 
-    async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, reply: AnyReply) -> None:
         writer.write(encode(reply, self.config.max_frame_bytes))
         await writer.drain()
 
-    async def _handle(self, conn: int, body: bytes) -> Reply:
+    async def _handle(self, conn: int, body: bytes) -> AnyReply:
         try:
             req = decode_request(body)
             return await self._dispatch(conn, req)
@@ -254,7 +256,7 @@ class Daemon:
             log.info("conn=%d: rejected request: %s: %s", conn, type(exc).__name__, exc)
             return ErrorReply(v=PROTOCOL_VERSION, code=type(exc).__name__, message=str(exc))
 
-    async def _dispatch(self, conn: int, req: Request) -> Reply:
+    async def _dispatch(self, conn: int, req: AnyRequest) -> AnyReply:
         service, arena = self._service(), self._arena()
         v = PROTOCOL_VERSION
         match req:
@@ -279,6 +281,8 @@ class Daemon:
                     raise InvalidRequestError(f"lease {req.lease_id} is not held by this connection")
                 arena.release(held)
                 return Released(v=v, lease_id=req.lease_id)
+            case RegisterPlan():
+                return PlanRegistered(v=v, plan_id=service.plans.register(req))
             case StatusRequest():
                 state, err = await service.status(req.step, min(max(0.0, req.wait_s), MAX_STATUS_WAIT_S))
                 return StepStatus(

@@ -17,10 +17,13 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+import msgspec
+
 from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
+from ckptd.daemon.plans import PlanRegistry
 from ckptd.daemon.writes import ShardWriter, first_leaf
 from ckptd.writer.backends import Backend
 from ckptd.writer.commit import CheckpointWriter
@@ -74,6 +77,7 @@ class CheckpointService:
         self._background: set[asyncio.Task[None]] = set()
         self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
+        self.plans = PlanRegistry()
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -83,7 +87,13 @@ class CheckpointService:
         lease = self.arena.get(req.lease_id, owner)
         if lease is None:
             raise LeaseError(f"lease {req.lease_id} was never granted to this connection (or is already used)")
-        self._validate(req, lease)
+        span: Lease | None = None
+        if req.plan_id:  # a registered plan: its shards were validated when it was registered
+            self._validate(msgspec.structs.replace(req, shards=[]), lease)
+            span = lease
+            req, lease = self.plans.expand(req, lease)
+        else:
+            self._validate(req, lease)
         for name, text in req.sidecars.items():
             check_sidecar(name, text)
         with self._typed_storage_errors():
@@ -97,14 +107,22 @@ class CheckpointService:
                 with self._typed_storage_errors():
                     await self.root.write_sidecar(name, text)
                 self._sidecars_stored.add(name)
-        self.arena.adopt(lease)
+        self.arena.adopt(span or lease)
         save = RankSave(req, lease)
         nbytes = sum(lease.sizes[s.slot] for s in req.shards)
         last = job.add_save(save, nbytes)
-        job.tasks[req.rank] = self._spawn(self.writer.write_rank(job, save), f"write step={req.step} rank={req.rank}")
+        write = self.writer.write_rank(job, save) if span is None else self._write_span(job, save, span)
+        job.tasks[req.rank] = self._spawn(write, f"write step={req.step} rank={req.rank}")
         if last:
             self._spawn(self._finish_node(job), f"finish step={req.step}")
         return nbytes
+
+    async def _write_span(self, job: StepJob, save: RankSave, span: Lease) -> None:
+        """A plan save's write: its per-shard lease is a view that frees nothing; the span goes at the end."""
+        try:
+            await self.writer.write_rank(job, save)
+        finally:
+            self.arena.release(span)
 
     def _validate(self, req: SaveRequest, lease: Lease) -> None:
         if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["install_cpu_shim", "is_installed"]
+__all__ = ["install_cpu_shim", "is_installed", "suspended"]
 
 _lock = threading.Lock()
 _installed = False
@@ -82,6 +82,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if not kwargs and func not in _SPECIAL:  # the common case: nothing to rewrite, pass it through
+            if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+                args = (args[0], torch.device("cpu"), *args[2:])
+            return func(*args)
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda or func is torch.Tensor.record_stream:
             return args[0] if func is torch.Tensor.cuda else None
@@ -95,6 +99,22 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], torch.device("cpu"), *args[2:])
         return func(*args, **kwargs)
+
+
+_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.record_stream, torch.Tensor.type})
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Take the shim's mode off this thread's stack for a block that needs no rewriting (a ckptd save on
+    CPU), so its torch calls cost what they cost without the shim; a no-op when the shim is not installed."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if _mode is None or _get_current_function_mode() is not _mode:  # type: ignore[no-untyped-call]
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 
 class _Stream:

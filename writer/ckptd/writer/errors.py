@@ -131,3 +131,8 @@ def error_classes() -> dict[str, type[CkptdError]]:
         found[cls.__name__] = cls
         stack.extend(cls.__subclasses__())
     return found
+
+
+class PlanUnknownError(LeaseError):
+    """A save names a registered save plan the daemon does not hold (it restarted, or dropped an old plan):
+    the client registers the plan again and retries."""

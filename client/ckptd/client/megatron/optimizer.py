@@ -28,6 +28,7 @@ import torch
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import Binding, bind
+from ckptd.client.plan import Fetch, Piece
 from ckptd.client.state import Shard, dtype_name, torch_dtype
 from ckptd.writer.errors import InvalidRequestError, ShardLayoutError, StateMismatchError
 from ckptd.writer.format import MAIN_PARAM, MEGATRON_LAYOUT_VERSION, OPTIM_META, split_bucket_key
@@ -59,6 +60,18 @@ class BucketSliceShard(Shard):
             if not isinstance(t, torch.Tensor):
                 raise StateMismatchError(f"{self.key}: no {self.state!r} state for {o.param.name}")
             dst[o.lo : o.hi].copy_(t.detach().view(-1), non_blocking=non_blocking)
+
+    def stage_pieces(self) -> list[Piece]:
+        """What :meth:`stage_into` copies, for a compiled :class:`~ckptd.client.plan.StagePlan`: each owned
+        param's main shard (static) or state (looked up per save), and the padding to zero."""
+        isz = self.data.element_size()
+        out = [Piece(lo * isz, nbytes=(hi - lo) * isz) for lo, hi in self.gaps]
+        for o in self.entries:
+            if self.state == MAIN_PARAM:
+                out.append(Piece(o.lo * isz, src=o.main.detach().view(-1)))
+            else:
+                out.append(Piece(o.lo * isz, fetch=Fetch(o.inner, o.main, self.state)))
+        return out
 
     def materialize(self) -> torch.Tensor:
         out = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device)

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptd.client.megatron.layout import bind, get_layout, rank_plan
+from ckptd.client.megatron.layout import Binding, bind, get_layout, rank_plan
 from ckptd.client.megatron.model import model_state
-from ckptd.client.megatron.optimizer import optimizer_meta, optimizer_shards, state_names
+from ckptd.client.megatron.optimizer import optimizer_shards, state_names
 from ckptd.client.megatron.rng import rng_state
-from ckptd.client.state import Plan, Shard, plan_state
+from ckptd.client.megatron.staged import (
+    StagedSave,
+    cached,
+    forget,
+    optim_meta,
+    owned_by_optimizer,
+    owned_states,
+    remember,
+    state_counts,
+    structure,
+)
+from ckptd.client.plan import ModuleWatch, StalePlanError, build_stage_plan
+from ckptd.client.state import Shard, plan_state
 from ckptd.writer.format import (
     EXTRA,
     LAYOUT_FIELD,
@@ -124,21 +137,78 @@ def save_checkpoint(
     - the :class:`~ckptd.writer.layout.MegatronLayout` as a content-addressed sidecar, named in this
       rank's ``megatron`` record (sent once per connection, stored once per root).
 
-    Everything static (keys, shapes, bucket layout, the planned shard list) is computed on the first
-    call and reused; a later call does the copy and two short socket round trips. No collective.
+    Everything static (keys, shapes, bucket layout, the shard metas, the slot layout and the copy
+    program) is planned on the first call and registered with the daemon; a later call checks the
+    structure's fingerprint (see :mod:`.staged`), does the batched copies and two short socket round trips
+    naming the plan. A change of structure plans again. No collective.
     """
+    t0 = time.perf_counter()
+    try:
+        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0)
+    except StalePlanError:  # a state tensor changed under the plan in a way the fingerprint missed: replan once
+        forget(optimizer)
+        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0)
+
+
+def _save_once(
+    client: CheckpointClient,
+    step: int,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: object,
+    extra: Mapping[str, object] | None,
+    rng: bool,
+    t0: float,
+) -> SaveHandle:
     p = client.placement
     layout = get_layout(model_chunks, optimizer)
-    elem_names, scalar_names = state_names(bind(optimizer, layout))
-    plan = save_plan(model_chunks, optimizer, p.rank, elem_names)
-    objects: dict[str, Any] = {
-        MEGATRON_RECORD: plan.record,
-        OPTIM_META: optimizer_meta(optimizer, layout, scalar_names),
-    }
-    if extra is not None:
-        objects[EXTRA] = dict(extra)
-    shards = list(plan.shards)
+    binding = bind(optimizer, layout)
+    staged = cached(optimizer)
+    rng_shards: list[Shard] = []
+    objects: dict[str, Any] = {}
     if rng:
         rng_shards, objects[RNG_RECORD] = rng_state(p.rank, p.world_size)
-        shards += rng_shards
-    return client.save_plan(step, Plan(shards, objects), sidecars=[plan.layout_json])
+    rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
+    states = owned_states(staged.owned) if staged is not None else {}
+    if (
+        staged is None
+        or staged.chunk_ids != tuple(id(c) for c in model_chunks)
+        or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
+    ):
+        staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
+        states = owned_states(staged.owned)
+    objects[MEGATRON_RECORD] = staged.record
+    objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
+    if extra is not None:
+        objects[EXTRA] = dict(extra)
+    return client.save_staged(
+        step, staged.plan, [s.data for s in rng_shards], objects, sidecars=[staged.layout_json], t0=t0
+    )
+
+
+def _plan_staged(
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: object,
+    layout: MegatronLayout,
+    binding: Binding,
+    rank: int,
+    rng_shards: list[Shard],
+) -> StagedSave:
+    """Plan the save from scratch (the fingerprint changed): shards, layout, copy program, plain-data walk."""
+    rank_plan(optimizer).save = None  # the shard plan is rebuilt too, whatever its own check says
+    elem_names, scalar_names = state_names(binding)
+    plan = save_plan(model_chunks, optimizer, rank, elem_names)
+    owned = owned_by_optimizer(binding, layout)
+    watch = ModuleWatch(model_chunks)
+    rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
+    fingerprint = (structure(watch, binding), state_counts(owned_states(owned)), rng_keys)
+    stage_plan = build_stage_plan(plan.shards, rng_shards, fingerprint)
+    staged = StagedSave(
+        fingerprint, watch, stage_plan, plan.layout_json, plan.record, scalar_names, owned,
+        tuple(id(c) for c in model_chunks),
+    )
+    remember(optimizer, staged)
+    logger.info(
+        "rank %d: staged plan: %d shards in %d copies, span %.1f MiB",
+        rank, len(stage_plan.metas), stage_plan.copies, stage_plan.span / 2**20,
+    )
+    return staged

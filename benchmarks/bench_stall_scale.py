@@ -1,0 +1,158 @@
+"""Save stall against the number of tensors: ckptd's Megatron save vs a bare copy vs Megatron's own async save.
+
+The same toy GPT (two gloo ranks, TP1 x DP2, CPU shim) at growing depth and shrinking width, so the
+shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size, in the same processes:
+
+- ``memcpy``: one contiguous copy of the bytes the rank stages, into a pre-faulted buffer;
+- ``ckptd``: :func:`ckptd.client.megatron.save_checkpoint` after its first (planning) save, with the CPU
+  shim's ``TorchFunctionMode`` taken off around the call (on a GPU there is no shim), median of the
+  repeats; ``ckptd_with_shim_s`` is the same save with the shim on, to show the shim's share;
+- ``megatron_dp_reshardable``: Megatron-LM's async ``dist_checkpointing.save`` (bench_megatron's code).
+
+Stall: wall time of the call the training loop blocks on, slowest rank, median over repeats.
+``overhead_us_per_shard`` is (stall - memcpy) / shards per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+from ckptd.testing.launch import DaemonProcess, run_ranks
+
+# (layers, hidden, heads): ~35, ~500, ~1,500 and ~10,000 shards per rank
+FULL = [(2, 256, 4), (32, 64, 4), (96, 32, 4), (700, 16, 2)]
+REDUCED = [(2, 256, 4), (32, 64, 4), (96, 32, 4), (240, 16, 2)]
+SMOKE = [(2, 64, 4)]
+
+
+def _timed_saves(client: Any, model: Any, optimizer: Any, first_step: int, repeats: int, shim: bool) -> list[float]:
+    import torch.distributed as dist
+
+    from ckptd.client.megatron import save_checkpoint
+    from ckptd.testing.cpu_shim import suspended
+
+    out = []
+    for i in range(repeats):
+        dist.barrier()
+        if shim:
+            t0 = time.perf_counter()
+            handle = save_checkpoint(client, first_step + i, model, optimizer, extra={"iteration": first_step + i})
+            out.append(time.perf_counter() - t0)
+        else:
+            with suspended():
+                t0 = time.perf_counter()
+                handle = save_checkpoint(client, first_step + i, model, optimizer, extra={"iteration": first_step + i})
+                out.append(time.perf_counter() - t0)
+        handle.wait(1200)
+    return out
+
+
+def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tuple[int, int, int]],
+          repeats: int, megatron: bool) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+    from bench_megatron import _megatron_save
+
+    from ckptd.client import CheckpointClient
+    from ckptd.client.megatron import save_checkpoint
+    from ckptd.client.megatron.staged import cached
+    from ckptd.testing.toy_gpt import build_gpt
+
+    client = CheckpointClient(socket_path, timeout_s=600)
+    rows = []
+    step = 0
+    for layers, hidden, heads in sizes:
+        model, optimizer, train_step = build_gpt(hidden=hidden, layers=layers, heads=heads, vocab=128, seq=16,
+                                                 micro_batch_size=1, global_microbatches=2)
+        train_step(0)
+        dist.barrier()
+        step += 1
+        t0 = time.perf_counter()
+        save_checkpoint(client, step, model, optimizer, extra={"iteration": step}).wait(1200)
+        first = time.perf_counter() - t0
+        staged = cached(optimizer)
+        assert staged is not None
+        plan = staged.plan
+        src = torch.empty(plan.nbytes, dtype=torch.uint8).fill_(1)
+        dst = torch.empty(plan.nbytes, dtype=torch.uint8).fill_(0)  # pre-faulted
+        memcpy = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            memcpy.append(time.perf_counter() - t0)
+        del src, dst
+        stall = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False)
+        step += repeats
+        with_shim = _timed_saves(client, model, optimizer, step + 1, repeats, shim=True)
+        step += repeats
+        row: dict[str, Any] = {
+            "layers": layers, "hidden": hidden, "shards": len(plan.metas), "copies": plan.copies,
+            "bytes": plan.nbytes, "first": first, "memcpy": memcpy, "stall": stall, "with_shim": with_shim,
+            "params": sum(p.numel() for c in model for p in c.parameters()),
+        }
+        if megatron:
+            mega = _megatron_save(rank, model, optimizer, os.path.join(workdir, f"mega-{layers}"), "dp_reshardable",
+                                  max(1, repeats - 1))
+            row["megatron"] = mega["stall"]
+        rows.append(row)
+        del model, optimizer, train_step
+    client.close()
+    return rows
+
+
+def _slowest(results: list[list[dict[str, Any]]], i: int, field: str) -> float:
+    n = len(results[0][i][field])
+    return float(statistics.median(max(r[i][field][k] for r in results) for k in range(n)))
+
+
+def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
+    from run import emit
+
+    reduced = os.environ.get("CKPTD_BENCH_REDUCED") == "1"
+    sizes = SMOKE if args.smoke else REDUCED if reduced else FULL
+    repeats = 2 if args.smoke else 5
+    world = 2
+    root = os.path.join(workdir, "stall-scale")
+    sock = os.path.join(workdir, "stall-scale.sock")
+    daemon = DaemonProcess(root, sock, "--arena-size", "256MiB", "--keep", "1",
+                           log_path=os.path.join(workdir, "stall-scale-daemon.log"))
+    try:
+        daemon.wait_ready(300)
+        results = run_ranks(_rank, world, sock, workdir, sizes, repeats, True, timeout_s=7200)
+    finally:
+        daemon.stop(120)
+    rows = []
+    for i, (layers, hidden, _heads) in enumerate(sizes):
+        shards = max(r[i]["shards"] for r in results)
+        stall = _slowest(results, i, "stall")
+        memcpy = _slowest(results, i, "memcpy")
+        shim = _slowest(results, i, "with_shim")
+        mega = _slowest(results, i, "megatron")
+        rows.append(emit({
+            "bench": "stall_scale",
+            "layers": layers,
+            "hidden": hidden,
+            "shards_per_rank": shards,
+            "copies_per_rank": max(r[i]["copies"] for r in results),
+            "bytes_per_rank": max(r[i]["bytes"] for r in results),
+            "ckptd_s": round(stall, 5),
+            "memcpy_s": round(memcpy, 5),
+            "ratio_vs_memcpy": round(stall / memcpy, 3),
+            "overhead_us_per_shard": round((stall - memcpy) / shards * 1e6, 2),
+            "ckptd_with_shim_s": round(shim, 5),
+            "shim_share": round(max(0.0, shim - stall) / shim, 3),
+            "megatron_dp_reshardable_s": round(mega, 4),
+            "ratio_megatron_over_ckptd": round(mega / stall, 1),
+            "ckptd_first_save_s": round(max(r[i]["first"] for r in results), 4),
+            "ranks": world,
+            "sizes": "reduced" if reduced and not args.smoke else "smoke" if args.smoke else "full",
+        }))
+    return rows
+
+
+BENCHES = {"stall_scale": bench_stall_scale}

@@ -1,0 +1,362 @@
+"""A save's per-tensor work, done once per run: the staged plan a rank registers with its daemon.
+
+A :class:`StagePlan` is built from a rank's shards when their structure is new and reused while it holds:
+
+- the shard metas and a slot layout inside one contiguous span (registered with the daemon once, then
+  named by id: the daemon validates the metas once, the socket carries no per-shard data per save);
+- a copy program: static sources (views of live memory whose address the caller's fingerprint guards)
+  merged into one byte copy per run that is contiguous in the source — the layout mirrors the source's
+  gaps so a run lands in one piece — plus sources looked up at each save (optimizer states, replaced by
+  ``load_state_dict``; RNG states) and gaps to zero;
+- destination views into the mapped arena, prebuilt per span base the daemon grants (a few bases
+  alternate), so a save is a handful of batched ``_foreach_copy_`` calls and one stream sync.
+
+What keeps a reused plan honest is the caller's fingerprint (:func:`params_fingerprint` over every
+source's address, dtype and shape; a param group's structure), compared on every save; sources looked up
+at save time are checked against the plan's dtype and shape before the lease (:class:`StalePlanError`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ShardMeta, Welcome
+from ckptd.client.state import Shard, dtype_name
+from ckptd.writer.errors import CkptdError
+
+ALIGN = 64  # slot alignment in the span: every dtype's views stay aligned, copies start on cache lines
+MAX_GAP = 4096  # a source gap up to this many bytes is mirrored in the layout, so the run copies in one piece
+MAX_BASES = 4  # span bases whose destination views are kept
+
+
+class StalePlanError(CkptdError, RuntimeError):
+    """A source looked up at save time no longer matches the plan (dtype, shape): plan again."""
+
+
+class Fetch(NamedTuple):
+    """A source looked up at each save: ``owner.state[key][name]`` (an optimizer's per-param state)."""
+
+    owner: torch.optim.Optimizer
+    key: torch.Tensor
+    name: str
+
+
+class Piece(NamedTuple):
+    """One copy into a slot: ``lo`` bytes into it, from a static tensor, a lookup, or zeros (``nbytes``)."""
+
+    lo: int
+    src: torch.Tensor | None = None
+    fetch: Fetch | None = None
+    nbytes: int = 0  # zeros: this many bytes
+
+
+# lookups per (optimizer, param): the states to take from it, with the dtype and shape planned
+_Groups = list[tuple[torch.optim.Optimizer, torch.Tensor, list[tuple[str, torch.dtype, torch.Size]]]]
+
+
+class _Dst(NamedTuple):
+    rel: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """(storage address, byte offset) of a contiguous tensor, or None when it cannot join a run."""
+    if not t.is_contiguous() or t.numel() == 0:
+        return None
+    return t.untyped_storage().data_ptr(), int(t.storage_offset()) * t.element_size()
+
+
+def _bytes_of(t: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """A 1-D uint8 view of ``n`` bytes of ``t``'s storage from byte ``offset``."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), offset, (n,), (1,))
+
+
+def shard_meta(shard: Shard, slot: int) -> ShardMeta:
+    return ShardMeta(
+        key=shard.key, dtype=dtype_name(shard.data.dtype), global_shape=list(shard.global_shape),
+        global_offset=list(shard.global_offset), shape=list(shard.data.shape), chunk_shape=list(shard.grid),
+        slot=slot,
+    )
+
+
+def params_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[list[Any], ...]:
+    """Address, dtype and shape of every tensor: a param replaced (``.data =``, a new Parameter), cast or
+    resized changes it. Cheap enough for every save (no torch op runs; list comprehensions, no tuples of
+    tuples)."""
+    ts = list(tensors)
+    return list(map(torch.Tensor.data_ptr, ts)), [t.dtype for t in ts], [t.shape for t in ts]
+
+
+class ModuleWatch:
+    """Cheap per-save check that a module tree still holds the same params: each module's param and
+    submodule dicts (a param or submodule replaced, added or removed) and each param's address, dtype and
+    shape (``.data =``, a cast, a resize). Built once; :meth:`fingerprint` runs no torch op and walks no
+    generator (``Module.parameters()`` costs ~10 µs per param through ``named_modules``)."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        mods = list(dict.fromkeys(m for c in modules for m in c.modules()))
+        self._params = [m._parameters for m in mods]
+        self._subs = [m._modules for m in mods]
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        params = [p for d in self._params for p in d.values() if p is not None]
+        return (
+            list(map(id, params)),
+            list(map(id, itertools.chain.from_iterable(d.values() for d in self._subs))),
+            *params_fingerprint(params),
+        )
+
+
+def groups_fingerprint(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
+    """The structure of an optimizer's param groups: which tensors each holds (a new group, a param moved)."""
+    return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
+
+
+@dataclass
+class StagePlan:
+    """A rank's static save layout and copy program (see the module docstring).
+
+    ``shards`` are staged from the pieces they describe (a ``stage_pieces()`` method, as
+    :class:`~ckptd.client.megatron.optimizer.BucketSliceShard` has), else whole; ``dynamic`` shards
+    keep their slot but get their tensor at each save (in order: :meth:`stage`'s ``dynamic`` argument),
+    checked against the dtype and shape they had here.
+    """
+
+    metas: list[ShardMeta]
+    offsets: list[int]
+    sizes: list[int]
+    span: int
+    fingerprint: object
+    _static: list[tuple[torch.Tensor, _Dst]] = field(default_factory=list)
+    _fetched: list[tuple[Fetch, _Dst, _Dst]] = field(default_factory=list)  # (lookup, source as planned, slot)
+    _dynamic: list[tuple[_Dst, _Dst]] = field(default_factory=list)  # (source as planned, slot)
+    _zeros: list[_Dst] = field(default_factory=list)
+    _views: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=OrderedDict)
+    _groups: _Groups | None = None
+    registered: tuple[Welcome, int] | None = None  # (the daemon's Welcome, plan id) it is registered under
+    cuda: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def copies(self) -> int:
+        """Copies one save makes (merged runs count once), zero fills included."""
+        return len(self._static) + len(self._fetched) + len(self._dynamic) + len(self._zeros)
+
+    def register_message(self, rank: int) -> RegisterPlan:
+        return RegisterPlan(
+            v=PROTOCOL_VERSION, rank=rank, shards=self.metas, offsets=self.offsets, sizes=self.sizes, span=self.span
+        )
+
+    def plan_id(self, welcome: Welcome | None) -> int:
+        """The id the plan is registered under with the daemon that sent ``welcome``, else 0."""
+        if self.registered is None or welcome is None or self.registered[0] is not welcome:
+            return 0
+        return self.registered[1]
+
+    def sources(self, dynamic: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This save's looked-up sources (fetched, then ``dynamic``), checked against the plan; call it
+        before leasing so a stale plan costs no staging space."""
+        out: list[torch.Tensor] = []
+        for owner, key, wanted in self._fetch_groups():
+            st = owner.state.get(key) or {}  # one (slow: Tensor.__hash__) lookup per param
+            for name, dtype, shape in wanted:
+                t = st.get(name)
+                try:
+                    ok = t.dtype == dtype and t.shape == shape  # type: ignore[union-attr]
+                except AttributeError:  # gone, or no longer a tensor
+                    ok = False
+                if not ok:
+                    raise StalePlanError(f"optimizer state {name!r} changed since the save was planned")
+                out.append(t)  # type: ignore[arg-type]
+        if len(dynamic) != len(self._dynamic):
+            raise StalePlanError(f"{len(dynamic)} per-save tensors given, the plan has {len(self._dynamic)}")
+        for t, (d, _) in zip(dynamic, self._dynamic, strict=True):
+            if t.dtype != d.dtype or t.shape != d.shape:
+                raise StalePlanError(f"a per-save tensor is {t.dtype}{tuple(t.shape)}, planned {d.dtype}{d.shape}")
+            out.append(t)
+        return out
+
+    def _fetch_groups(self) -> _Groups:
+        """The lookups grouped per (optimizer, param), in ``_fetched`` order (consecutive per param)."""
+        if self._groups is None:
+            groups: _Groups = []
+            for f, d, _ in self._fetched:
+                if not groups or groups[-1][0] is not f.owner or groups[-1][1] is not f.key:
+                    groups.append((f.owner, f.key, []))
+                groups[-1][2].append((f.name, d.dtype, torch.Size(d.shape)))
+            self._groups = groups
+        return self._groups
+
+    def _dst_views(self, arena: torch.Tensor, base: int) -> tuple[list[torch.Tensor], ...]:
+        key = (arena.data_ptr(), base)
+        views = self._views.get(key)
+        if views is None:
+            def view(d: _Dst) -> torch.Tensor:
+                n = d.dtype.itemsize * _numel(d.shape)
+                return arena[base + d.rel : base + d.rel + n].view(d.dtype).view(d.shape)
+
+            views = (
+                [view(d) for _, d in self._static],
+                [view(d) for _, _, d in self._fetched] + [view(d) for _, d in self._dynamic],
+                [view(d) for d in self._zeros],
+            )
+            self._views[key] = views
+            while len(self._views) > MAX_BASES:
+                self._views.popitem(last=False)
+        return views
+
+    def stage(self, arena: torch.Tensor, base: int, sources: list[torch.Tensor]) -> None:
+        """Copy everything into the span at byte ``base`` of ``arena`` (uint8): batched, then one sync."""
+        static_dst, fetched_dst, zero_dst = self._dst_views(arena, base)
+        cuda = self.cuda or any(t.is_cuda for t in sources)
+        if static_dst:
+            torch._foreach_copy_(static_dst, [s for s, _ in self._static], non_blocking=cuda)
+        if fetched_dst:
+            torch._foreach_copy_(fetched_dst, sources, non_blocking=cuda)
+        if zero_dst:
+            torch._foreach_zero_(zero_dst)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def pieces_of(shard: Shard) -> list[Piece]:
+    """What staging ``shard`` copies: its own pieces if it describes them, else its data whole."""
+    describe: Callable[[], list[Piece]] | None = getattr(shard, "stage_pieces", None)
+    return describe() if describe is not None else [Piece(0, src=shard.data.detach())]
+
+
+def build_stage_plan(
+    shards: Sequence[Shard], dynamic: Sequence[Shard] = (), fingerprint: object = None
+) -> StagePlan:
+    """Lay out ``shards`` (static or described by pieces) and ``dynamic`` (tensor given per save) in one
+    span, and compile the copy program. Pure: no I/O, nothing copied. ``shards`` are validated already."""
+    everything = list(shards) + list(dynamic)
+    offsets = [0] * len(everything)
+    sizes = [s.nbytes for s in everything]
+    pieces = [pieces_of(s) for s in shards]
+    # whole-shard contiguous sources, ordered by where they live, so neighbours in memory are neighbours
+    # in the span (the gap mirrored) and one copy moves the run
+    spans: dict[int, tuple[int, int]] = {}
+    for i, ps in enumerate(pieces):
+        src = ps[0].src if len(ps) == 1 and ps[0].lo == 0 else None
+        where = _byte_span(src) if src is not None and src.dtype == shards[i].data.dtype else None
+        if where is not None:
+            spans[i] = where
+    plain = sorted(spans, key=spans.__getitem__)
+    end = 0
+    prev: tuple[int, int] | None = None  # (storage, byte end) of the last placed plain source
+    for i in plain:
+        ptr, off = spans[i]
+        gap = off - prev[1] if prev is not None and prev[0] == ptr else -1
+        # mirror the source's spacing (one copy for the run), else keep the source's alignment mod ALIGN
+        offsets[i] = end + gap if 0 <= gap <= MAX_GAP else _align(end) + off % ALIGN
+        end = offsets[i] + sizes[i]
+        prev = (ptr, off + sizes[i])
+    for i in range(len(everything)):
+        if i not in spans:
+            offsets[i] = _align(end)
+            end = offsets[i] + sizes[i]
+    plan = StagePlan([shard_meta(s, i) for i, s in enumerate(everything)], offsets, sizes, _align(end), fingerprint)
+    runs = _Runs(plan)
+    for i in plain:
+        runs.add(pieces[i][0].src, offsets[i])  # type: ignore[arg-type]
+    runs.flush()
+    for i, ps in enumerate(pieces):
+        if i not in spans:
+            _compile_pieces(plan, runs, sorted(ps, key=lambda p: p.lo), offsets[i], shards[i].data.dtype)
+    plan._fetched.sort(key=lambda e: (id(e[0].owner), id(e[0].key)))  # a param's states together: one lookup
+    for s, i in zip(dynamic, range(len(shards), len(everything)), strict=True):
+        d = _Dst(offsets[i], s.data.dtype, tuple(s.data.shape))
+        plan._dynamic.append((d, d))
+        plan.cuda |= s.data.is_cuda
+    return plan
+
+
+class _Runs:
+    """Merges static sources whose bytes are contiguous in one storage, with the span's spacing equal to
+    the source's, into one byte copy."""
+
+    def __init__(self, plan: StagePlan) -> None:
+        self.plan = plan
+        self.run: list[Any] = []  # [tensor, storage byte start, span start, bytes]
+
+    def add(self, src: torch.Tensor, rel: int) -> None:
+        ptr, off = _byte_span(src)  # type: ignore[misc]
+        n = _nbytes(src)
+        self.plan.cuda |= src.is_cuda
+        r = self.run
+        if r and r[0].untyped_storage().data_ptr() == ptr and off - r[1] == rel - r[2] and off >= r[1] + r[3]:
+            r[3] = off + n - r[1]
+            return
+        self.flush()
+        r.extend([src, off, rel, n])
+
+    def flush(self) -> None:
+        if self.run:
+            t, start, rel, n = self.run
+            self.plan._static.append((_bytes_of(t, start, n), _Dst(rel, torch.uint8, (n,))))
+            self.run.clear()
+
+
+def _compile_pieces(plan: StagePlan, runs: _Runs, pieces: list[Piece], base: int, dtype: torch.dtype) -> None:
+    """A described shard's pieces: static ones of the slot's dtype join runs (zeros are filled after every
+    copy, so a run may cross a gap), others copy converting into the slot's dtype."""
+    for p in pieces:
+        rel = base + p.lo
+        if p.src is not None:
+            if p.src.dtype == dtype and _byte_span(p.src) is not None:
+                runs.add(p.src, rel)
+            else:
+                plan._static.append((p.src, _Dst(rel, dtype, tuple(p.src.shape))))
+                plan.cuda |= p.src.is_cuda
+        elif p.fetch is not None:
+            t = p.fetch.owner.state.get(p.fetch.key, {}).get(p.fetch.name)
+            if not isinstance(t, torch.Tensor):
+                raise StalePlanError(f"no optimizer state {p.fetch.name!r} to plan a save of")
+            shape = tuple(t.shape)
+            plan._fetched.append((p.fetch, _Dst(rel, t.dtype, shape), _Dst(rel, dtype, shape)))
+        elif p.nbytes:
+            plan._zeros.append(_Dst(rel, torch.uint8, (p.nbytes,)))
+    runs.flush()
+
+
+class PlanCache:
+    """The last plan per owner key, reused while its fingerprint matches (no torch op to compare)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[object, StagePlan] = {}
+
+    def get(self, key: object, fingerprint: object) -> StagePlan | None:
+        plan = self._plans.get(key)
+        return plan if plan is not None and plan.fingerprint == fingerprint else None
+
+    def put(self, key: object, plan: StagePlan) -> None:
+        self._plans[key] = plan
+
+    def drop(self, key: object) -> None:
+        self._plans.pop(key, None)

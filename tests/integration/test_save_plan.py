@@ -1,0 +1,150 @@
+"""A registered save plan is reused while the structure holds and replaced the moment it changes.
+
+Real daemon process, two gloo ranks, the toy GPT (multi-bucket buffer) on the CPU shim. One client saves
+through a sequence of structure changes — a model param replaced by another tensor, a param cast to
+another dtype, a new param group in the optimizer, another model whose buckets are sized differently —
+and after every save the live state is scrambled and the step loaded back into it: every model tensor,
+main param, optimizer state and param group must equal the state at save time, bit for bit. A stale plan
+would save the old tensor's bytes (or the old dtype) and fail the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from ckptd.client import CheckpointClient
+from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.client.megatron.staged import cached
+from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+
+BUILD = {"overlap_grad_reduce": True, "bucket_size": 6000}
+
+
+def _live(model: list[torch.nn.Module], optimizer: Any) -> dict[str, Any]:
+    from megatron.core.utils import unwrap_model
+
+    out: dict[str, Any] = {
+        f"model/{k}": v.detach().clone()
+        for k, v in unwrap_model(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
+    }
+    for oi, opt in enumerate(optimizer.chained_optimizers):
+        inner = opt.optimizer
+        out[f"{oi}/groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        for gi, go in opt.model_param_group_index_map.values():
+            main = inner.param_groups[gi]["params"][go]
+            out[f"{oi}/{gi}.{go}/main"] = main.detach().clone()
+            for k, v in inner.state.get(main, {}).items():
+                out[f"{oi}/{gi}.{go}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
+    assert a.keys() == b.keys(), f"{where}: {sorted(a.keys() ^ b.keys())[:5]}"
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor):
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{where} {k}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"{where} {k}"
+        else:
+            assert x == y, f"{where} {k}: {x!r} vs {y!r}"
+
+
+def _scramble(model: list[torch.nn.Module], optimizer: Any) -> None:
+    with torch.no_grad():
+        for c in model:
+            for p in c.parameters():
+                p.add_(0.5)
+        for opt in optimizer.chained_optimizers:
+            for g in opt.optimizer.param_groups:
+                g["lr"] = 0.123
+                for p in g["params"]:
+                    for v in opt.optimizer.state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor):
+                            v.add_(1.0)
+
+
+def _param(model: list[torch.nn.Module], suffix: str) -> torch.nn.Parameter:
+    from megatron.core.utils import unwrap_model
+
+    return next(p for n, p in unwrap_model(model[0]).named_parameters() if n.endswith(suffix))
+
+
+def _params(model: list[torch.nn.Module], suffix: str) -> list[torch.nn.Parameter]:
+    from megatron.core.utils import unwrap_model
+
+    return [p for n, p in unwrap_model(model[0]).named_parameters() if n.endswith(suffix)]
+
+
+def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
+    client = CheckpointClient(socket)
+    model, optimizer, train_step = build_gpt(**BUILD)
+    train_step(0)
+    step = 0
+    plans: dict[str, Any] = {}
+
+    def save_and_reload(tag: str) -> None:
+        nonlocal step
+        step += 1
+        handle = save_checkpoint(client, step, model, optimizer, extra={"tag": tag})
+        at_save = _live(model, optimizer)
+        staged = cached(optimizer)
+        assert staged is not None
+        plans[tag] = (staged.plan, staged.plan.registered[1] if staged.plan.registered else 0)
+        _scramble(model, optimizer)  # the daemon drains while the live tensors change
+        handle.wait(60)
+        load_checkpoint(root, step, model, optimizer)
+        _assert_same(at_save, _live(model, optimizer), f"rank{rank} {tag}")
+
+    save_and_reload("first")
+    train_step(1)  # values change in place: the plan holds
+    save_and_reload("same")
+    with torch.no_grad():  # a param replaced by another tensor (its old storage stays in the grad buffer)
+        p = _param(model, "layers.0.self_attention.linear_proj.bias")
+        p.data = p.data.clone() + 0.25
+    save_and_reload("replaced")
+    save_and_reload("replaced_again")
+    with torch.no_grad():  # another dtype (every layer's: they are one stacked array)
+        for q in _params(model, "mlp.linear_fc2.bias"):
+            q.data = q.data.double() + 0.125
+    save_and_reload("dtype")
+    inner = optimizer.chained_optimizers[0].optimizer  # a new param group
+    inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5, "weight_decay": 0.0})
+    save_and_reload("group")
+    old_plan = plans["group"][0]
+    model, optimizer, train_step = build_gpt(overlap_grad_reduce=True, bucket_size=3000)  # resized buckets
+    train_step(0)
+    save_and_reload("buckets")
+    client.close()
+    out = {tag: (id(plan), pid, len(plan.metas)) for tag, (plan, pid) in plans.items()}
+    out["old_plan_keys"] = sorted(m.key for m in old_plan.metas)
+    out["new_plan_keys"] = sorted(m.key for m in plans["buckets"][0].metas)
+    return out
+
+
+def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Path, module_sockdir: str) -> None:
+    root = str(tmp_path / "root")
+    daemon = DaemonProcess(root, os.path.join(module_sockdir, "plan.sock"), "--arena-size", "64MiB",
+                           "--no-prefault", log_path=str(tmp_path / "daemon.log")).wait_ready()
+    try:
+        results = spawn_ranks(_changes, 2, daemon.socket, root)
+    finally:
+        daemon.stop(timeout=20)
+    for r in results:
+        # unchanged structure: the same plan object, registered once (same id)
+        assert r["first"] == r["same"], r
+        assert r["replaced"] == r["replaced_again"], r
+        # every structure change planned (and registered) anew
+        ids = [r[t][1] for t in ("first", "replaced", "dtype", "group", "buckets")]
+        assert len(set(ids)) == len(ids) and all(ids), ids
+        assert r["old_plan_keys"] != r["new_plan_keys"]  # other bucket keys
+        assert any("bucket1/" in k for k in r["new_plan_keys"])

@@ -1,0 +1,204 @@
+"""The save plan's pure parts: layout and copy program (client), fingerprints, and the daemon's plan registry."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import msgspec
+import pytest
+import torch
+
+from ckptd.client.plan import (
+    Fetch,
+    ModuleWatch,
+    Piece,
+    PlanCache,
+    StalePlanError,
+    build_stage_plan,
+    groups_fingerprint,
+    params_fingerprint,
+)
+from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, SaveRequest, decode_request, encode
+from ckptd.client.state import Shard
+from ckptd.daemon.arena import Lease
+from ckptd.daemon.plans import PlanRegistry, validate_plan
+from ckptd.writer.errors import LeaseError, PlanUnknownError, ShardLayoutError
+
+
+def _slot(arena: torch.Tensor, base: int, plan, i: int) -> torch.Tensor:
+    m = plan.metas[i]
+    dtype = getattr(torch, m.dtype)
+    n = math.prod(m.shape) * dtype.itemsize
+    lo = base + plan.offsets[m.slot]
+    return arena[lo : lo + n].view(dtype).view(m.shape)
+
+
+def test_views_of_one_buffer_stage_in_one_copy_and_land_in_their_slots() -> None:
+    buf = torch.arange(1000, dtype=torch.float32)
+    # out of order, with gaps between them, like params in a grad buffer
+    ranges = [(500, 600), (0, 100), (130, 400)]
+    shards = [Shard(f"p{i}", buf[lo:hi], (hi - lo,), (0,)) for i, (lo, hi) in enumerate(ranges)]
+    plan = build_stage_plan(shards)
+    assert plan.copies == 1  # one run: the layout mirrors the source's gaps
+    arena = torch.zeros(plan.span + 8192, dtype=torch.uint8)
+    for base in (0, 4096):
+        plan.stage(arena, base, plan.sources([]))
+        for i, s in enumerate(shards):
+            assert torch.equal(_slot(arena, base, plan, i), s.data)
+    buf.add_(1)  # the plan copies live memory: a later save sees the new values
+    plan.stage(arena, 4096, plan.sources([]))
+    assert torch.equal(_slot(arena, 4096, plan, 0), buf[500:600])
+    # slots never overlap, and each fits its shard
+    spans = sorted((plan.offsets[i], plan.offsets[i] + plan.sizes[i]) for i in range(len(shards)))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_non_contiguous_and_mixed_sources_are_copied_exactly() -> None:
+    a = torch.randn(8, 6)
+    b = torch.randn(5, dtype=torch.float64)
+    c = torch.randint(0, 100, (7,), dtype=torch.int32)
+    shards = [Shard("t", a.t(), (6, 8), (0, 0)), Shard("b", b, (5,), (0,)), Shard("c", c, (7,), (0,))]
+    plan = build_stage_plan(shards)
+    arena = torch.zeros(plan.span, dtype=torch.uint8)
+    plan.stage(arena, 0, plan.sources([]))
+    for i, s in enumerate(shards):
+        assert torch.equal(_slot(arena, 0, plan, i), s.data)
+        assert plan.offsets[i] % s.data.element_size() == 0
+
+
+class _Sliced(Shard):
+    """A shard assembled from pieces, like a bucket slice: a static run, a looked-up state, a gap."""
+
+    pieces: list[Piece] = []
+
+    def stage_pieces(self) -> list[Piece]:
+        return self.pieces
+
+
+def _sliced(opt: torch.optim.Optimizer, p: torch.nn.Parameter) -> tuple[_Sliced, _Sliced]:
+    n = p.numel()
+    main = _Sliced("main", torch.empty(n + 4), (n + 4,), (0,))
+    object.__setattr__(main, "pieces", [Piece(0, src=p.detach().view(-1)), Piece(n * 4, nbytes=16)])
+    state = _Sliced("exp_avg", torch.empty(n + 4), (n + 4,), (0,))
+    object.__setattr__(state, "pieces", [Piece(0, fetch=Fetch(opt, p, "exp_avg")), Piece(n * 4, nbytes=16)])
+    return main, state
+
+
+def test_looked_up_sources_follow_the_optimizer_and_a_changed_one_is_refused() -> None:
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.ones(10)
+    opt.step()
+    rng = torch.get_rng_state()
+    main, state = _sliced(opt, p)
+    plan = build_stage_plan([main, state], [Shard("rng", rng, tuple(rng.shape), (0,))])
+    arena = torch.full((plan.span,), 7, dtype=torch.uint8)
+    plan.stage(arena, 0, plan.sources([rng]))
+    assert torch.equal(_slot(arena, 0, plan, 0)[:10], p.detach())
+    assert torch.equal(_slot(arena, 0, plan, 0)[10:], torch.zeros(4))  # the gap is zeroed
+    assert torch.equal(_slot(arena, 0, plan, 1)[:10], opt.state[p]["exp_avg"])
+    assert torch.equal(_slot(arena, 0, plan, 2), rng)
+    # load_state_dict replaces the state tensors: the next save reads the new ones
+    opt.load_state_dict(opt.state_dict())
+    opt.state[p]["exp_avg"].fill_(3.0)
+    plan.stage(arena, 0, plan.sources([rng]))
+    assert torch.equal(_slot(arena, 0, plan, 1)[:10], torch.full((10,), 3.0))
+    # a state of another dtype, or a per-save tensor of another shape: refused before anything is copied
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].to(torch.bfloat16)
+    with pytest.raises(StalePlanError):
+        plan.sources([rng])
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].float()
+    with pytest.raises(StalePlanError):
+        plan.sources([rng[:-1]])
+    del opt.state[p]["exp_avg"]
+    with pytest.raises(StalePlanError):
+        plan.sources([rng])
+
+
+def test_fingerprints_catch_every_structure_change_and_ignore_values() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    watch = ModuleWatch([model])
+    before = watch.fingerprint()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # values change every step: not a structure change
+    assert watch.fingerprint() == before
+    changes = [
+        lambda: setattr(model[0].weight, "data", model[0].weight.data.clone()),  # param replaced (.data)
+        lambda: setattr(model[0].weight, "data", model[0].weight.data.double()),  # dtype change
+        lambda: setattr(model[1], "weight", torch.nn.Parameter(torch.ones(4))),  # a new Parameter object
+        lambda: model[1].register_parameter("extra", torch.nn.Parameter(torch.ones(2))),  # a new param
+        lambda: model.append(torch.nn.Linear(4, 2)),  # a new submodule
+        lambda: setattr(model[0], "bias", torch.nn.Parameter(torch.ones(8))),  # resized
+    ]
+    for change in changes:
+        prev = watch.fingerprint()
+        change()
+        assert watch.fingerprint() != prev
+    opt = torch.optim.AdamW(model.parameters())
+    groups = groups_fingerprint(opt)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5})
+    assert groups_fingerprint(opt) != groups
+    t = torch.zeros(3)
+    fp = params_fingerprint([t])
+    t.resize_(4)
+    assert params_fingerprint([t]) != fp
+
+
+def test_plan_cache_returns_a_plan_only_for_its_fingerprint() -> None:
+    cache = PlanCache()
+    plan = build_stage_plan([Shard("a", torch.zeros(3), (3,), (0,))], fingerprint=("f", 1))
+    cache.put("opt", plan)
+    assert cache.get("opt", ("f", 1)) is plan
+    assert cache.get("opt", ("f", 2)) is None
+    cache.drop("opt")
+    assert cache.get("opt", ("f", 1)) is None
+
+
+# --- daemon side ------------------------------------------------------------------------------------
+def _register(shards: list[Shard]) -> RegisterPlan:
+    return build_stage_plan(shards).register_message(0)
+
+
+def test_registry_validates_once_and_expands_a_save_onto_its_span() -> None:
+    shards = [Shard("a", torch.zeros(10), (20,), (0,), chunk_shape=(10,)),
+              Shard("b", torch.zeros(3, 2), (3, 2), (0, 0))]
+    msg = _register(shards)
+    assert decode_request(encode(msg)[4:]) == msg  # round trip on the wire
+    reg = PlanRegistry(max_plans=2)
+    pid = reg.register(msg)
+    save = SaveRequest(v=PROTOCOL_VERSION, lease_id=5, step=1, rank=0, world_size=1, node=0, num_nodes=1,
+                       local_world_size=1, shards=[], objects={}, plan_id=pid)
+    span = Lease(5, 1, [8192], [msg.span])
+    req, view = reg.expand(save, span)
+    assert req.shards == msg.shards
+    assert view.offsets == [8192 + o for o in msg.offsets] and view.sizes == msg.sizes
+    assert all(view.released)  # the view frees nothing; the span is released whole
+    with pytest.raises(LeaseError):
+        reg.expand(save, Lease(6, 1, [0], [msg.span - 1]))  # a span too small
+    with pytest.raises(LeaseError):
+        reg.expand(msgspec.structs.replace(save, shards=msg.shards), span)  # plan and shards at once
+    reg.register(msg)
+    reg.register(msg)  # the oldest plan is dropped: its client registers it again
+    with pytest.raises(PlanUnknownError):
+        reg.get(pid)
+
+
+def test_invalid_plans_are_refused_at_registration() -> None:
+    good = _register([Shard("a", torch.zeros(10), (10,), (0,)), Shard("b", torch.zeros(4), (4,), (0,))])
+    overlapping = msgspec.structs.replace(good, offsets=[0, 8])
+    with pytest.raises(LeaseError, match="overlaps"):
+        validate_plan(overlapping)
+    small = msgspec.structs.replace(good, sizes=[40, 8])
+    with pytest.raises(LeaseError, match="do not fit"):
+        validate_plan(small)
+    outside = msgspec.structs.replace(good, span=good.offsets[1] + 8)
+    with pytest.raises(LeaseError):
+        validate_plan(outside)
+    pair = _register([Shard("a", torch.zeros(10), (10,), (0,)), Shard("c", torch.zeros(10), (10,), (0,))])
+    twice = msgspec.structs.replace(pair, shards=[pair.shards[0], msgspec.structs.replace(pair.shards[0], slot=1)])
+    with pytest.raises(ShardLayoutError, match="given twice"):
+        validate_plan(twice)
+    off_grid = msgspec.structs.replace(good, shards=[msgspec.structs.replace(good.shards[0], global_offset=[3])])
+    with pytest.raises(ShardLayoutError):
+        validate_plan(off_grid)
