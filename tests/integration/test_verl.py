@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +24,24 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("verl.utils.checkpoint.megatron_checkpoint_manager")
 
-from ckptd.integrations.verl import ckptd_root, placement_from_env, socket_for, step_of  # noqa: E402
-from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
+from ckptd.integrations.verl import ckptd_root, placement_from_env, socket_for, step_of
+from ckptd.testing.launch import DaemonProcess, run_ranks
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.verl]
 
 ROLES = {"actor": 1234, "critic": 999}  # role -> model seed (two different models in one job)
 PRELOAD = ["verl.utils.checkpoint.megatron_checkpoint_manager", "verl.workers.engine.megatron.transformer_impl"]
 
 
 # --- what the rank runs (module level: forked rank processes) ----------------------------------------
-def _managers(seed_offset: int, async_save: bool) -> dict[str, Any]:
-    """Actor and critic as verl's Megatron engine builds them, after the setup hook."""
-    from ckptd.integrations.verl import install
+def _managers(hook: str, seed_offset: int, async_save: bool) -> dict[str, Any]:
+    """Actor and critic as verl's Megatron engine builds them, after Ray ran the setup hook ``hook``."""
+    from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
+
     from ckptd.testing.toy_gpt import build_gpt
 
-    install()  # Ray's worker_process_setup_hook
+    error = load_and_execute_setup_hook(hook)  # what a Ray worker does with runtime_env's hook string
+    assert error is None, error
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.utils import unwrap_model
     from omegaconf import OmegaConf
@@ -76,8 +79,9 @@ def _train(managers: dict[str, Any], start: int, n: int, sched_too: bool = True)
 
 
 def _snapshot(mgr: Any) -> dict[str, Any]:
-    from ckptd.testing.fixtures import megatron_owned_state
     from megatron.core.utils import unwrap_model
+
+    from ckptd.testing.fixtures import megatron_owned_state
 
     model = {k: v.detach().clone() for k, v in unwrap_model(mgr.model[0]).state_dict().items()
              if isinstance(v, torch.Tensor)}
@@ -97,9 +101,9 @@ def _committed(root: str) -> list[int]:
     return run_sync(run())
 
 
-def _save_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+def _save_job(rank: int, world: int, ckpt_dir: str, hook: str) -> dict[str, Any]:
     """A sync-mode job: save actor and critic at steps 2 and 4 with max_ckpt_to_keep=1, as the trainer does."""
-    managers = _managers(0, async_save=False)
+    managers = _managers(hook, 0, async_save=False)
     tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
     committed_at_return = {}
     for step in (2, 4):
@@ -119,12 +123,12 @@ def _save_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
             "placement": placement_from_env(), "cls": type(managers["actor"][0]).__name__}
 
 
-def _resume_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+def _resume_job(rank: int, world: int, ckpt_dir: str, hook: str) -> dict[str, Any]:
     """Fresh processes: verl's resume lookup, the manager's load; then go on in async mode (step 6)."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     folder = find_latest_ckpt_path(ckpt_dir)  # what ray_trainer._load_checkpoint does for resume_mode=auto
-    managers = _managers(4321, async_save=True)  # another init: the load must replace every value
+    managers = _managers(hook, 4321, async_save=True)  # another init: the load must replace every value
     _train(managers, 0, 1, sched_too=False)  # and live optimizer state (Megatron's scheduler load adds up)
     for role, (mgr, _, _) in managers.items():
         mgr.load_checkpoint(os.path.join(folder, role), None, False)
@@ -177,9 +181,18 @@ def verl_job(tmp_path: Path, sockdir: str) -> Any:
         d.stop(timeout=20)
 
 
+def _documented_hook() -> str:
+    """The switch as docs/verl.md gives it (the Hydra override of verl's ray_kwargs.ray_init.runtime_env)."""
+    doc = (Path(__file__).parents[2] / "docs" / "verl.md").read_text()
+    found = re.findall(r"\+ray_kwargs\.ray_init\.runtime_env\.worker_process_setup_hook=(\S+)", doc)
+    assert found, "docs/verl.md lost its switch"
+    return str(found[0])
+
+
 def test_verl_manager_save_resume(verl_job: Any) -> None:
     ckpt_dir, env = verl_job
-    saved = run_ranks(_save_job, 2, ckpt_dir, env=env, preload=PRELOAD, timeout_s=300)
+    hook = _documented_hook()
+    saved = run_ranks(_save_job, 2, ckpt_dir, hook, env=env, preload=PRELOAD, timeout_s=300)
     assert saved[0]["cls"] == "CkptdMegatronCheckpointManager"
     assert [r["placement"].rank for r in saved] == [0, 1]
     # sync mode: the step had committed when save_checkpoint returned (the trainer writes the tracker then)
@@ -198,7 +211,7 @@ def test_verl_manager_save_resume(verl_job: Any) -> None:
         assert _committed(ckptd_root(str(step_dir), role)) == [4]  # ckptd's retention, per role root
     assert Path(ckpt_dir, "latest_checkpointed_iteration.txt").read_text() == "4"
 
-    resumed = run_ranks(_resume_job, 2, ckpt_dir, env=env, preload=PRELOAD, timeout_s=300)
+    resumed = run_ranks(_resume_job, 2, ckpt_dir, hook, env=env, preload=PRELOAD, timeout_s=300)
     for rank, (s, r) in enumerate(zip(saved, resumed, strict=True)):
         assert r["folder"] == os.path.join(ckpt_dir, "global_step_4")
         assert step_of(os.path.join(r["folder"], "actor")) == 4

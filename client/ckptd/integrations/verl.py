@@ -147,8 +147,7 @@ class _CkptdMixin:
         self._ckptd_saving: SaveHandle | None = None  # set while verl's save runs inside ours
         self._ckptd_save_root = ""
         self._ckptd_pending: list[tuple[SaveHandle, Callable[[], None]]] = []
-        ref = weakref.ref(self)
-        atexit.register(lambda: (m := ref()) is not None and m.finalize_pending(blocking=True))
+        atexit.register(_finalize_at_exit, weakref.ref(self))
 
     # --- which saves ckptd takes ---------------------------------------------------------------------
     def ckptd_supported(self) -> str | None:
@@ -249,13 +248,16 @@ class _CkptdMixin:
     def _finalize_save(self, *, local_path: str, max_ckpt_to_keep: int | None = None, **kw: Any) -> None:
         super()._finalize_save(local_path=local_path, max_ckpt_to_keep=max_ckpt_to_keep, **kw)  # type: ignore[misc]
         v: Any = self
-        if v.rank == 0 and isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0 and self.ckptd_supported() is None:
+        keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) else 0
+        if v.rank == 0 and keep > 0 and self.ckptd_supported() is None:
             root = ckptd_root(local_path, v.role)
-            removed = run_sync(_retain(root, max_ckpt_to_keep))
+            removed = run_sync(_retain(root, keep))
             if removed:
                 log.info("ckptd: %s: retention removed steps %s of %s", v.role, removed, root)
 
-    def _build_checkpoint_manifest(self, local_path: str, global_step: int, saved_any_dist_ckpt: bool) -> dict[str, Any]:
+    def _build_checkpoint_manifest(
+        self, local_path: str, global_step: int, saved_any_dist_ckpt: bool
+    ) -> dict[str, Any]:
         manifest: dict[str, Any] = super()._build_checkpoint_manifest(  # type: ignore[misc]
             local_path, global_step, saved_any_dist_ckpt
         )
@@ -277,7 +279,9 @@ class _CkptdMixin:
         return manifest
 
     # --- load ------------------------------------------------------------------------------------------
-    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False) -> None:
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
+    ) -> None:
         v: Any = self
         manifest = _read_manifest(local_path)
         held = manifest.get("ckptd") if manifest else None
@@ -304,6 +308,15 @@ class _CkptdMixin:
                 raise CheckpointNotFoundError(f"step {step} of {root} holds no lr_scheduler state")
             v.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         log.info("ckptd: %s: loaded step %d from %s (saved rank %d)", v.role, step, root, loaded.source_rank)
+
+
+def _finalize_at_exit(ref: weakref.ref[Any]) -> None:
+    manager = ref()
+    if manager is not None:
+        try:
+            manager.finalize_pending(blocking=True)  # async mode: the last save's tracker
+        except Exception:  # at exit there is no caller left to raise to
+            log.exception("ckptd: the last checkpoint did not commit; its tracker was not written")
 
 
 def _read_manifest(local_path: str) -> dict[str, Any] | None:
