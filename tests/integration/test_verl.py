@@ -119,6 +119,10 @@ def _save_job(rank: int, world: int, ckpt_dir: str, hook: str) -> dict[str, Any]
                 f.write(str(step))
         torch.distributed.barrier()
     snaps = {role: _snapshot(mgr) for role, (mgr, _, _) in managers.items()}
+    # step 6 commits, then the job dies before the trainer writes the tracker: resume must take step 4
+    _train(managers, 4, 2)
+    for role, (mgr, _, _) in managers.items():
+        mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_6", role), None, 6, max_ckpt_to_keep=2)
     return {"snaps": snaps, "committed_at_return": committed_at_return,
             "placement": placement_from_env(), "cls": type(managers["actor"][0]).__name__}
 
@@ -136,7 +140,7 @@ def _resume_job(rank: int, world: int, ckpt_dir: str, hook: str) -> dict[str, An
 
     _train(managers, 4, 2)
     tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
-    for role, (mgr, _, _) in managers.items():
+    for role, (mgr, _, _) in managers.items():  # step 6 again: the dead run's step 6 is replaced
         mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_6", role), None, 6, max_ckpt_to_keep=2)
     # async mode: the trainer does not write the tracker; the manager's finalize does, once committed
     finalized = sum(mgr.finalize_pending(blocking=True) for mgr, _, _ in managers.values())
@@ -169,14 +173,21 @@ def verl_job(tmp_path: Path, sockdir: str) -> Any:
     integration derives from that root (what the first rank of a node would otherwise start)."""
     ckpt_dir = str(tmp_path / "checkpoints")
     env = {"CKPTD_SOCKET": os.path.join(sockdir, "default.sock")}
-    daemons = []
-    for role in ROLES:
-        root = ckptd_root(os.path.join(ckpt_dir, "global_step_0", role), role, env)
-        os.makedirs(root, exist_ok=True)
-        d = DaemonProcess(root, socket_for(root, env), "--arena-size", "64MiB", "--no-prefault",
-                          log_path=str(tmp_path / f"{role}.log"))
-        daemons.append(d.wait_ready())
-    yield ckpt_dir, env
+    daemons: list[DaemonProcess] = []
+
+    def restart() -> None:
+        for d in daemons:
+            assert d.stop(timeout=20) == 0, d.log_tail()
+        daemons.clear()
+        for role in ROLES:
+            root = ckptd_root(os.path.join(ckpt_dir, "global_step_0", role), role, env)
+            os.makedirs(root, exist_ok=True)
+            d = DaemonProcess(root, socket_for(root, env), "--arena-size", "64MiB", "--no-prefault",
+                              log_path=str(tmp_path / f"{role}.log"))
+            daemons.append(d.wait_ready())
+
+    restart()
+    yield ckpt_dir, env, restart
     for d in daemons:
         d.stop(timeout=20)
 
@@ -190,7 +201,7 @@ def _documented_hook() -> str:
 
 
 def test_verl_manager_save_resume(verl_job: Any) -> None:
-    ckpt_dir, env = verl_job
+    ckpt_dir, env, restart = verl_job
     hook = _documented_hook()
     saved = run_ranks(_save_job, 2, ckpt_dir, hook, env=env, preload=PRELOAD, timeout_s=300)
     assert saved[0]["cls"] == "CkptdMegatronCheckpointManager"
@@ -208,8 +219,9 @@ def test_verl_manager_save_resume(verl_job: Any) -> None:
         written = sorted(str(f.relative_to(step_dir)) for f in step_dir.rglob("*") if f.is_file())
         assert written == ["ckpt_contents.json", "transformer_config.json"], written  # no dist_ckpt files
         assert not Path(ckpt_dir, "global_step_2", role).exists()  # verl's retention (max_ckpt_to_keep=1)
-        assert _committed(ckptd_root(str(step_dir), role)) == [4]  # ckptd's retention, per role root
-    assert Path(ckpt_dir, "latest_checkpointed_iteration.txt").read_text() == "4"
+        assert _committed(ckptd_root(str(step_dir), role)) == [4, 6]  # ckptd's retention, per role root
+    assert Path(ckpt_dir, "latest_checkpointed_iteration.txt").read_text() == "4"  # step 6 never got it
+    restart()  # a new job: new daemons (the old ones remember step 6 as theirs)
 
     resumed = run_ranks(_resume_job, 2, ckpt_dir, hook, env=env, preload=PRELOAD, timeout_s=300)
     for rank, (s, r) in enumerate(zip(saved, resumed, strict=True)):

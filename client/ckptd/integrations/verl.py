@@ -186,6 +186,7 @@ class _CkptdMixin:
             return
         self.finalize_pending(blocking=True)  # the previous async save: committed, its tracker written
         root = ckptd_root(local_path, v.role)
+        self._drop_abandoned(root, int(global_step))
         extra: dict[str, Any] = {"global_step": int(global_step), "role": v.role}
         if v.lr_scheduler is not None:
             extra["lr_scheduler"] = v.lr_scheduler.state_dict()
@@ -200,6 +201,19 @@ class _CkptdMixin:
             v._ckptd_base.save_checkpoint(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
         finally:
             self._ckptd_saving = None
+
+    def _drop_abandoned(self, root: str, step: int) -> None:
+        """A step being saved again was committed by a run that died before the trainer wrote its tracker
+        (the trainer resumed from an older step): verl overwrites its folder, so rank 0 deletes the stale
+        ckptd step before anyone stages. All ranks meet at a barrier (verl's save has several anyway)."""
+        import torch.distributed as dist
+
+        v: Any = self
+        if v.rank == 0 and _has_step(root, step):
+            log.warning("ckptd: %s: step %d of %s was committed by an earlier run; replacing it", v.role, step, root)
+            run_sync(_delete_step(root, step))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
 
     def _build_model_sharded_state_dict(self, metadata: dict[str, Any]) -> dict[str, Any]:
         if self._ckptd_saving is not None:
@@ -331,11 +345,18 @@ def _read_manifest(local_path: str) -> dict[str, Any] | None:
 def _has_step(root: str, step: int) -> bool:
     async def run() -> bool:
         async with open_root(root) as ckpt:
-            return step in await ckpt.committed_steps()
+            return await ckpt.is_committed(step)
 
     with contextlib.suppress(CheckpointNotFoundError, FileNotFoundError):
         return run_sync(run())
     return False
+
+
+async def _delete_step(root: str, step: int) -> None:
+    from ckptd.writer.commit import CheckpointWriter
+
+    async with open_root(root) as ckpt:
+        await CheckpointWriter(ckpt.backend).delete_step(step)
 
 
 async def _retain(root: str, keep: int) -> list[int]:
