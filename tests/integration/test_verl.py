@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -169,27 +170,37 @@ def _same(a: Any, b: Any, where: str) -> int:
 
 @pytest.fixture
 def verl_job(tmp_path: Path, sockdir: str) -> Any:
-    """A checkpoint dir, the env the ranks see, and one ``ckptd serve`` per role root at the socket the
-    integration derives from that root (what the first rank of a node would otherwise start)."""
+    """A checkpoint dir, the env the ranks see, and ``ckptd serve`` per role root at the socket the
+    integration derives from that root. ``stop()`` ends them; the next job's first rank per role then starts
+    its own (the embedded default), which the fixture ends at teardown, found by its socket."""
     ckpt_dir = str(tmp_path / "checkpoints")
-    env = {"CKPTD_SOCKET": os.path.join(sockdir, "default.sock")}
+    env = {"CKPTD_SOCKET": os.path.join(sockdir, "default.sock"),
+           "CKPTD_DAEMON_ARGS": "--arena-size 64MiB --no-prefault"}
+    roots = [ckptd_root(os.path.join(ckpt_dir, "global_step_0", role), role, env) for role in ROLES]
     daemons: list[DaemonProcess] = []
+    for role, root in zip(ROLES, roots, strict=True):
+        os.makedirs(root, exist_ok=True)
+        d = DaemonProcess(root, socket_for(root, env), "--arena-size", "64MiB", "--no-prefault",
+                          log_path=str(tmp_path / f"{role}.log"))
+        daemons.append(d.wait_ready())
 
-    def restart() -> None:
+    def stop() -> None:
         for d in daemons:
             assert d.stop(timeout=20) == 0, d.log_tail()
         daemons.clear()
-        for role in ROLES:
-            root = ckptd_root(os.path.join(ckpt_dir, "global_step_0", role), role, env)
-            os.makedirs(root, exist_ok=True)
-            d = DaemonProcess(root, socket_for(root, env), "--arena-size", "64MiB", "--no-prefault",
-                              log_path=str(tmp_path / f"{role}.log"))
-            daemons.append(d.wait_ready())
 
-    restart()
-    yield ckpt_dir, env, restart
-    for d in daemons:
-        d.stop(timeout=20)
+    yield ckpt_dir, env, stop
+    stop()
+    embedded = _serving({socket_for(root, env) for root in roots})
+    for p in embedded:  # started by the ranks of this test (start_new_session: not our children)
+        p.terminate()
+    psutil.wait_procs(embedded, timeout=20)
+
+
+def _serving(sockets: set[str]) -> list[psutil.Process]:
+    """The ``ckptd serve`` processes listening at these sockets."""
+    return [p for p in psutil.process_iter(["cmdline"])
+            if "serve" in (p.info["cmdline"] or []) and sockets & set(p.info["cmdline"] or [])]
 
 
 def _documented_hook() -> str:
@@ -201,7 +212,7 @@ def _documented_hook() -> str:
 
 
 def test_verl_manager_save_resume(verl_job: Any) -> None:
-    ckpt_dir, env, restart = verl_job
+    ckpt_dir, env, stop_daemons = verl_job
     hook = _documented_hook()
     saved = run_ranks(_save_job, 2, ckpt_dir, hook, env=env, preload=PRELOAD, timeout_s=300)
     assert saved[0]["cls"] == "CkptdMegatronCheckpointManager"
@@ -221,7 +232,7 @@ def test_verl_manager_save_resume(verl_job: Any) -> None:
         assert not Path(ckpt_dir, "global_step_2", role).exists()  # verl's retention (max_ckpt_to_keep=1)
         assert _committed(ckptd_root(str(step_dir), role)) == [4, 6]  # ckptd's retention, per role root
     assert Path(ckpt_dir, "latest_checkpointed_iteration.txt").read_text() == "4"  # step 6 never got it
-    restart()  # a new job: new daemons (the old ones remember step 6 as theirs)
+    stop_daemons()  # a new job: the first rank per role starts a daemon (the old ones remember step 6)
 
     resumed = run_ranks(_resume_job, 2, ckpt_dir, hook, env=env, preload=PRELOAD, timeout_s=300)
     for rank, (s, r) in enumerate(zip(saved, resumed, strict=True)):
@@ -235,3 +246,5 @@ def test_verl_manager_save_resume(verl_job: Any) -> None:
     assert resumed[0]["finalized"] == 2  # actor and critic async saves finalized after their commit
     assert resumed[0]["tracker_after_async"] == "6"
     assert resumed[0]["committed"] == {"actor": [4, 6], "critic": [4, 6]}
+    roots = [ckptd_root(os.path.join(ckpt_dir, "x", role), role) for role in ROLES]
+    assert len(_serving({socket_for(root, env) for root in roots})) == 2  # one embedded daemon per role
