@@ -248,3 +248,26 @@ def test_verl_manager_save_resume(verl_job: Any) -> None:
     assert resumed[0]["committed"] == {"actor": [4, 6], "critic": [4, 6]}
     roots = [ckptd_root(os.path.join(ckpt_dir, "x", role), role) for role in ROLES]
     assert len(_serving({socket_for(root, env) for root in roots})) == 2  # one embedded daemon per role
+
+
+def test_documented_switch_reaches_ray_init() -> None:
+    """The Hydra overrides docs/verl.md gives compose with verl's own trainer config, and main_ppo's merge
+    of ``ray_kwargs.ray_init.runtime_env`` hands Ray the hook and the environment."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.trainer import config as verl_config
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    doc = (Path(__file__).parents[2] / "docs" / "verl.md").read_text()
+    overrides = re.findall(r"(\+ray_kwargs\.ray_init\.runtime_env\.[\w.]+=[^\s`]+)", doc)
+    assert len(overrides) >= 2, overrides  # the switch and the CKPTD_ROOT example
+    with initialize_config_dir(config_dir=os.path.dirname(verl_config.__file__), version_base=None):
+        cfg = compose(config_name="ppo_megatron_trainer", overrides=overrides)
+    # what verl/trainer/main_ppo.py does before ray.init(**ray_init_kwargs)
+    runtime_env = OmegaConf.to_container(
+        OmegaConf.merge(get_ppo_ray_runtime_env(cfg), cfg.ray_kwargs.get("ray_init", {}).get("runtime_env", {}))
+    )
+    assert isinstance(runtime_env, dict)
+    assert runtime_env["worker_process_setup_hook"] == _documented_hook() == "ckptd.integrations.verl.install"
+    assert runtime_env["env_vars"]["CKPTD_ROOT"].startswith("s3://")
+    assert "TOKENIZERS_PARALLELISM" in runtime_env["env_vars"]  # verl's own defaults survive the merge
