@@ -179,7 +179,6 @@ def verl_job(tmp_path: Path, sockdir: str) -> Any:
     roots = [ckptd_root(os.path.join(ckpt_dir, "global_step_0", role), role, env) for role in ROLES]
     daemons: list[DaemonProcess] = []
     for role, root in zip(ROLES, roots, strict=True):
-        os.makedirs(root, exist_ok=True)
         d = DaemonProcess(root, socket_for(root, env), "--arena-size", "64MiB", "--no-prefault",
                           log_path=str(tmp_path / f"{role}.log"))
         daemons.append(d.wait_ready())
