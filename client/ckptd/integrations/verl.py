@@ -1,0 +1,366 @@
+"""ckptd under verl (>=0.9,<0.10, Megatron engine) with one switch and no fork.
+
+Turn it on in every Ray worker with Ray's setup hook (verl passes ``ray_kwargs.ray_init.runtime_env``
+through to ``ray.init``)::
+
+    python -m verl.trainer.main_ppo ... \\
+        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=ckptd.integrations.verl.install
+
+:func:`install` replaces verl's ``MegatronCheckpointManager`` (in its defining module and in the Megatron
+engine, which builds the manager itself) with :class:`CkptdMegatronCheckpointManager`, a subclass. It
+keeps everything verl writes that ckptd does not replace (HF weights and config/tokenizer through verl's
+own path, ``transformer_config.json``, ``ckpt_contents.json``, verl's own retention of its folders) and
+sends the distributed model, optimizer, LR scheduler and RNG state to ckptd instead of
+``dist_checkpointing``: step ``N`` of ``global_step_N``, root ``$CKPTD_ROOT/<role>`` or
+``<checkpoint dir>/ckptd/<role>``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import re
+import shlex
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckptd.client.client import CheckpointClient, Placement, SaveHandle
+from ckptd.client.paths import default_socket_path
+from ckptd.writer.errors import CheckpointNotFoundError, InvalidRequestError
+from ckptd.writer.root import open_root
+from ckptd.writer.sync import run_sync
+
+log = logging.getLogger(__name__)
+
+ENV_ROOT = "CKPTD_ROOT"  # base of the per-role roots (a path or s3://...); default <checkpoint dir>/ckptd
+ENV_DAEMON_ARGS = "CKPTD_DAEMON_ARGS"  # extra `ckptd serve` flags for the embedded daemon
+MANIFEST = "ckpt_contents.json"  # verl's contents manifest inside global_step_N/<role>/
+FORMAT = "ckptd"  # the "format" verl's manifest gives the pieces ckptd holds
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_VERL_MODULES = (
+    "verl.utils.checkpoint.megatron_checkpoint_manager",  # where the class is defined
+    "verl.workers.engine.megatron.transformer_impl",  # `self.checkpoint_mananager = MegatronCheckpointManager(...)`
+)
+
+
+# --- where things go ---------------------------------------------------------------------------------
+def ckptd_root(local_path: str, role: str, env: Mapping[str, str] = os.environ) -> str:
+    """The ckptd root of ``role`` for a save to ``local_path`` (``<ckpt dir>/global_step_N/<role>``):
+    ``$CKPTD_ROOT/<role>`` if set, else ``<ckpt dir>/ckptd/<role>``; one root per role, so actor and critic
+    (same step numbers) never share one."""
+    base = env.get(ENV_ROOT)
+    if base:
+        return posixpath.join(base.rstrip("/"), role) if "://" in base else os.path.join(os.path.abspath(base), role)
+    ckpt_dir = os.path.dirname(os.path.dirname(os.path.abspath(local_path)))
+    return os.path.join(ckpt_dir, "ckptd", role)
+
+
+def socket_for(root: str, env: Mapping[str, str] = os.environ) -> str:
+    """The node daemon's socket for ``root``: next to the default socket, named by a hash of the root, so
+    two roots on one node (actor, critic) never share a daemon. Start your own ``ckptd serve --root ROOT
+    --socket $(this)`` per node, or let the first rank of the node start one."""
+    digest = hashlib.sha256(root.encode()).hexdigest()[:16]
+    return os.path.join(os.path.dirname(default_socket_path(env)), f"verl-{digest}.sock")
+
+
+def step_of(local_path: str) -> int:
+    """``N`` of ``.../global_step_N/<role>`` (verl's folder naming): the step a load restores, never
+    "latest" (the trainer also takes its step counter and dataloader from that folder)."""
+    m = _STEP_DIR.match(os.path.basename(os.path.dirname(os.path.normpath(local_path))))
+    if m is None:
+        raise InvalidRequestError(f"{local_path}: not a verl checkpoint folder (expected .../global_step_<N>/<role>)")
+    return int(m.group(1))
+
+
+def placement_from_env(env: Mapping[str, str] = os.environ) -> Placement:
+    """Ranks under Ray: verl sets ``RANK``, ``WORLD_SIZE`` and ``RAY_LOCAL_WORLD_SIZE`` (not torchrun's
+    ``LOCAL_WORLD_SIZE``); ranks are numbered node by node (verl's placement groups), so the node is
+    ``rank // local_world_size``. Without ``RANK`` it falls back to :meth:`Placement.detect`."""
+    if not env.get("RANK") or not env.get("WORLD_SIZE"):
+        return Placement.detect(env)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("RAY_LOCAL_WORLD_SIZE") or world)
+    node = env.get("GROUP_RANK") or env.get("NODE_RANK")
+    return Placement(rank, world, local, int(node) if node else rank // local)
+
+
+# --- the switch ----------------------------------------------------------------------------------------
+def install() -> None:
+    """Make verl build :class:`CkptdMegatronCheckpointManager` wherever it builds its Megatron manager.
+
+    Meant as Ray's ``worker_process_setup_hook`` (runs in every worker before verl's code); calling it
+    again is harmless. In a process without megatron-core or verl it logs and does nothing.
+    """
+    try:
+        cls = manager_class()
+    except ImportError as exc:  # a worker that does not train with Megatron (or has no verl)
+        log.info("ckptd.integrations.verl: not installed in pid %d (%s)", os.getpid(), exc)
+        return
+    for name in _VERL_MODULES:
+        module = sys.modules.get(name)
+        if name == _VERL_MODULES[0] or module is not None:
+            # the engine module binds the name at import: patch it if it is already imported, else it
+            # picks the patched class up from the defining module when it is imported later
+            module = module or __import__(name, fromlist=["_"])
+            module.MegatronCheckpointManager = cls  # type: ignore[attr-defined]
+    log.info("ckptd.integrations.verl: MegatronCheckpointManager -> ckptd in pid %d", os.getpid())
+
+
+_CLASS: type | None = None
+
+
+def manager_class() -> type:
+    """:class:`CkptdMegatronCheckpointManager` (built on first use: it subclasses verl's class)."""
+    global _CLASS
+    if _CLASS is None:
+        from verl.utils.checkpoint import megatron_checkpoint_manager as mcm
+
+        base = mcm.MegatronCheckpointManager
+        base = getattr(base, "_ckptd_base", base)  # installed twice: subclass verl's class, not ours
+        _CLASS = type("CkptdMegatronCheckpointManager", (_CkptdMixin, base), {"_ckptd_base": base})
+    return _CLASS
+
+
+# --- the manager ---------------------------------------------------------------------------------------
+class _CkptdMixin:
+    """Overrides of verl's ``MegatronCheckpointManager`` (see the module docstring); ``self`` is that class.
+
+    Hooks used (verl 0.9): ``save_checkpoint`` stages the ckptd save first, then runs verl's own save,
+    whose ``_build_*_state_dict`` builders return nothing while ckptd saves (so no ``dist_checkpointing``
+    tree is built or written, and no optimizer gather happens), and whose ``_dispatch_finalize`` waits for
+    the ckptd commit (sync) or defers verl's finalize (async: manifest, tracker, retention) until the
+    step committed. ``load_checkpoint`` restores a ckptd step and falls back to verl for its own folders.
+    """
+
+    _ckptd_base: type
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ckptd_client: CheckpointClient | None = None
+        self._ckptd_saving: SaveHandle | None = None  # set while verl's save runs inside ours
+        self._ckptd_save_root = ""
+        self._ckptd_pending: list[tuple[SaveHandle, Callable[[], None]]] = []
+        atexit.register(_finalize_at_exit, weakref.ref(self))
+
+    # --- which saves ckptd takes ---------------------------------------------------------------------
+    def ckptd_supported(self) -> str | None:
+        """None if ckptd takes this manager's saves, else why verl's own path is kept."""
+        v: Any = self
+        if v.use_megatron_fsdp:
+            return "Megatron FSDP"
+        if v.peft_cls is not None:
+            return "PEFT adapters"
+        if not v.use_distributed_optimizer or v.optimizer is None:
+            return "no distributed optimizer"
+        if not (v.should_save_model and v.should_save_optimizer):
+            return f"save_contents={list(v.checkpoint_save_contents)} (ckptd saves model and optimizer together)"
+        return None
+
+    def _client(self, root: str) -> CheckpointClient:
+        if self._ckptd_client is not None and self._ckptd_client.root != root:
+            self._ckptd_client.close()
+            self._ckptd_client = None
+        if self._ckptd_client is None:
+            self._ckptd_client = CheckpointClient(
+                socket_for(root), root=root, placement=placement_from_env(), start_daemon=True,
+                daemon_args=shlex.split(os.environ.get(ENV_DAEMON_ARGS, "")),
+            )
+        return self._ckptd_client
+
+    # --- save ------------------------------------------------------------------------------------------
+    def save_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> None:
+        v: Any = self
+        why = self.ckptd_supported()
+        if why is not None:
+            log.warning("ckptd: %s: %s; saving with verl's dist_checkpointing", v.role, why)
+            v._ckptd_base.save_checkpoint(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
+            return
+        self.finalize_pending(blocking=True)  # the previous async save: committed, its tracker written
+        root = ckptd_root(local_path, v.role)
+        self._drop_abandoned(root, int(global_step))
+        extra: dict[str, Any] = {"global_step": int(global_step), "role": v.role}
+        if v.lr_scheduler is not None:
+            extra["lr_scheduler"] = v.lr_scheduler.state_dict()
+        from ckptd.client.megatron import save_checkpoint
+
+        handle = save_checkpoint(
+            self._client(root), int(global_step), v.model, v.optimizer, extra=extra, rng=v.should_save_extra
+        )
+        # verl's own save: HF weights/config/tokenizer, transformer_config.json, then _dispatch_finalize
+        self._ckptd_saving, self._ckptd_save_root = handle, root
+        try:
+            v._ckptd_base.save_checkpoint(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
+        finally:
+            self._ckptd_saving = None
+
+    def _drop_abandoned(self, root: str, step: int) -> None:
+        """A step being saved again was committed by a run that died before the trainer wrote its tracker
+        (the trainer resumed from an older step): verl overwrites its folder, so rank 0 deletes the stale
+        ckptd step before anyone stages. All ranks meet at a barrier (verl's save has several anyway)."""
+        import torch.distributed as dist
+
+        v: Any = self
+        if v.rank == 0 and _has_step(root, step):
+            log.warning("ckptd: %s: step %d of %s was committed by an earlier run; replacing it", v.role, step, root)
+            run_sync(_delete_step(root, step))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def _build_model_sharded_state_dict(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        if self._ckptd_saving is not None:
+            return {}  # ckptd stages the model; nothing for dist_checkpointing to write
+        return super()._build_model_sharded_state_dict(metadata)  # type: ignore[misc,no-any-return]
+
+    def _build_optimizer_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if self._ckptd_saving is not None:
+            return {}  # no optimizer.sharded_state_dict(): that is the DP gather ckptd exists to avoid
+        return super()._build_optimizer_state_dict(*args, **kwargs)  # type: ignore[misc,no-any-return]
+
+    def _build_extra_state_dict(self) -> dict[str, Any]:
+        if self._ckptd_saving is not None:
+            return {}  # RNG state went with the ckptd save
+        return super()._build_extra_state_dict()  # type: ignore[misc,no-any-return]
+
+    def _dispatch_finalize(self, async_requests: list[Any], finalize_save_fn: Callable[[], None]) -> None:
+        handle = self._ckptd_saving
+        if handle is None:
+            super()._dispatch_finalize(async_requests, finalize_save_fn)  # type: ignore[misc]
+            return
+        if getattr(self, "checkpoint_config", None) is not None and self.checkpoint_config.async_save:  # type: ignore[attr-defined]
+            self._ckptd_pending.append((handle, finalize_save_fn))  # tracker once committed
+            self.finalize_pending(blocking=False)
+        else:
+            handle.wait()  # committed on every node; the trainer writes the tracker when we return
+            finalize_save_fn()
+
+    def finalize_pending(self, blocking: bool = False) -> int:
+        """Run verl's finalize (manifest, tracker in async mode, retention) for every async save that
+        committed; with ``blocking`` wait for them. Called at each save, at exit, and by whoever polls.
+        Returns the number finalized. A failed step raises its error and its tracker is never written."""
+        done = 0
+        while self._ckptd_pending:
+            handle, fn = self._ckptd_pending[0]
+            if blocking:
+                handle.wait()
+            elif not handle.done():
+                break
+            self._ckptd_pending.pop(0)
+            handle.wait(0)  # raises if the step failed
+            fn()
+            done += 1
+        return done
+
+    def _finalize_save(self, *, local_path: str, max_ckpt_to_keep: int | None = None, **kw: Any) -> None:
+        super()._finalize_save(local_path=local_path, max_ckpt_to_keep=max_ckpt_to_keep, **kw)  # type: ignore[misc]
+        v: Any = self
+        keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) else 0
+        if v.rank == 0 and keep > 0 and self.ckptd_supported() is None:
+            root = ckptd_root(local_path, v.role)
+            removed = run_sync(_retain(root, keep))
+            if removed:
+                log.info("ckptd: %s: retention removed steps %s of %s", v.role, removed, root)
+
+    def _build_checkpoint_manifest(
+        self, local_path: str, global_step: int, saved_any_dist_ckpt: bool
+    ) -> dict[str, Any]:
+        manifest: dict[str, Any] = super()._build_checkpoint_manifest(  # type: ignore[misc]
+            local_path, global_step, saved_any_dist_ckpt
+        )
+        if self._ckptd_save_root and self.ckptd_supported() is None:
+            v: Any = self
+            piece = {"path": self._ckptd_save_root, "format": FORMAT, "step": int(global_step)}
+            contents = manifest["contents"]
+            if v.should_save_dist_ckpt_model or "model" not in contents:
+                contents["model"] = dict(piece)
+            else:
+                contents["model_shards"] = dict(piece, note="bit-exact training weights; loaded instead of HF")
+            contents["optimizer"] = dict(piece)
+            if v.lr_scheduler is not None:
+                contents["lr_scheduler"] = dict(piece, key="extra.lr_scheduler")
+            if v.should_save_extra:
+                contents["rng_state"] = dict(piece, key="rng")
+            manifest["directories"] = {k: d for k, d in manifest["directories"].items() if "dist_ckpt" not in k}
+            manifest["ckptd"] = {"root": self._ckptd_save_root, "step": int(global_step)}
+        return manifest
+
+    # --- load ------------------------------------------------------------------------------------------
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
+    ) -> None:
+        v: Any = self
+        manifest = _read_manifest(local_path)
+        held = manifest.get("ckptd") if manifest else None
+        if not held:  # a verl checkpoint (saved without ckptd): verl loads it
+            v._ckptd_base.load_checkpoint(self, local_path, hdfs_path, del_local_after_load)
+            return
+        step = step_of(local_path)
+        if int(held["step"]) != step:
+            raise InvalidRequestError(f"{local_path}: its {MANIFEST} names ckptd step {held['step']}, not {step}")
+        root = ckptd_root(local_path, v.role)
+        if not _has_step(root, step) and _has_step(str(held["root"]), step):
+            root = str(held["root"])  # CKPTD_ROOT changed since the save: use where it went
+        if not (v.should_load_model and v.should_load_optimizer):
+            raise InvalidRequestError(
+                f"ckptd restores model and optimizer together; load_contents={list(v.checkpoint_load_contents)} "
+                "needs both (or load the HF weights under model/huggingface with verl)"
+            )
+        from ckptd.client.megatron import load_checkpoint
+
+        loaded = load_checkpoint(root, step, v.model, v.optimizer, rng=v.should_load_extra)
+        extra = loaded.extra if isinstance(loaded.extra, dict) else {}
+        if v.use_checkpoint_opt_param_scheduler and v.lr_scheduler is not None:
+            if "lr_scheduler" not in extra:
+                raise CheckpointNotFoundError(f"step {step} of {root} holds no lr_scheduler state")
+            v.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        log.info("ckptd: %s: loaded step %d from %s (saved rank %d)", v.role, step, root, loaded.source_rank)
+
+
+def _finalize_at_exit(ref: weakref.ref[Any]) -> None:
+    manager = ref()
+    if manager is not None:
+        try:
+            manager.finalize_pending(blocking=True)  # async mode: the last save's tracker
+        except Exception:  # at exit there is no caller left to raise to
+            log.exception("ckptd: the last checkpoint did not commit; its tracker was not written")
+
+
+def _read_manifest(local_path: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(local_path, MANIFEST)) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _has_step(root: str, step: int) -> bool:
+    async def run() -> bool:
+        async with open_root(root) as ckpt:
+            return await ckpt.is_committed(step)
+
+    with contextlib.suppress(CheckpointNotFoundError, FileNotFoundError):
+        return run_sync(run())
+    return False
+
+
+async def _delete_step(root: str, step: int) -> None:
+    from ckptd.writer.commit import CheckpointWriter
+
+    async with open_root(root) as ckpt:
+        await CheckpointWriter(ckpt.backend).delete_step(step)
+
+
+async def _retain(root: str, keep: int) -> list[int]:
+    from ckptd.writer.commit import CheckpointWriter
+
+    async with open_root(root) as ckpt:
+        return await CheckpointWriter(ckpt.backend).retain(keep)
