@@ -68,7 +68,8 @@ def _child(
     env: Mapping[str, str], conn: Connection, local_world_size: int, launcher: Launcher = "torchrun",
 ) -> None:
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=threads)
     os.environ.update(launcher_env(launcher, rank, world_size, local_world_size))
     import torch
     import torch.distributed as dist
