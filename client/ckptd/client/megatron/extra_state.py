@@ -10,6 +10,7 @@ takes RNG and ``extra`` from (same TP/PP/DP coordinates).
 
 from __future__ import annotations
 
+import base64
 import io
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -30,16 +31,23 @@ def _with_extra_state(model_chunks: Sequence[torch.nn.Module]) -> Iterator[tuple
                 yield f"{i}/{name}", module
 
 
+def _b64(data: bytes) -> str:
+    # the per-rank objects are plain data (the commit manifest is JSON): bytes travel as base64
+    return base64.b64encode(data).decode("ascii")
+
+
 def _encode(name: str, state: object) -> dict[str, Any] | None:
     if state is None:
         return None
     if isinstance(state, io.BytesIO):
-        return {"kind": "bytesio", "data": state.getvalue()}
+        return {"kind": "bytesio", "b64": _b64(state.getvalue())}
     if isinstance(state, torch.Tensor):
         t = state.detach().cpu().contiguous()
-        return {"kind": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                "data": t.view(torch.uint8).numpy().tobytes() if t.numel() else b""}
-    if isinstance(state, bytes | str | int | float | bool):
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"kind": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape), "b64": _b64(raw)}
+    if isinstance(state, bytes):
+        return {"kind": "bytes", "b64": _b64(state)}
+    if isinstance(state, str | int | float | bool):
         return {"kind": "plain", "data": state}
     raise InvalidRequestError(f"{name}: _extra_state of type {type(state).__name__} cannot be stored as plain data")
 
@@ -47,10 +55,12 @@ def _encode(name: str, state: object) -> dict[str, Any] | None:
 def _decode(entry: Mapping[str, Any], like: object) -> object:
     kind = entry["kind"]
     if kind == "bytesio":
-        return io.BytesIO(entry["data"])
+        return io.BytesIO(base64.b64decode(entry["b64"]))
+    if kind == "bytes":
+        return base64.b64decode(entry["b64"])
     if kind == "tensor":
         dtype = torch_dtype(entry["dtype"])
-        raw = bytearray(entry["data"])
+        raw = bytearray(base64.b64decode(entry["b64"]))
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         t = flat.view(dtype).reshape(entry["shape"]).clone()
         return t.to(like.device) if isinstance(like, torch.Tensor) else t
