@@ -141,7 +141,7 @@ def full_run(tmp_path_factory: pytest.TempPathFactory, module_sockdir: str) -> t
 
 def test_resume_continues_like_the_uninterrupted_run(full_run: tuple[str, list[dict[str, Any]]]) -> None:
     root, ref = full_run
-    assert read_tracker(root) == N and open(os.path.join(root, TRACKER)).read() == str(N)
+    assert read_tracker(root) == N and Path(root, TRACKER).read_text() == str(N)
     got = run_ranks(_resume, 2, root, "resume")
     for r in range(2):
         assert (got[r]["iteration"], got[r]["nfp"], got[r]["consumed_at_load"]) == (N, N * 1e9, N * GBS)
