@@ -92,7 +92,7 @@ def _train(iteration: int, steps: int, args: argparse.Namespace, train_step: Any
 
 def _first_run(rank: int, world: int, root: str, model_only: bool) -> dict[str, Any]:
     model, optimizer, train_step, scheduler, fp8 = _setup(seed=1234)
-    args = _args(root, no_save_optim=model_only)
+    args = _args(root, no_save_optim=model_only, async_save=not model_only)  # model-only run: a synchronous save
     ctx: dict[str, Any] = {}
     iteration, nfp = load_checkpoint(model, optimizer, scheduler, args=args)  # nothing there yet
     assert (iteration, nfp) == (0, 0.0)
@@ -101,7 +101,7 @@ def _first_run(rank: int, world: int, root: str, model_only: bool) -> dict[str, 
     saved_amax = fp8.amax.clone()
     save_checkpoint(iteration, model, optimizer, scheduler, nfp, checkpointing_context=ctx, args=args)
     _, _, losses, lrs = _train(iteration, M, args, train_step, scheduler, fp8, nfp)
-    maybe_finalize_async_save(ctx, blocking=True)  # Megatron-LM does this before exit
+    maybe_finalize_async_save(blocking=True, terminate=True)  # as training.py calls it at exit (no context)
     return {"losses": losses, "lrs": lrs, "consumed": args.consumed_train_samples, "amax": saved_amax,
             "params": saved_params}
 
@@ -169,6 +169,7 @@ def test_model_only_save_loads_without_optimizer_and_refuses_with_one(tmp_path: 
     root = str(tmp_path / "ck")
     d = start_daemon(root)
     ref = run_ranks(_first_run, 2, root, True, env={"CKPTD_SOCKET": d.socket})
+    assert read_tracker(root) == N  # written by the synchronous save, after the commit
     commit = read_commit(root, N)
     assert not any(a.name.startswith("optim/") for a in commit.arrays)
     got = run_ranks(_resume, 2, root, "optim_required", env={"CKPTD_SOCKET": d.socket})

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from ckptd.client.paths import default_socket_path, normalize_root
+from ckptd.client.paths import client_socket_path, default_socket_path, normalize_root
 from ckptd.client.placement import Placement, tasks_per_node
 from ckptd.testing.launch import launcher_env
-from ckptd.writer.errors import PlacementError
+from ckptd.writer.errors import DaemonUnavailableError, PlacementError
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ray", "slurm"])
@@ -76,3 +77,16 @@ def test_daemon_config_uses_the_same_per_root_socket() -> None:
     cfg = load_config({"root": "/data/ck"}, env=env)
     assert cfg.socket == default_socket_path(env, "/data/ck")
     assert load_config({"root": "/data/ck", "exit_when_idle_s": 5}, env=env).exit_when_idle_s == 5
+
+
+def test_a_client_without_root_finds_the_one_daemon_and_refuses_to_guess_among_several(tmp_path: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    (tmp_path / "ckptd").mkdir()
+    assert client_socket_path(env) == str(tmp_path / "ckptd" / "daemon.sock")  # nothing there: the legacy name
+    a = Path(default_socket_path(env, "/data/a"))
+    a.touch()
+    assert client_socket_path(env) == str(a)
+    assert client_socket_path(env, "/data/b") == default_socket_path(env, "/data/b")
+    Path(default_socket_path(env, "/data/b")).touch()
+    with pytest.raises(DaemonUnavailableError, match="pass root="):
+        client_socket_path(env)

@@ -20,7 +20,7 @@ from typing import Literal, TypeVar
 import torch
 
 from ckptd.client.embedded import ensure_daemon
-from ckptd.client.paths import default_socket_path, normalize_root
+from ckptd.client.paths import client_socket_path, normalize_root
 from ckptd.client.placement import Placement
 from ckptd.client.protocol import (
     HEADER,
@@ -148,7 +148,8 @@ class SaveHandle:
 class CheckpointClient:
     """A rank's connection to its node daemon.
 
-    ``socket_path`` defaults to the agreed per-user location (``$CKPTD_SOCKET``, ...). With
+    ``socket_path`` defaults to the agreed per-root location (:func:`ckptd.client.paths.client_socket_path`);
+    a daemon that writes to another root than ``root`` is refused (:class:`RootMismatchError`). With
     ``start_daemon=True`` and a ``root``, the first rank on a node that finds no daemon starts one as a
     separate process (the embedded default); otherwise run ``ckptd serve`` next to the job.
     """
@@ -167,7 +168,7 @@ class CheckpointClient:
         storage_options: Mapping[str, object] | None = None,
     ) -> None:
         env = os.environ
-        self.socket_path = socket_path or default_socket_path(env, root)
+        self.socket_path = socket_path or client_socket_path(env, root)
         self.placement = placement or Placement.detect(env)
         self.backpressure: Policy = backpressure
         self.lease_timeout_s = lease_timeout_s

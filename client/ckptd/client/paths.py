@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
 from collections.abc import Mapping
+
+from ckptd.writer.errors import DaemonUnavailableError
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -44,3 +47,19 @@ def default_socket_path(env: Mapping[str, str], root: str | None = None) -> str:
         return os.path.join(socket_dir(env), "daemon.sock")
     digest = hashlib.sha256(normalize_root(root).encode()).hexdigest()[:16]
     return os.path.join(socket_dir(env), f"{os.getuid()}-{digest}.sock")
+
+
+def client_socket_path(env: Mapping[str, str], root: str | None = None) -> str:
+    """The socket a client uses: :func:`default_socket_path`, except that a client told no root (no
+    ``root=``, ``$CKPTD_ROOT`` or ``$CKPTD_SOCKET``) takes the one per-root socket of this user on the node
+    when there is exactly one; with several it cannot choose and raises :class:`DaemonUnavailableError`."""
+    path = default_socket_path(env, root)
+    if root or env.get("CKPTD_SOCKET") or env.get("CKPTD_ROOT"):
+        return path
+    found = sorted(glob.glob(os.path.join(socket_dir(env), f"{os.getuid()}-*.sock")))
+    if len(found) > 1:
+        raise DaemonUnavailableError(
+            f"{len(found)} ckptd daemons (one per root) listen in {socket_dir(env)}: pass root= (or set CKPTD_ROOT) "
+            "to pick one"
+        )
+    return found[0] if found else path

@@ -92,6 +92,7 @@ def _session(
         client = CheckpointClient(root=args.save, start_daemon=getattr(args, "ckptd_start_daemon", True))
     session = _Session(client, str(args.save))
     ctx[_CONTEXT_KEY] = session
+    _DEFAULT_CONTEXT[_CONTEXT_KEY] = session  # maybe_finalize_async_save() is called without the context
     return session
 
 
@@ -120,7 +121,7 @@ def save_checkpoint(
 
     args = _get_args(args)
     session = _session(args, checkpointing_context, client)
-    finalize_async_saves(checkpointing_context, blocking=False)  # earlier saves: errors and tracker first
+    finalize_async_saves(checkpointing_context=checkpointing_context)  # earlier saves: errors and tracker first
     rank = session.client.placement.rank
     record = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -141,15 +142,20 @@ def save_checkpoint(
     )
     session.pending.append((int(iteration), handle))
     if not _flag(args, "async_save"):
-        finalize_async_saves(checkpointing_context, blocking=True)
+        finalize_async_saves(blocking=True, checkpointing_context=checkpointing_context)
     return handle
 
 
-def finalize_async_saves(checkpointing_context: MutableMapping[str, Any] | None = None, blocking: bool = False) -> None:
-    """Megatron-LM's ``maybe_finalize_async_save``: for saves that committed, write the tracker (rank 0).
+def finalize_async_saves(
+    blocking: bool = False, terminate: bool = False, checkpointing_context: MutableMapping[str, Any] | None = None
+) -> None:
+    """Megatron-LM's ``maybe_finalize_async_save(blocking, terminate)``: for saves that committed, write the
+    tracker (rank 0).
 
-    ``blocking`` waits for every pending save (call it before exit, as Megatron-LM does); otherwise only
-    what already finished is handled. A save that failed raises its error here.
+    ``blocking`` waits for every pending save (Megatron-LM calls it before the next save and, with
+    ``terminate=True``, at exit; ckptd needs no worker to terminate); otherwise only what already finished
+    is handled. A save that failed raises its error here. Without ``checkpointing_context`` it finalizes
+    the saves of the last context used.
     """
     ctx = _DEFAULT_CONTEXT if checkpointing_context is None else checkpointing_context
     session = ctx.get(_CONTEXT_KEY)
