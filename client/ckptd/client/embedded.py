@@ -28,6 +28,7 @@ from ckptd.writer.errors import DaemonUnavailableError
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_EXIT_S = 30.0
+_STARTED: list[subprocess.Popen[bytes]] = []  # held so they are reaped (poll) once they exit, not left zombies
 
 
 def _answers(path: str) -> bool:
@@ -54,6 +55,7 @@ def ensure_daemon(
     node serialize on ``<socket>.lock``, so exactly one of them starts it. ``idle_exit_s`` is passed as
     ``--exit-when-idle`` unless ``daemon_args`` already sets it.
     """
+    _STARTED[:] = [p for p in _STARTED if p.poll() is None]
     os.makedirs(os.path.dirname(socket_path) or ".", mode=0o700, exist_ok=True)
     with open(socket_path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per node starts it; the others wait here
@@ -67,6 +69,7 @@ def ensure_daemon(
         cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", root, "--socket", socket_path, *args]
         log.info("rank %d: starting an embedded daemon: %s", rank, " ".join(cmd))
         proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        _STARTED.append(proc)
         deadline = time.monotonic() + timeout_s
         while not _answers(socket_path):
             if proc.poll() is not None:
