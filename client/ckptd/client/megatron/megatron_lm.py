@@ -275,6 +275,7 @@ def load_checkpoint(
     args.consumed_train_samples = int(record.get("consumed_train_samples", 0))
     args.skipped_train_samples = int(record.get("skipped_train_samples", 0))
     args.consumed_valid_samples = int(record.get("consumed_valid_samples", 0))
+    _update_num_microbatches(args.consumed_train_samples)
     if load_optim and opt_param_scheduler is not None and record.get("opt_param_scheduler") is not None:
         opt_param_scheduler.load_state_dict(dict(record["opt_param_scheduler"]))
     if record.get("rerun_state_machine") is not None:
@@ -284,6 +285,16 @@ def load_checkpoint(
     iteration = int(record.get("iteration", loaded.step))
     logger.info("loaded iteration %d from %s (consumed samples %d)", iteration, load_dir, args.consumed_train_samples)
     return iteration, float(record.get("num_floating_point_operations_so_far", 0.0))
+
+
+def _update_num_microbatches(consumed_samples: int) -> None:
+    """As Megatron-LM's load does: a batch-size ramp-up continues from the loaded data position."""
+    try:
+        from megatron.core import num_microbatches_calculator as calc
+    except ImportError:
+        return
+    if calc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:  # set up by Megatron-LM's initialize
+        calc.update_num_microbatches(consumed_samples=consumed_samples, verbose=True)
 
 
 def checkpoint_args(root: str, step: int | str = "latest", storage_options: Mapping[str, object] | None = None
