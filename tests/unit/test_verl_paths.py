@@ -26,9 +26,9 @@ def test_root_from_env() -> None:
 
 
 def test_socket_per_root() -> None:
-    env = {"CKPTD_SOCKET": "/run/me/default.sock"}
+    env = {"XDG_RUNTIME_DIR": "/run/me", "CKPTD_SOCKET": "/run/me/one-for-the-process.sock"}
     a, c = socket_for("/ckpt/ckptd/actor", env), socket_for("/ckpt/ckptd/critic", env)
-    assert a != c and os.path.dirname(a) == os.path.dirname(c) == "/run/me"
+    assert a != c and os.path.dirname(a) == os.path.dirname(c) == "/run/me/ckptd"
     assert socket_for("/ckpt/ckptd/actor", env) == a  # every rank of the node agrees without talking
 
 
@@ -44,6 +44,6 @@ def test_placement_under_ray() -> None:
     # verl's Ray workers: RANK, WORLD_SIZE, RAY_LOCAL_WORLD_SIZE; no LOCAL_WORLD_SIZE
     env = {"RANK": "5", "WORLD_SIZE": "8", "RAY_LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}
     assert placement_from_env(env) == Placement(5, 8, 4, 1)
-    assert placement_from_env({**env, "RANK": "3"}).node == 0
+    assert placement_from_env({**env, "RANK": "3", "LOCAL_RANK": "3"}).node == 0
     assert placement_from_env({**env, "LOCAL_WORLD_SIZE": "2"}) == Placement(5, 8, 2, 2)  # torchrun wins
-    assert placement_from_env({**env, "NODE_RANK": "0"}).node == 0
+    assert placement_from_env({**env, "CKPTD_NODE_RANK": "0"}).node == 0

@@ -15,6 +15,8 @@ from ckptd.writer.errors import (
     CkptdError,
     DaemonUnavailableError,
     InvalidKeyError,
+    PlacementError,
+    RootMismatchError,
     SaveTimeoutError,
     StateMismatchError,
     StepFailedError,
@@ -29,6 +31,8 @@ __all__ = [
     "DaemonUnavailableError",
     "InvalidKeyError",
     "Placement",
+    "PlacementError",
+    "RootMismatchError",
     "SaveHandle",
     "SaveTimeoutError",
     "Shard",
@@ -45,14 +49,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ckptd.client.client import CheckpointClient, Placement, SaveHandle, StateDict
+    from ckptd.client.client import CheckpointClient, SaveHandle, StateDict
+    from ckptd.client.placement import Placement
     from ckptd.client.protocol import StepState
     from ckptd.client.reader import load, read_commit, read_flat, read_sidecar
     from ckptd.client.state import Shard, plan_state
 
 _LAZY = {
     "CheckpointClient": "ckptd.client.client",
-    "Placement": "ckptd.client.client",
+    "Placement": "ckptd.client.placement",
     "SaveHandle": "ckptd.client.client",
     "StateDict": "ckptd.client.client",
     "StepState": "ckptd.client.protocol",

@@ -9,22 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import mmap
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import msgspec
 import torch
 
-from ckptd.client.paths import default_socket_path
+from ckptd.client.embedded import ensure_daemon
+from ckptd.client.paths import client_socket_path, normalize_root
+from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
 from ckptd.client.protocol import (
     HEADER,
@@ -56,6 +54,7 @@ from ckptd.writer.errors import (
     DaemonUnavailableError,
     PlanUnknownError,
     ProtocolError,
+    RootMismatchError,
     SaveTimeoutError,
     StepFailedError,
     error_classes,
@@ -84,39 +83,6 @@ def _expect(reply: Reply, kind: type[_R]) -> _R:
     if not isinstance(reply, kind):
         raise ProtocolError(f"the daemon answered {type(reply).__name__} where {kind.__name__} was expected")
     return reply
-
-
-def _env_int(env: Mapping[str, str], *names: str) -> int | None:
-    for name in names:
-        if env.get(name):
-            return int(env[name])
-    return None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this rank sits: its global rank, the world, and its node (torchrun's numbering)."""
-
-    rank: int
-    world_size: int
-    local_world_size: int
-    node: int
-
-    @property
-    def num_nodes(self) -> int:
-        return -(-self.world_size // self.local_world_size)
-
-    @classmethod
-    def detect(cls, env: Mapping[str, str]) -> Placement:
-        rank = _env_int(env, "RANK")
-        world = _env_int(env, "WORLD_SIZE")
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank() if rank is None else rank
-            world = torch.distributed.get_world_size() if world is None else world
-        rank, world = rank or 0, world or 1
-        local = _env_int(env, "LOCAL_WORLD_SIZE") or world
-        node = _env_int(env, "GROUP_RANK", "NODE_RANK")
-        return cls(rank, world, local, rank // local if node is None else node)
 
 
 class SaveHandle:
@@ -186,7 +152,8 @@ class SaveHandle:
 class CheckpointClient:
     """A rank's connection to its node daemon.
 
-    ``socket_path`` defaults to the agreed per-user location (``$CKPTD_SOCKET``, ...). With
+    ``socket_path`` defaults to the agreed per-root location (:func:`ckptd.client.paths.client_socket_path`);
+    a daemon that writes to another root than ``root`` is refused (:class:`RootMismatchError`). With
     ``start_daemon=True`` and a ``root``, the first rank on a node that finds no daemon starts one as a
     separate process (the embedded default); otherwise run ``ckptd serve`` next to the job.
     """
@@ -205,7 +172,7 @@ class CheckpointClient:
         storage_options: Mapping[str, object] | None = None,
     ) -> None:
         env = os.environ
-        self.socket_path = socket_path or default_socket_path(env)
+        self.socket_path = socket_path or client_socket_path(env, root)
         self.placement = placement or Placement.detect(env)
         self.backpressure: Policy = backpressure
         self.lease_timeout_s = lease_timeout_s
@@ -254,6 +221,12 @@ class CheckpointClient:
         self._sock = sock
         self._sidecars_sent = set()  # a new daemon may serve another root
         welcome = _expect(self._request(Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=self.placement.rank)), Welcome)
+        if self._root and normalize_root(welcome.root) != normalize_root(self._root):
+            self._close_socket()
+            raise RootMismatchError(
+                f"the daemon at {self.socket_path} (pid {welcome.daemon_pid}) writes to root {welcome.root!r}, "
+                f"this client was given root {self._root!r}: start a daemon for this root or use its socket"
+            )
         self._welcome = welcome
         self._map_arena(welcome)
 
@@ -275,24 +248,8 @@ class CheckpointClient:
     def _spawn_daemon(self) -> None:
         if not self._root:
             raise DaemonUnavailableError("start_daemon=True needs root= to tell the daemon where to write")
-        os.makedirs(os.path.dirname(self.socket_path) or ".", mode=0o700, exist_ok=True)
-        with open(self.socket_path + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per node starts it; the others wait here
-            with contextlib.suppress(DaemonUnavailableError):
-                self._open_socket()
-                return
-            cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", self._root,
-                   "--socket", self.socket_path, *self._daemon_args]
-            log.info("rank %d: starting an embedded daemon: %s", self.placement.rank, " ".join(cmd))
-            proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
-            deadline = time.monotonic() + self.timeout_s
-            while not os.path.exists(self.socket_path):
-                if proc.poll() is not None:
-                    raise DaemonUnavailableError(f"the embedded daemon exited with code {proc.returncode}")
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    raise DaemonUnavailableError(f"the embedded daemon did not start within {self.timeout_s}s")
-                time.sleep(0.05)
+        ensure_daemon(self.socket_path, self._root, self._daemon_args, timeout_s=self.timeout_s,
+                      rank=self.placement.rank)
 
     def _close_socket(self) -> None:
         if self._sock is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -31,8 +30,9 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptd.client.client import CheckpointClient, Placement, SaveHandle
+from ckptd.client.client import CheckpointClient, SaveHandle
 from ckptd.client.paths import default_socket_path
+from ckptd.client.placement import Placement
 from ckptd.writer.errors import CheckpointNotFoundError, InvalidRequestError
 from ckptd.writer.root import open_root
 from ckptd.writer.sync import run_sync
@@ -63,11 +63,11 @@ def ckptd_root(local_path: str, role: str, env: Mapping[str, str] = os.environ) 
 
 
 def socket_for(root: str, env: Mapping[str, str] = os.environ) -> str:
-    """The node daemon's socket for ``root``: next to the default socket, named by a hash of the root, so
-    two roots on one node (actor, critic) never share a daemon. Start your own ``ckptd serve --root ROOT
-    --socket $(this)`` per node, or let the first rank of the node start one."""
-    digest = hashlib.sha256(root.encode()).hexdigest()[:16]
-    return os.path.join(os.path.dirname(default_socket_path(env)), f"verl-{digest}.sock")
+    """The node daemon's socket for ``root``: the per-root default (:func:`ckptd.client.paths.default_socket_path`),
+    so two roots on one node (actor, critic) never share a daemon — ``$CKPTD_SOCKET`` (one socket for the
+    process) is ignored here, since both roles run in one worker environment. Start your own ``ckptd serve
+    --root ROOT`` per node, or let the first rank of the node start one."""
+    return default_socket_path({k: v for k, v in env.items() if k != "CKPTD_SOCKET"}, root)
 
 
 def step_of(local_path: str) -> int:
@@ -81,14 +81,8 @@ def step_of(local_path: str) -> int:
 
 def placement_from_env(env: Mapping[str, str] = os.environ) -> Placement:
     """Ranks under Ray: verl sets ``RANK``, ``WORLD_SIZE`` and ``RAY_LOCAL_WORLD_SIZE`` (not torchrun's
-    ``LOCAL_WORLD_SIZE``); ranks are numbered node by node (verl's placement groups), so the node is
-    ``rank // local_world_size``. Without ``RANK`` it falls back to :meth:`Placement.detect`."""
-    if not env.get("RANK") or not env.get("WORLD_SIZE"):
-        return Placement.detect(env)
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("RAY_LOCAL_WORLD_SIZE") or world)
-    node = env.get("GROUP_RANK") or env.get("NODE_RANK")
-    return Placement(rank, world, local, int(node) if node else rank // local)
+    ``LOCAL_WORLD_SIZE``) and numbers ranks node by node; :meth:`Placement.detect` reads exactly that."""
+    return Placement.detect(env)
 
 
 # --- the switch ----------------------------------------------------------------------------------------

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-grace", dest="drain_grace_s", type=float, help="seconds to drain on SIGTERM")
     s.add_argument("--no-prefault", dest="prefault", action="store_false", default=None)
     s.add_argument("--nice", type=int, help="CPU niceness increment of the daemon (default 10: ranks come first)")
+    s.add_argument("--exit-when-idle", dest="exit_when_idle_s", type=float,
+                   help="exit once no client has been connected and no step in flight for this many seconds")
     _storage_flags(s)
 
     d = sub.add_parser("demo", help="run the embedded demo: daemon + 4 ranks training, saving, reloading")

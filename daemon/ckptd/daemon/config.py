@@ -113,6 +113,8 @@ class _Options(BaseSettings):
     read_timeout_s: float = 30.0
     prefault: bool = True
     nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
+    # an embedded daemon ends with its job: no client and no step in flight for this long -> exit
+    exit_when_idle_s: float | None = Field(default=None, gt=0)
     storage: StorageOptions = Field(default_factory=StorageOptions)
 
     @field_validator("codec")
@@ -238,7 +240,7 @@ def _load(cls: type[_Options], flags: Mapping[str, Any], env: Mapping[str, str],
     try:
         env_values = _MappingEnvSource(cls, env)()
         values = _merge(file_values, env_values, _given(flags))
-        values.setdefault("socket", default_socket_path(env))
+        values.setdefault("socket", default_socket_path(env, values.get("root")))  # one socket per root
         return cls(**values)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None

@@ -101,6 +101,7 @@ class Daemon:
         self._live: set[asyncio.Task[None]] = set()  # the group's tasks still running
         self.service: CheckpointService | None = None
         self.arena: Arena | None = None
+        self._clients = 0  # open connections, for --exit-when-idle
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
         """Serve until shut down (see :func:`serve`); the storage backend is opened first and closed last."""
@@ -136,6 +137,8 @@ class Daemon:
                 )
                 if ready is not None:
                     ready.set()
+                if cfg.exit_when_idle_s is not None:
+                    self._spawn(self._exit_when_idle(cfg.exit_when_idle_s), "idle-exit")
                 code = await self._serve_until_stopped(server)
                 server.close()
                 # What is left (idle connections, steps cut off by the grace period) ends now.
@@ -173,6 +176,18 @@ class Daemon:
             log.error("grace period over with steps unfinished: they will not commit")
             return 1
         return 0
+
+    async def _exit_when_idle(self, idle_s: float) -> None:
+        """Stop once no client has been connected and no step in flight for ``idle_s`` (the embedded mode)."""
+        loop = asyncio.get_running_loop()
+        idle_since = loop.time()
+        while not self._stop.is_set():
+            await asyncio.sleep(min(0.2, idle_s))
+            if self._clients or self._service().in_flight():
+                idle_since = loop.time()
+            elif loop.time() - idle_since >= idle_s:
+                log.info("no client and no step in flight for %.1fs: exiting (--exit-when-idle)", idle_s)
+                self._stop.set()
 
     def stop(self) -> None:
         """Trigger shutdown (the same as SIGTERM)."""
@@ -215,6 +230,7 @@ class Daemon:
     async def _serve_client(self, conn: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         arena = self._arena()
+        self._clients += 1
         try:
             if sock is not None and _peer_uid(sock) != os.getuid():
                 log.warning("conn=%d: refused a peer of another user", conn)
@@ -237,6 +253,7 @@ class Daemon:
         except (ConnectionError, OSError) as exc:
             log.debug("conn=%d: connection lost: %s", conn, exc)
         finally:
+            self._clients -= 1
             freed = arena.release_owner(conn)
             if freed:
                 log.info("conn=%d: client left; released %d unused lease(s)", conn, freed)

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Literal
 
 # Imported once by the forkserver, so forked ranks start warm. The server is one per parent process and
 # keeps the list it started with, so the (optional) megatron-core modules are in the default list: a
@@ -45,16 +45,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+Launcher = Literal["torchrun", "ray", "slurm"]
+
+
+def launcher_env(launcher: Launcher, rank: int, world_size: int, local_world_size: int) -> dict[str, str]:
+    """The variables a rank gets from torchrun, from verl's Ray workers, or from ``srun`` (ranks packed per node)."""
+    local, node = rank % local_world_size, rank // local_world_size
+    if launcher == "torchrun":
+        return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(node)}
+    if launcher == "ray":  # verl's worker env: no LOCAL_WORLD_SIZE, no node index
+        return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local),
+                "RAY_LOCAL_WORLD_SIZE": str(local_world_size), "RAY_LOCAL_RANK": str(local)}
+    nodes = -(-world_size // local_world_size)
+    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world_size), "SLURM_LOCALID": str(local),
+            "SLURM_NODEID": str(node), "SLURM_NNODES": str(nodes),
+            "SLURM_TASKS_PER_NODE": f"{local_world_size}(x{nodes})"}
+
+
 def _child(
     rank: int, world_size: int, port: int, fn: Callable[..., Any], args: Sequence[Any],
-    env: Mapping[str, str], conn: Connection, local_world_size: int,
+    env: Mapping[str, str], conn: Connection, local_world_size: int, launcher: Launcher = "torchrun",
 ) -> None:
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
-        GROUP_RANK=str(rank // local_world_size), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-    )
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=threads)
+    os.environ.update(launcher_env(launcher, rank, world_size, local_world_size))
     import torch
     import torch.distributed as dist
 
@@ -83,6 +99,7 @@ def run_ranks(
     timeout_s: float = 300.0,
     may_exit: Sequence[int] = (),
     preload: Sequence[str] = (),
+    launcher: Launcher = "torchrun",
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks and return their results in rank order.
 
@@ -90,7 +107,8 @@ def run_ranks(
     (tensors included). ``may_exit`` lists ranks allowed to end without a result (tests that kill a rank
     on purpose; their result is None). Any other failure raises :class:`RankFailedError` with the rank's
     traceback. ``preload`` adds modules for the forkserver to import, which takes effect only when this
-    call starts the server (the first launch in this process).
+    call starts the server (the first launch in this process). ``launcher`` picks the environment each rank
+    gets (:func:`launcher_env`): torchrun's, Ray's as verl sets it, or SLURM's.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, *(m for m in preload if m not in _PRELOAD)])
@@ -100,7 +118,7 @@ def run_ranks(
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(rank, world_size, port, fn, args, dict(env or {}), child, local_world_size or world_size),
+            args=(rank, world_size, port, fn, args, dict(env or {}), child, local_world_size or world_size, launcher),
             name=f"rank{rank}",
         )
         p.start()

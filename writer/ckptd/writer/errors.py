@@ -57,6 +57,10 @@ class DuplicateSaveError(InvalidRequestError):
     """The same rank saved the same step twice while it was in flight."""
 
 
+class PlacementError(CkptdError, ValueError):
+    """This rank's global rank, world size or node cannot be told from the launcher's environment."""
+
+
 # --- capacity and time ----------------------------------------------------------------------------
 class ArenaError(CkptdError, MemoryError):
     """The staging arena cannot hold the request at all (larger than the whole arena)."""
@@ -77,6 +81,10 @@ class DaemonUnavailableError(CkptdError, ConnectionError):
 
 class DaemonShuttingDownError(DaemonUnavailableError):
     """The daemon is draining after SIGTERM and accepts no new saves."""
+
+
+class RootMismatchError(CkptdError, ValueError):
+    """The daemon on the socket writes to another checkpoint root than the one this client was given."""
 
 
 class StepFailedError(CkptdError, RuntimeError):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ckptd.client.megatron import introspect
+from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, check_extra_states, restore_extra_states
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
@@ -28,6 +30,7 @@ from ckptd.writer.format import (
     MAIN_PARAM,
     MEGATRON_CHECKPOINT_VERSION,
     MEGATRON_RECORD,
+    MODEL_PREFIX,
     OPTIM_META,
     RNG_RECORD,
     CommitManifest,
@@ -59,7 +62,7 @@ def load_checkpoint(
     root_or_client: str | CheckpointClient,
     step: int | str,
     model_chunks: Sequence[torch.nn.Module],
-    optimizer: MegatronOptimizer,
+    optimizer: MegatronOptimizer | None,
     *,
     strict: bool = True,
     rng: bool = True,
@@ -102,7 +105,7 @@ async def load_checkpoint_async(
     ckpt: CheckpointRoot,
     step: int | str,
     model_chunks: Sequence[torch.nn.Module],
-    optimizer: MegatronOptimizer,
+    optimizer: MegatronOptimizer | None,
     *,
     strict: bool = True,
     rng: bool = True,
@@ -110,8 +113,10 @@ async def load_checkpoint_async(
     """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed)."""
     which: int | Literal["latest"] = "latest" if step == "latest" else int(step)
     commit = await ckpt.read_commit(await ckpt.resolve(which))
-    layout = get_layout(model_chunks, optimizer)
     records = _saved_records(commit)
+    if optimizer is None:
+        return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng)
+    layout = get_layout(model_chunks, optimizer)
     try:
         _check_parallel_sizes(commit.step, records, layout)
     except LayoutMismatchError:
@@ -125,6 +130,10 @@ async def load_checkpoint_async(
             f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
         )
     source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
+    if not records[source][LAYOUT_FIELD]:
+        raise StateMismatchError(
+            f"step {commit.step} was saved without optimizer state: load it with optimizer=None (no_load_optim)"
+        )
     saved_layout = decode_layout(await ckpt.read_sidecar(records[source][LAYOUT_FIELD]))
 
     # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
@@ -135,6 +144,8 @@ async def load_checkpoint_async(
     _check_structure(saved_layout, layout)
     regions = _optimizer_regions(commit, layout, optimizer)
     rng_tensors = rng_template(commit, source) if rng else {}
+    source_objects = commit.objects[str(source)]
+    check_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
 
     # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place
     slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions))
@@ -142,7 +153,7 @@ async def load_checkpoint_async(
     await fill_async(ckpt, commit, {**template, **rng_tensors})
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
-    source_objects = commit.objects[str(source)]
+    restore_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
     if rng:
         restore_rng(rng_tensors, source_objects.get(RNG_RECORD))
     logger.info(
@@ -183,6 +194,47 @@ async def _load_merged(
         commit.step, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank, layout.pp_rank,
         layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
     )
+    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+
+
+async def _load_model_only(
+    ckpt: CheckpointRoot,
+    commit: CommitManifest,
+    records: Mapping[int, Record],
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    strict: bool,
+    rng: bool,
+) -> LoadedCheckpoint:
+    """The model alone (finetune, ``--no-load-optim``): model tensors are in model space, so any TP/PP/DP
+    loads them. RNG, ``_extra_state`` and ``extra`` come from the saved rank with this rank's coordinates,
+    and only when the saved TP/PP equal the live ones (they belong to a rank of the same layout)."""
+    ranks = introspect.parallel_ranks()
+    same_mp = {r: rec for r, rec in records.items()
+               if (rec["tp"], rec["pp"], rec["tp_size"], rec["pp_size"]) == (ranks.tp_rank, ranks.pp_rank,
+                                                                               ranks.tp_size, ranks.pp_size)}
+    source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == ranks.dp_rank), min(same_mp or records))
+    template = model_template(model_chunks)
+    plan_reads(commit, template)  # every model key, shape and dtype checked before anything is written
+    if strict and ranks.pp_size == 1 and all(rec["pp_size"] == 1 for rec in records.values()):
+        have = {sh.key for sh in template.values()}
+        extra = sorted(r.name for r in commit.arrays if r.name.startswith(MODEL_PREFIX) and r.name not in have)
+        if extra:
+            raise StateMismatchError(
+                f"{extra[0]}: in checkpoint step {commit.step} but not in the model (and {len(extra) - 1} more); "
+                "pass strict=False to ignore checkpoint keys the model lacks"
+            )
+    source_objects = commit.objects[str(source)] if same_mp else {}
+    if same_mp:
+        check_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
+    rng_tensors = rng_template(commit, source) if rng and same_mp else {}
+    await fill_async(ckpt, commit, {**template, **rng_tensors})
+    if same_mp:
+        restore_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
+    if rng_tensors:
+        restore_rng(rng_tensors, source_objects.get(RNG_RECORD))
+    logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
+                ranks.pp_rank, ranks.dp_rank)
     return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
 
 

@@ -35,8 +35,9 @@ def model_state(
       split is decided from shapes and DP size alone, identically on every rank, without a collective.
       Tensors smaller than ``min_split_bytes`` per rank's copy, or without an axis whose blocks align
       with the chunk grid, stay whole (written by DP rank 0, the main replica).
-    - ``ShardedObject``\\ s (``_extra_state``) with ``None`` data are skipped; ``BytesIO`` data are kept
-      as ``bytes`` and other plain data as is, under ``prefix + unique_key`` (main replicas only).
+    - ``_extra_state`` ``ShardedObject``\\ s are skipped (:mod:`.extra_state` saves them per rank); other
+      ``ShardedObject``\\ s with ``None`` data too; ``BytesIO`` data are kept as ``bytes`` and other plain
+      data as is, under ``prefix + unique_key`` (main replicas only).
 
     Non-main replicas are returned too (their Shard's ``replica_id`` is nonzero); the planner drops them.
     """
@@ -62,8 +63,8 @@ def model_state(
                         raise ShardLayoutError(f"{s.key}: region at {s.global_offset} appears twice in the model")
                     out[path] = s
             elif introspect.is_sharded_object(leaf):
-                if leaf.data is None or any(replica_tuple(leaf.replica_id)):
-                    continue
+                if leaf.data is None or any(replica_tuple(leaf.replica_id)) or leaf.key.endswith("_extra_state"):
+                    continue  # _extra_state: saved per rank from the modules themselves (extra_state.py)
                 data = leaf.data
                 if isinstance(data, io.BytesIO):
                     data = data.getvalue()

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckptd.client.megatron import introspect
+from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_states
 from ckptd.client.megatron.layout import Binding, bind, get_layout, rank_plan
 from ckptd.client.megatron.model import model_state
 from ckptd.client.megatron.optimizer import optimizer_shards, state_names
@@ -26,7 +28,7 @@ from ckptd.client.megatron.staged import (
     structure,
 )
 from ckptd.client.plan import ModuleWatch, StalePlanError, build_stage_plan
-from ckptd.client.state import Shard, plan_state
+from ckptd.client.state import Plan, Shard, plan_state
 from ckptd.writer.format import (
     EXTRA,
     LAYOUT_FIELD,
@@ -91,7 +93,7 @@ def save_plan(
         return plan
     model = model_state(model_chunks)
     objects = {k: v for k, v in model.items() if not isinstance(v, Shard)}
-    if objects:  # e.g. Transformer Engine's _extra_state: not stored yet (see docs/megatron.md)
+    if objects:  # _extra_state is saved apart (extra_state.py); other ShardedObjects are not
         logger.warning("rank %d: model ShardedObjects %s are not saved by ckptd", rank, sorted(objects)[:5])
     # detached views: staging reads them after the optimizer has updated the params in place
     state: dict[str, Shard] = {k: replace(v, data=v.data.detach()) for k, v in model.items() if isinstance(v, Shard)}
@@ -108,11 +110,32 @@ def save_plan(
     return plan
 
 
+def model_only_plan(model_chunks: Sequence[torch.nn.Module], rank: int) -> SavePlan:
+    """The cached :class:`SavePlan` of a save without optimizer (model tensors only; no layout sidecar)."""
+    chunk_ids = tuple(id(c) for c in model_chunks)
+    signature = _param_signature(model_chunks)
+    cache = rank_plan(model_chunks[0])
+    plan = cache.save
+    if plan is not None and (plan.chunk_ids, plan.signature) == (chunk_ids, signature):
+        return plan
+    model = model_state(model_chunks)
+    state = {k: replace(v, data=v.data.detach()) for k, v in model.items() if isinstance(v, Shard)}
+    ranks = introspect.parallel_ranks()
+    record = {
+        "version": MEGATRON_CHECKPOINT_VERSION, LAYOUT_FIELD: "", "tp": ranks.tp_rank, "tp_size": ranks.tp_size,
+        "pp": ranks.pp_rank, "pp_size": ranks.pp_size, "dp": ranks.dp_rank, "dp_size": ranks.dp_size,
+        "megatron_core": introspect.megatron_version(),
+    }
+    plan = SavePlan(chunk_ids, signature, (), "", record, plan_state(state, rank).shards)
+    cache.save = plan
+    return plan
+
+
 def save_checkpoint(
     client: CheckpointClient,
     step: int,
     model_chunks: Sequence[torch.nn.Module],
-    optimizer: MegatronOptimizer,
+    optimizer: MegatronOptimizer | None,
     *,
     extra: Mapping[str, object] | None = None,
     rng: bool = True,
@@ -121,8 +144,9 @@ def save_checkpoint(
 
     Call it on every rank, like Megatron-LM's ``save_checkpoint(iteration, model, optimizer, ...)``
     (``model_chunks`` is its ``model`` list of DDP-wrapped chunks, ``optimizer`` what
-    ``get_megatron_optimizer`` returned). Returns the :class:`~ckptd.client.client.SaveHandle` as soon as
-    the data is in the daemon's shared memory; training may go on and overwrite its tensors at once.
+    ``get_megatron_optimizer`` returned, or None to save the model alone). Returns the
+    :class:`~ckptd.client.client.SaveHandle` as soon as the data is in the daemon's shared memory;
+    training may go on and overwrite its tensors at once.
     ``handle.wait()`` blocks until the step committed (or raises why it did not).
 
     - model: ``sharded_state_dict()`` in model space (``model/<key>``), DP-replicated tensors split
@@ -130,6 +154,7 @@ def save_checkpoint(
     - optimizer: one contiguous slice per (buffer, bucket, state) of the padded bucket
       (``optim/<mp>/buf<g>/bucket<b>/<state>``), copied straight from the optimizer into the slot, plus
       its plain data (param groups, ``step``, grad scaler);
+    - modules' ``_extra_state`` (Transformer Engine's FP8 scaling), per rank, as plain data;
     - RNG (``rng=True``): torch (and CUDA, and Megatron's CUDA RNG tracker) states as per-rank arrays,
       Python's and NumPy's as plain data;
     - ``extra``: plain data (dict/list/str/int/float/bool/None): iteration, scheduler ``state_dict()``,
@@ -178,6 +203,9 @@ def _save_once(
         states = owned_states(staged.owned)
     objects[MEGATRON_RECORD] = staged.record
     objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
+    modules_extra = extra_states(model_chunks)
+    if modules_extra:
+        objects[EXTRA_STATE_RECORD] = modules_extra
     if extra is not None:
         objects[EXTRA] = dict(extra)
     return client.save_staged(
@@ -212,3 +240,23 @@ def _plan_staged(
         rank, len(stage_plan.metas), stage_plan.copies, stage_plan.span / 2**20,
     )
     return staged
+
+
+def _save_model_only(
+    client: CheckpointClient, step: int, model_chunks: Sequence[torch.nn.Module],
+    extra: Mapping[str, object] | None, rng: bool,
+) -> SaveHandle:
+    """A save without optimizer state: the model tensors (cached shard list), extra state, RNG, ``extra``."""
+    p = client.placement
+    plan = model_only_plan(model_chunks, p.rank)
+    objects: dict[str, Any] = {MEGATRON_RECORD: plan.record}
+    states = extra_states(model_chunks)
+    if states:
+        objects[EXTRA_STATE_RECORD] = states
+    if extra is not None:
+        objects[EXTRA] = dict(extra)
+    shards = list(plan.shards)
+    if rng:
+        rng_shards, objects[RNG_RECORD] = rng_state(p.rank, p.world_size)
+        shards += rng_shards
+    return client.save_plan(step, Plan(shards, objects))

@@ -1,0 +1,97 @@
+"""Modules' ``_extra_state`` (Transformer Engine's FP8 scaling factors and amax history) as plain data.
+
+TE modules override ``get_extra_state``/``set_extra_state``; the state is a ``torch.Tensor`` (a uint8
+buffer in recent TE) or an ``io.BytesIO`` (older TE), and it changes every step, so it is read at every
+save (cheap: a walk over the modules) rather than cached with the plan. It is per rank (TP-sharded
+layers keep their own amax), so each rank stores its own under ``extra_state`` in its objects, keyed by
+the module's name inside the unwrapped chunk; the loading rank restores the one of the saved rank it
+takes RNG and ``extra`` from (same TP/PP/DP coordinates).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ckptd.client.megatron import introspect
+from ckptd.client.state import dtype_name, torch_dtype
+from ckptd.writer.errors import InvalidRequestError, StateMismatchError
+
+EXTRA_STATE_RECORD = "extra_state"  # the per-rank objects entry: {"<chunk>/<module name>": encoded state}
+
+
+def _with_extra_state(model_chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module]]:
+    for i, chunk in enumerate(model_chunks):
+        for name, module in introspect.unwrap(chunk).named_modules():
+            if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
+                yield f"{i}/{name}", module
+
+
+def _b64(data: bytes) -> str:
+    # the per-rank objects are plain data (the commit manifest is JSON): bytes travel as base64
+    return base64.b64encode(data).decode("ascii")
+
+
+def _encode(name: str, state: object) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    if isinstance(state, io.BytesIO):
+        return {"kind": "bytesio", "b64": _b64(state.getvalue())}
+    if isinstance(state, torch.Tensor):
+        t = state.detach().cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"kind": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape), "b64": _b64(raw)}
+    if isinstance(state, bytes):
+        return {"kind": "bytes", "b64": _b64(state)}
+    if isinstance(state, str | int | float | bool):
+        return {"kind": "plain", "data": state}
+    raise InvalidRequestError(f"{name}: _extra_state of type {type(state).__name__} cannot be stored as plain data")
+
+
+def _decode(entry: Mapping[str, Any], like: object) -> object:
+    kind = entry["kind"]
+    if kind == "bytesio":
+        return io.BytesIO(base64.b64decode(entry["b64"]))
+    if kind == "bytes":
+        return base64.b64decode(entry["b64"])
+    if kind == "tensor":
+        dtype = torch_dtype(entry["dtype"])
+        raw = bytearray(base64.b64decode(entry["b64"]))
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        t = flat.view(dtype).reshape(entry["shape"]).clone()
+        return t.to(like.device) if isinstance(like, torch.Tensor) else t
+    return entry["data"]
+
+
+def extra_states(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """Every module's current ``_extra_state`` (those that have one), encoded as plain data."""
+    out = {}
+    for name, module in _with_extra_state(model_chunks):
+        enc = _encode(name, module.get_extra_state())
+        if enc is not None:
+            out[name] = enc
+    return out
+
+
+def check_extra_states(model_chunks: Sequence[torch.nn.Module], saved: object) -> None:
+    """:class:`StateMismatchError` if a module has extra state now but the checkpoint none (before any write)."""
+    saved = saved if isinstance(saved, Mapping) else {}
+    for name, module in _with_extra_state(model_chunks):
+        if name not in saved and module.get_extra_state() is not None:
+            raise StateMismatchError(f"{name}._extra_state: the module has extra state, the checkpoint none")
+
+
+def restore_extra_states(model_chunks: Sequence[torch.nn.Module], saved: object) -> int:
+    """Give each module its saved ``_extra_state`` back (``set_extra_state``); returns how many were set."""
+    saved = saved if isinstance(saved, Mapping) else {}
+    modules = dict(_with_extra_state(model_chunks))
+    count = 0
+    for name, module in modules.items():
+        if name in saved:
+            module.set_extra_state(_decode(saved[name], module.get_extra_state()))
+            count += 1
+    return count

@@ -1,0 +1,308 @@
+"""Megatron-LM's two checkpoint calls with their signatures, backed by ckptd (see docs/megatron.md).
+
+``megatron/training/training.py`` calls ``save_checkpoint(iteration, model, optimizer,
+opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context, ...)`` and
+``iteration, num_floating_point_operations_so_far = load_checkpoint(model, optimizer,
+opt_param_scheduler, load_arg='load', strict=True, ...)``; importing these two names from here instead
+of ``megatron.training.checkpointing`` is the whole change. What Megatron-LM's ``generate_state_dict``
+saves besides tensors is saved as plain data in each rank's ``extra["megatron_lm"]``:
+``checkpoint_version``, ``iteration``, ``opt_param_scheduler.state_dict()``,
+``num_floating_point_operations_so_far``, the data position (``consumed_train_samples``,
+``skipped_train_samples``, ``consumed_valid_samples``), the rerun state machine's state when it has one,
+and (rank 0) ``args`` as a plain dict. The ckptd step number is the iteration. After the step committed,
+rank 0 writes Megatron-LM's tracker ``<args.save>/latest_checkpointed_iteration.txt``: at once with a
+synchronous save, or from :func:`finalize_async_saves` with ``--async-save`` (Megatron-LM's
+``maybe_finalize_async_save``). ``args`` is Megatron-LM's ``get_args()`` namespace; pass ``args=`` to
+avoid the global.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptd.writer.errors import CheckpointNotFoundError, CkptdError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptd.client.client import CheckpointClient, SaveHandle
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker file, in args.save
+CHECKPOINT_VERSION = 3.0  # what Megatron-LM's generate_state_dict writes as checkpoint_version
+RECORD = "megatron_lm"  # the key in save_checkpoint's ``extra``
+_CONTEXT_KEY = "ckptd"
+_DEFAULT_CONTEXT: dict[str, Any] = {}  # used when the caller passes no checkpointing_context
+
+
+@dataclass
+class _Session:
+    """What one training run keeps between saves (in ``checkpointing_context["ckptd"]``)."""
+
+    client: CheckpointClient
+    save_dir: str
+    pending: list[tuple[int, SaveHandle]] = field(default_factory=list)
+    tracked: int | None = None
+
+
+def _get_args(args: argparse.Namespace | None) -> argparse.Namespace:
+    if args is not None:
+        return args
+    from megatron.training import get_args  # Megatron-LM itself, when the caller runs inside it
+
+    return get_args()  # type: ignore[no-any-return]
+
+
+def _flag(args: argparse.Namespace, name: str) -> bool:
+    return bool(getattr(args, name, False))
+
+
+def plain_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``vars(args)`` as plain data: numbers, strings, bools, None, lists and dicts; anything else by ``str``."""
+
+    def plain(v: object) -> object:
+        if v is None or isinstance(v, bool | int | float | str):
+            return v
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, Mapping):
+            return {str(k): plain(x) for k, x in v.items()}
+        return str(v)  # torch.dtype, enums, paths, ...
+
+    return {k: plain(v) for k, v in sorted(vars(args).items())}
+
+
+def _session(
+    args: argparse.Namespace, context: MutableMapping[str, Any] | None, client: CheckpointClient | None
+) -> _Session:
+    ctx = _DEFAULT_CONTEXT if context is None else context
+    session = ctx.get(_CONTEXT_KEY)
+    if isinstance(session, _Session) and (client is None or session.client is client):
+        return session
+    if client is None:
+        from ckptd.client.client import CheckpointClient
+
+        # the per-root default socket: a `ckptd serve --root <args.save>` on the node, else an embedded one
+        client = CheckpointClient(root=args.save, start_daemon=getattr(args, "ckptd_start_daemon", True))
+    session = _Session(client, str(args.save))
+    ctx[_CONTEXT_KEY] = session
+    _DEFAULT_CONTEXT[_CONTEXT_KEY] = session  # maybe_finalize_async_save() is called without the context
+    return session
+
+
+def save_checkpoint(
+    iteration: int,
+    model: Sequence[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: MutableMapping[str, Any] | None = None,
+    *,
+    args: argparse.Namespace | None = None,
+    client: CheckpointClient | None = None,
+    train_data_iterator: object = None,
+    **kwargs: object,
+) -> SaveHandle:
+    """Megatron-LM's ``save_checkpoint``: stage everything of ``iteration`` with ckptd; ckptd step = iteration.
+
+    Without ``args.async_save`` it returns once the step committed and the tracker file is written (like
+    Megatron-LM's synchronous save); with it, as soon as the data is staged, and
+    :func:`finalize_async_saves` writes the tracker later. ``args.no_save_optim`` saves the model alone,
+    ``args.no_save_rng`` skips RNG. Megatron-LM's other keyword arguments (``pipeline_rank``,
+    ``non_persistent_ckpt``, ...) are accepted and ignored: ckptd's layout does not depend on them.
+    """
+    from ckptd.client.megatron.save import save_checkpoint as ckptd_save
+
+    args = _get_args(args)
+    session = _session(args, checkpointing_context, client)
+    finalize_async_saves(checkpointing_context=checkpointing_context)  # earlier saves: errors and tracker first
+    rank = session.client.placement.rank
+    record = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": int(iteration),
+        "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+        "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
+        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+        "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
+        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+        "rerun_state_machine": _rerun_state(train_data_iterator),
+        "args": plain_args(args) if rank == 0 else None,  # once, not once per rank: it is ~1k entries
+    }
+    if kwargs:
+        logger.debug("rank %d: Megatron-LM save arguments ignored by ckptd: %s", rank, sorted(kwargs))
+    handle = ckptd_save(
+        session.client, int(iteration), list(model), None if _flag(args, "no_save_optim") else optimizer,
+        extra={RECORD: record}, rng=not _flag(args, "no_save_rng"),
+    )
+    session.pending.append((int(iteration), handle))
+    if not _flag(args, "async_save"):
+        finalize_async_saves(blocking=True, checkpointing_context=checkpointing_context)
+    return handle
+
+
+def finalize_async_saves(
+    blocking: bool = False, terminate: bool = False, checkpointing_context: MutableMapping[str, Any] | None = None
+) -> None:
+    """Megatron-LM's ``maybe_finalize_async_save(blocking, terminate)``: for saves that committed, write the
+    tracker (rank 0).
+
+    ``blocking`` waits for every pending save (Megatron-LM calls it before the next save and, with
+    ``terminate=True``, at exit; ckptd needs no worker to terminate); otherwise only what already finished
+    is handled. A save that failed raises its error here. Without ``checkpointing_context`` it finalizes
+    the saves of the last context used.
+    """
+    ctx = _DEFAULT_CONTEXT if checkpointing_context is None else checkpointing_context
+    session = ctx.get(_CONTEXT_KEY)
+    if not isinstance(session, _Session):
+        return
+    while session.pending:
+        iteration, handle = session.pending[0]
+        if blocking:
+            handle.wait()
+        elif not handle.done():
+            return
+        else:
+            handle.wait(0)  # raises the error of a failed save
+        session.pending.pop(0)
+        if session.client.placement.rank == 0 and (session.tracked is None or iteration > session.tracked):
+            write_tracker(session.save_dir, iteration, session.client.storage_options)
+            session.tracked = iteration
+
+
+def write_tracker(save_dir: str, iteration: int, storage_options: Mapping[str, object] | None = None) -> None:
+    """``<save_dir>/latest_checkpointed_iteration.txt`` = ``iteration`` (atomically on a local disk)."""
+    data = str(int(iteration)).encode()
+    if "://" not in save_dir or save_dir.startswith("file://"):
+        path = os.path.join(save_dir.removeprefix("file://"), TRACKER)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+        return
+    from ckptd.writer.backends import open_backend
+    from ckptd.writer.sync import run_sync
+
+    async def put() -> None:
+        async with await open_backend(save_dir, dict(storage_options or {})) as backend:
+            await backend.put(TRACKER, data)
+
+    run_sync(put())
+
+
+def read_tracker(load_dir: str) -> int | None:
+    """The iteration in a local ``latest_checkpointed_iteration.txt``, or None if there is none."""
+    try:
+        with open(os.path.join(load_dir, TRACKER)) as fh:
+            return int(fh.read().strip())
+    except FileNotFoundError:
+        return None
+
+
+def _rerun_state(train_data_iterator: object) -> object:
+    """The rerun state machine's state as plain data: None unless a step is being re-run."""
+    try:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+    except ImportError:
+        return None
+    state = get_rerun_state_machine().state_dict(train_data_iterator, "torch_dist")
+    if state is None:
+        return None
+    from ckptd.client.protocol import encode_objects
+
+    try:
+        encode_objects({"s": state})
+    except (CkptdError, TypeError, ValueError):  # its rank-level part is a ShardedObject: say so, save the rest
+        logger.warning("the rerun state machine's state is not plain data; ckptd does not save it")
+        return None
+    return state
+
+
+def load_checkpoint(
+    model: Sequence[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    load_arg: str = "load",
+    strict: bool = True,
+    checkpointing_context: MutableMapping[str, Any] | None = None,
+    skip_load_to_model_and_opt: bool = False,
+    *,
+    args: argparse.Namespace | None = None,
+    storage_options: Mapping[str, object] | None = None,
+    **kwargs: object,
+) -> tuple[int, float]:
+    """Megatron-LM's ``load_checkpoint``: returns ``(iteration, num_floating_point_operations_so_far)``.
+
+    Loads the newest committed step of ``getattr(args, load_arg)`` (or ``args.ckpt_step``); ``(0, 0)``
+    when there is none (an error with ``args.exit_on_missing_checkpoint``). Sets
+    ``args.consumed_train_samples``, ``skipped_train_samples`` and ``consumed_valid_samples`` and the
+    scheduler's state. ``args.finetune`` loads the model alone and starts at iteration 0 with the data
+    position at 0; ``args.no_load_optim`` skips optimizer and scheduler; ``args.no_load_rng`` (or
+    finetune) skips RNG. The optimizer's main params are re-copied from the model when its state is not
+    loaded (Megatron-LM's ``reload_model_params``).
+    """
+    from ckptd.client.megatron.load import load_checkpoint as ckptd_load
+
+    args = _get_args(args)
+    load_dir = getattr(args, load_arg, None)
+    if not load_dir or skip_load_to_model_and_opt:
+        return 0, 0.0
+    finetune = _flag(args, "finetune")
+    load_optim = optimizer is not None and not finetune and not _flag(args, "no_load_optim")
+    step = getattr(args, "ckpt_step", None) or "latest"
+    try:
+        loaded = ckptd_load(
+            str(load_dir), step, list(model), optimizer if load_optim else None, strict=strict,
+            rng=not (finetune or _flag(args, "no_load_rng")), storage_options=storage_options,
+        )
+    except CheckpointNotFoundError:
+        if _flag(args, "exit_on_missing_checkpoint"):
+            raise
+        logger.warning("no committed checkpoint under %s: training from scratch", load_dir)
+        return 0, 0.0
+    if optimizer is not None and not load_optim:
+        optimizer.reload_model_params()  # the fp32 main params must start from the loaded weights
+    extra = loaded.extra if isinstance(loaded.extra, Mapping) else {}
+    found = extra.get(RECORD)
+    record: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    if finetune:
+        return 0, 0.0
+    args.consumed_train_samples = int(record.get("consumed_train_samples", 0))
+    args.skipped_train_samples = int(record.get("skipped_train_samples", 0))
+    args.consumed_valid_samples = int(record.get("consumed_valid_samples", 0))
+    _update_num_microbatches(args.consumed_train_samples)
+    if load_optim and opt_param_scheduler is not None and record.get("opt_param_scheduler") is not None:
+        opt_param_scheduler.load_state_dict(dict(record["opt_param_scheduler"]))
+    if record.get("rerun_state_machine") is not None:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        get_rerun_state_machine().load_state_dict(record["rerun_state_machine"])
+    iteration = int(record.get("iteration", loaded.step))
+    logger.info("loaded iteration %d from %s (consumed samples %d)", iteration, load_dir, args.consumed_train_samples)
+    return iteration, float(record.get("num_floating_point_operations_so_far", 0.0))
+
+
+def _update_num_microbatches(consumed_samples: int) -> None:
+    """As Megatron-LM's load does: a batch-size ramp-up continues from the loaded data position."""
+    try:
+        from megatron.core import num_microbatches_calculator as calc
+    except ImportError:
+        return
+    if calc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:  # set up by Megatron-LM's initialize
+        calc.update_num_microbatches(consumed_samples=consumed_samples, verbose=True)
+
+
+def checkpoint_args(root: str, step: int | str = "latest", storage_options: Mapping[str, object] | None = None
+                    ) -> dict[str, Any]:
+    """The saving run's ``args`` (plain dict, from rank 0), e.g. for Megatron-LM's ``--use-checkpoint-args``."""
+    from ckptd.client.reader import read_commit
+
+    which: Any = step if step == "latest" else int(step)
+    commit = read_commit(root, which, storage_options=storage_options)
+    extra = commit.objects.get("0", {}).get("extra") or {}
+    return dict((extra.get(RECORD) or {}).get("args") or {})

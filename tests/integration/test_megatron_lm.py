@@ -1,0 +1,191 @@
+"""The Megatron-LM adapter called the way ``megatron/training/training.py`` calls its checkpointing.
+
+Megatron-LM is not pip-installable, so this harness plays its training loop: an ``argparse.Namespace``
+as ``get_args()`` returns it, megatron-core's ``OptimizerParamScheduler``, the iteration counter,
+``num_floating_point_operations_so_far`` and ``args.consumed_train_samples``; the toy GPT (real
+megatron-core, distributed optimizer, 2 gloo ranks) plus a module with Transformer-Engine-style
+``_extra_state``. One run trains N steps, saves (``--async-save``), trains M more (the reference) and
+finalizes; fresh processes with other initial weights load and train M steps: losses, learning rates,
+data position and extra state equal the uninterrupted run's. Finetune and model-only variants too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from ckptd.client.megatron.megatron_lm import TRACKER, checkpoint_args, load_checkpoint, read_tracker, save_checkpoint
+from ckptd.client.megatron.megatron_lm import finalize_async_saves as maybe_finalize_async_save
+from ckptd.client.reader import read_commit
+from ckptd.testing.launch import run_ranks
+from ckptd.testing.toy_gpt import build_gpt
+from ckptd.writer.errors import StateMismatchError
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(240)]
+
+N, M = 3, 2  # save at iteration N, then M more iterations
+GBS = 8  # global batch size: 4 micro-batches of 2
+
+
+class FP8Meta(torch.nn.Module):
+    """Stands in for a Transformer Engine module: no params, extra state that changes every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.amax = torch.zeros(4)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.amax.clone().view(torch.uint8)  # TE: a uint8 tensor
+
+    def set_extra_state(self, state: Any) -> None:
+        self.amax = state.view(torch.float32).clone()
+
+
+def _args(root: str, **over: Any) -> argparse.Namespace:
+    args = argparse.Namespace(
+        save=root, load=root, async_save=True, no_save_optim=False, no_save_rng=False, finetune=False,
+        no_load_optim=False, no_load_rng=False, exit_on_missing_checkpoint=False, ckpt_step=None,
+        consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0, global_batch_size=GBS,
+        micro_batch_size=2, train_iters=N + M, lr=1e-3, params_dtype=torch.float32, hidden_size=64,
+    )
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+def _setup(seed: int) -> tuple[Any, Any, Any, Any, FP8Meta]:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model, optimizer, train_step = build_gpt(seed=seed, data_seed=7)
+    fp8 = FP8Meta()
+    model[0].module.decoder.add_module("fp8_meta", fp8)
+    for group in optimizer.param_groups:  # Megatron-LM's OptimizerConfig sets these from --min-lr/--lr
+        group["max_lr"], group["min_lr"] = 1e-3, 1e-5
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=2 * GBS, lr_decay_steps=20 * GBS,
+        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=20 * GBS, wd_incr_style="constant",
+    )
+    return model, optimizer, train_step, scheduler, fp8
+
+
+def _train(iteration: int, steps: int, args: argparse.Namespace, train_step: Any, scheduler: Any, fp8: FP8Meta,
+           nfp: float) -> tuple[int, float, list[float], list[float]]:
+    """Megatron-LM's loop body: train_step, scheduler.step(increment=GBS), consumed samples, flops."""
+    losses, lrs = [], []
+    for _ in range(steps):
+        losses.append(train_step(iteration))
+        fp8.amax = fp8.amax + losses[-1]
+        iteration += 1
+        scheduler.step(increment=GBS)
+        args.consumed_train_samples += GBS
+        nfp += 1e9
+        lrs.append(scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+    return iteration, nfp, losses, lrs
+
+
+def _first_run(rank: int, world: int, root: str, model_only: bool) -> dict[str, Any]:
+    model, optimizer, train_step, scheduler, fp8 = _setup(seed=1234)
+    args = _args(root, no_save_optim=model_only, async_save=not model_only)  # model-only run: a synchronous save
+    ctx: dict[str, Any] = {}
+    iteration, nfp = load_checkpoint(model, optimizer, scheduler, args=args)  # nothing there yet
+    assert (iteration, nfp) == (0, 0.0)
+    iteration, nfp, _, _ = _train(iteration, N, args, train_step, scheduler, fp8, nfp)
+    saved_params = [p.detach().clone() for p in model[0].parameters()]
+    saved_amax = fp8.amax.clone()
+    save_checkpoint(iteration, model, optimizer, scheduler, nfp, checkpointing_context=ctx, args=args)
+    _, _, losses, lrs = _train(iteration, M, args, train_step, scheduler, fp8, nfp)
+    maybe_finalize_async_save(blocking=True, terminate=True)  # as training.py calls it at exit (no context)
+    return {"losses": losses, "lrs": lrs, "consumed": args.consumed_train_samples, "amax": saved_amax,
+            "params": saved_params}
+
+
+def _resume(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
+    model, optimizer, train_step, scheduler, fp8 = _setup(seed=99)  # other weights: only a load makes them equal
+    if mode == "optim_required":
+        try:
+            load_checkpoint(model, optimizer, scheduler, args=_args(root))
+        except StateMismatchError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
+    args = _args(root, finetune=mode == "finetune", no_load_optim=mode == "no_load_optim")
+    iteration, nfp = load_checkpoint(model, optimizer, scheduler, args=args)
+    params = [p.detach().clone() for p in model[0].parameters()]
+    out = {"iteration": iteration, "nfp": nfp, "consumed_at_load": args.consumed_train_samples,
+           "amax": fp8.amax.clone(), "params": params}
+    if mode == "resume":
+        _, _, out["losses"], out["lrs"] = _train(iteration, M, args, train_step, scheduler, fp8, nfp)
+        out["consumed"] = args.consumed_train_samples
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory, module_sockdir: str) -> tuple[str, list[dict[str, Any]]]:
+    from ckptd.testing.launch import DaemonProcess
+
+    root = str(tmp_path_factory.mktemp("mlm") / "ck")
+    d = DaemonProcess(root, os.path.join(module_sockdir, "mlm.sock"), "--arena-size", "64MiB", "--no-prefault")
+    d.wait_ready()
+    try:
+        # the adapter opens its own client from args.save; CKPTD_SOCKET points it at this daemon
+        return root, run_ranks(_first_run, 2, root, False, env={"CKPTD_SOCKET": d.socket})
+    finally:
+        d.stop()
+
+
+def test_resume_continues_like_the_uninterrupted_run(full_run: tuple[str, list[dict[str, Any]]]) -> None:
+    root, ref = full_run
+    assert read_tracker(root) == N and Path(root, TRACKER).read_text() == str(N)
+    got = run_ranks(_resume, 2, root, "resume")
+    for r in range(2):
+        assert (got[r]["iteration"], got[r]["nfp"], got[r]["consumed_at_load"]) == (N, N * 1e9, N * GBS)
+        assert got[r]["losses"] == ref[r]["losses"]  # bit-equal next losses
+        assert got[r]["lrs"] == ref[r]["lrs"]  # the scheduler came back
+        assert got[r]["consumed"] == ref[r]["consumed"] == (N + M) * GBS  # the data position
+        assert torch.equal(got[r]["amax"], ref[r]["amax"])  # _extra_state restored, not dropped
+    saved = checkpoint_args(root)
+    assert saved["hidden_size"] == 64 and saved["params_dtype"] == "torch.float32"
+    extra = read_commit(root, N).objects["1"]["extra"]["megatron_lm"]
+    assert extra["checkpoint_version"] == 3.0 and extra["args"] is None and extra["iteration"] == N
+
+
+def test_finetune_and_no_load_optim_load_the_model_alone(full_run: tuple[str, list[dict[str, Any]]]) -> None:
+    root, ref = full_run
+    ft = run_ranks(_resume, 2, root, "finetune")
+    for r in range(2):
+        assert (ft[r]["iteration"], ft[r]["nfp"], ft[r]["consumed_at_load"]) == (0, 0.0, 0)
+        assert all(torch.equal(a, b) for a, b in zip(ft[r]["params"], ref[r]["params"], strict=True))
+    nlo = run_ranks(_resume, 2, root, "no_load_optim")
+    assert nlo[0]["iteration"] == N and nlo[0]["consumed_at_load"] == N * GBS
+
+
+def test_model_only_save_loads_without_optimizer_and_refuses_with_one(tmp_path: Path, start_daemon) -> None:
+    root = str(tmp_path / "ck")
+    d = start_daemon(root)
+    ref = run_ranks(_first_run, 2, root, True, env={"CKPTD_SOCKET": d.socket})
+    assert read_tracker(root) == N  # written by the synchronous save, after the commit
+    commit = read_commit(root, N)
+    assert not any(a.name.startswith("optim/") for a in commit.arrays)
+    got = run_ranks(_resume, 2, root, "optim_required", env={"CKPTD_SOCKET": d.socket})
+    assert "without optimizer state" in got[0]["error"]
+    ft = run_ranks(_resume, 2, root, "finetune")
+    assert all(torch.equal(a, b) for a, b in zip(ft[1]["params"], ref[1]["params"], strict=True))
+
+
+def test_the_documented_training_py_imports_resolve() -> None:
+    """docs/megatron.md's replacement imports for training.py name what this module provides."""
+    doc = (Path(__file__).parents[2] / "docs" / "megatron.md").read_text()
+    section = doc.split("## Megatron-LM: change three imports", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```python\n")[1:]
+    lines = [ln for ln in blocks[1].split("```")[0].splitlines() if ln.startswith("from ckptd")]
+    assert len(lines) == 3
+    scope: dict[str, Any] = {}
+    exec("\n".join(lines), scope)  # our own doc's import lines
+    assert scope["save_checkpoint"] is save_checkpoint and scope["load_checkpoint"] is load_checkpoint
+    assert scope["maybe_finalize_async_save"] is maybe_finalize_async_save
