@@ -167,6 +167,8 @@ def save_checkpoint(
     structure's fingerprint (see :mod:`.staged`), does the batched copies and two short socket round trips
     naming the plan. A change of structure plans again. No collective.
     """
+    if optimizer is None:  # model only (Megatron-LM's --no-save-optim): the per-shard path
+        return _save_model_only(client, step, model_chunks, extra, rng)
     t0 = time.perf_counter()
     try:
         return _save_once(client, step, model_chunks, optimizer, extra, rng, t0)
