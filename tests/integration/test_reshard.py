@@ -112,7 +112,7 @@ def test_tp1dp2_to_tp2dp2_and_unmerged_refused(tmp_path: Path) -> None:
     same_tp = spawn_ranks(_load, 1, root, 1, False)[0]["losses"]
     assert same_tp[0] == original[0] and _close(same_tp, original), (same_tp, original)
     # without the merged layout, another TP is refused with the way out named
-    (Path(root) / "step_3" / "merged" / "MERGED").unlink()
+    (Path(root) / "step_3" / "merged" / "_ckptd" / "MERGED").unlink()
     with pytest.raises(Exception, match="ckptd merge") as err:
         spawn_ranks(_load, 4, root, 2, False)
     assert LayoutMismatchError.__name__ in str(err.value)

@@ -26,11 +26,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ckptd.client.fastread import ChunkReader
 from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard, torch_dtype
-from ckptd.writer.arrays import open_array, read_region
 from ckptd.writer.errors import StateMismatchError
-from ckptd.writer.fanout import bounded_map
-from ckptd.writer.format import ArrayRecord, CommitManifest, step_dir, validate_key
+from ckptd.writer.format import ArrayRecord, CommitManifest, validate_key
 from ckptd.writer.root import CheckpointRoot, open_root
 from ckptd.writer.sync import run_sync
 
@@ -88,14 +87,10 @@ async def fill_async(ckpt: CheckpointRoot, commit: CommitManifest, template: Map
     """Fill the template's tensors in place from ``commit``'s arrays, everything checked first
     (:func:`plan_reads`); reads bounded to :data:`READ_CONCURRENCY` at once."""
     targets = plan_reads(commit, template)
-    prefix = step_dir(commit.step)
-
-    async def one(shard: Shard) -> None:
-        arr = await open_array(ckpt.store, f"{prefix}/{shard.key}")
-        data = await read_region(arr, shard.global_offset, tuple(shard.data.shape))
-        copy_into(shard.data, data)
-
-    await bounded_map(one, targets, limit=READ_CONCURRENCY)
+    reader = ChunkReader(ckpt, commit)  # raw chunks straight into the tensors, crc32c checked
+    for shard in targets:
+        reader.add(shard.key, shard.data, shard.global_offset)
+    await reader.run()
 
 
 async def read_commit_async(
@@ -116,16 +111,12 @@ async def read_flat_async(
     """Async :func:`read_flat`; ``root`` may be an opened :class:`CheckpointRoot`."""
     clipped = _clip_flat(commit, regions)
     out = {k: torch.empty(hi - lo, dtype=torch_dtype(dt)) for k, (lo, hi, dt) in clipped.items()}
-    prefix = step_dir(commit.step)
-    todo = [(key, lo, hi) for key, (lo, hi, _dt) in clipped.items() if hi > lo]
     async with opened(root, storage_options) as ckpt:
-
-        async def one(item: tuple[str, int, int]) -> None:
-            key, lo, hi = item
-            arr = await open_array(ckpt.store, f"{prefix}/{key}")
-            copy_into(out[key], await read_region(arr, (lo,), (hi - lo,)))
-
-        await bounded_map(one, todo, limit=READ_CONCURRENCY)
+        reader = ChunkReader(ckpt, commit)
+        for key, (lo, hi, _dt) in clipped.items():
+            if hi > lo:
+                reader.add(key, out[key], (lo,))
+        await reader.run()
     return out
 
 
