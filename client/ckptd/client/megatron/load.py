@@ -17,11 +17,11 @@ import torch
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
-from ckptd.client.megatron.reshard import merged_optimizer_slices
+from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices
 from ckptd.client.megatron.rng import restore_rng, rng_template
 from ckptd.client.reader import fill_async, plan_reads, read_flat_async
 from ckptd.client.state import Shard, dtype_name
-from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, StateMismatchError
+from ckptd.writer.errors import CkptdError, InvalidRequestError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
     EXTRA,
     LAYOUT_FIELD,
@@ -68,18 +68,18 @@ def load_checkpoint(
     """Restore model, optimizer and RNG state saved by ``save_checkpoint``, in place, on every rank.
 
     ``root_or_client`` is the checkpoint root (path or URL) or a ``CheckpointClient``; ``step`` an int
-    or ``"latest"``. The tensor-parallel and pipeline-parallel sizes must equal the saving run's, or the
-    step must have been merged (``ckptd merge``); the data-parallel size may differ (each rank reads its
-    own slice of every stored bucket, clipped to the stored padding). No collective. The store is opened
-    once for the whole load and closed before returning.
+    or ``"latest"``. Any TP/PP/DP and any grad-buffer bucket layout loads: with the saving run's TP/PP and
+    buckets each rank reads its own slice of every stored bucket (clipped to the stored padding when DP
+    changed); otherwise each param's optimizer state is read from the merged layout when ``ckptd merge``
+    built one, else straight from the stored DP bucket slices through the saved layout sidecars (no merge
+    needed). No collective. The store is opened once for the whole load and closed before returning.
 
-    Everything is checked before any live tensor is written: another TP/PP without the merged layout
-    raises :class:`LayoutMismatchError`; a model key missing from the checkpoint, another global shape or
-    dtype, a param that sits elsewhere in the grad buffers, or (``strict``) a checkpoint key the model
-    lacks raises :class:`StateMismatchError` naming it. Model params come from the model arrays; the
-    optimizer's fp32 main params and states from the bucket slices. RNG state (``rng``) and ``extra``
-    come from the saved rank with this rank's TP/PP/DP coordinates (the same TP/PP and DP rank 0 when
-    that DP rank did not exist).
+    Everything is checked before any live tensor is written: a model key missing from the checkpoint,
+    another global shape or dtype, a param no saved state covers, or (``strict``, same layout) a
+    checkpoint key the model lacks raises :class:`StateMismatchError` naming it. Model params come from
+    the model arrays; the optimizer's fp32 main params and states from the bucket slices. RNG state
+    (``rng``) and ``extra`` come from the saved rank with this rank's TP/PP/DP coordinates (the same
+    TP/PP and DP rank 0 when that DP rank did not exist); RNG state is not restored across a TP/PP change.
     """
     root, opts = _root_of(root_or_client, storage_options)
 
@@ -112,27 +112,37 @@ async def load_checkpoint_async(
     commit = await ckpt.read_commit(await ckpt.resolve(which))
     layout = get_layout(model_chunks, optimizer)
     records = _saved_records(commit)
+    same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
+    template = model_template(model_chunks)
+    reason: CkptdError | None = None
     try:
         _check_parallel_sizes(commit.step, records, layout)
-    except LayoutMismatchError:
+        if not same_mp:
+            raise LayoutMismatchError(
+                f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
+            )
+    except LayoutMismatchError as exc:
+        reason = exc
+    if reason is None:
+        source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
+        saved_layout = decode_layout(await ckpt.read_sidecar(records[source][LAYOUT_FIELD]))
+        # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
+        plan_reads(commit, template)
+        if strict:
+            _check_no_extra_keys(commit, saved_layout, template)
+        try:
+            _check_structure(saved_layout, layout)
+        except StateMismatchError as exc:
+            reason = exc
+    if reason is not None:
+        # another TP/PP, or other buckets at the same TP/PP: the merged layout when present, else the saved
+        # DP bucket slices read through the layout sidecars (no merge needed)
+        logger.info("step %d: params sit elsewhere than at save time (%s); resharding on read", commit.step, reason)
         manifest = await ckpt.read_merged_manifest(commit.step)
-        if manifest is None:
-            raise
-        return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout)
-    same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
-    if not same_mp:
-        raise LayoutMismatchError(
-            f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
-        )
-    source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
-    saved_layout = decode_layout(await ckpt.read_sidecar(records[source][LAYOUT_FIELD]))
+        if manifest is not None:
+            return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout)
+        return await _load_resharded(ckpt, commit, records, model_chunks, optimizer, layout, rng=rng)
 
-    # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
-    template = model_template(model_chunks)
-    plan_reads(commit, template)
-    if strict:
-        _check_no_extra_keys(commit, saved_layout, template)
-    _check_structure(saved_layout, layout)
     regions = _optimizer_regions(commit, layout, optimizer)
     rng_tensors = rng_template(commit, source) if rng else {}
 
@@ -182,6 +192,51 @@ async def _load_merged(
         "loaded step %d from its merged layout (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
         commit.step, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank, layout.pp_rank,
         layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
+    )
+    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+
+
+async def _load_resharded(
+    ckpt: CheckpointRoot,
+    commit: CommitManifest,
+    records: Mapping[int, Record],
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    layout: MegatronLayout,
+    *,
+    rng: bool,
+) -> LoadedCheckpoint:
+    """Load into another parallel or bucket layout straight from the stored DP bucket slices.
+
+    One layout sidecar per saved model-parallel rank says where each saved param's state sits in the
+    stored buckets and where its pieces sit in model space (:func:`dp_optimizer_slices`). Plain optimizer
+    data as in :func:`_load_merged`. RNG state is restored only when TP and PP are unchanged (the saved
+    rank with this rank's coordinates).
+    """
+    template = model_template(model_chunks)
+    plan_reads(commit, template)
+    firsts: dict[tuple[int, int], int] = {}
+    for r, rec in sorted(records.items()):
+        firsts.setdefault((rec["tp"], rec["pp"]), r)
+    saved = [decode_layout(await ckpt.read_sidecar(records[r][LAYOUT_FIELD])) for r in firsts.values()]
+    slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout))
+    source = min(records)
+    same_mp = [r for r, rec in sorted(records.items()) if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)
+               and (rec["tp_size"], rec["pp_size"]) == (layout.tp_size, layout.pp_size)]
+    if same_mp:
+        source = next((r for r in same_mp if records[r]["dp"] == layout.dp_rank), same_mp[0])
+    rng_tensors = rng_template(commit, source) if rng and same_mp else {}
+    slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(source)][OPTIM_META])]
+    await fill_async(ckpt, commit, {**template, **rng_tensors})
+    drop_unsaved_state(optimizer, layout, slices)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    if rng_tensors:
+        restore_rng(rng_tensors, commit.objects[str(source)].get(RNG_RECORD))
+    saved_rec = records[source]
+    logger.info(
+        "loaded step %d from its DP layout without a merge (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of "
+        "TP=%d PP=%d DP=%d)", commit.step, saved_rec["tp_size"], saved_rec["pp_size"], saved_rec["dp_size"],
+        layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
     )
     return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
 
