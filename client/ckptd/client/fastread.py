@@ -29,10 +29,20 @@ import crc32c
 import numpy as np
 import torch
 
+from ckptd.client.protocol import RestoreShard
+from ckptd.client.restore import ArenaSource
 from ckptd.writer.arrays import chunk_selection, open_array, read_region
 from ckptd.writer.errors import CorruptCheckpointError
 from ckptd.writer.fanout import bounded_map
-from ckptd.writer.format import ArrayRecord, ChunkRecord, CommitManifest, chunk_key, itemsize, step_dir
+from ckptd.writer.format import (
+    ArrayRecord,
+    ChunkRecord,
+    CommitManifest,
+    ShardRecord,
+    chunk_key,
+    itemsize,
+    step_dir,
+)
 from ckptd.writer.root import CheckpointRoot
 
 #: chunks in flight at once (each holds a worker thread while it reads and checksums)
@@ -54,7 +64,10 @@ class _Job:
 class ChunkReader:
     """Reads regions of a committed step's arrays into tensors; one instance per load."""
 
-    def __init__(self, ckpt: CheckpointRoot, commit: CommitManifest, *, concurrency: int = CHUNK_CONCURRENCY) -> None:
+    def __init__(
+        self, ckpt: CheckpointRoot, commit: CommitManifest, *, concurrency: int = CHUNK_CONCURRENCY,
+        memory: ArenaSource | None = None,
+    ) -> None:
         self.ckpt = ckpt
         self.commit = commit
         self.prefix = step_dir(commit.step)
@@ -65,6 +78,9 @@ class ChunkReader:
         self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
         self.fast_bytes = 0
+        # in-memory restore: regions that are exactly a shard the daemon kept are copied from its arena
+        self.memory = memory if memory is not None and memory.step == commit.step else None
+        self.from_memory: list[tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]] = []
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
         """Fill ``dst`` with the region of array ``key`` that starts at ``offset`` (shape: ``dst.shape``).
@@ -73,6 +89,14 @@ class ChunkReader:
         rec = self.arrays[key]
         if dst.numel() == 0:
             return
+        if self.memory is not None:
+            hit = self.memory.find(key, tuple(offset), tuple(dst.shape))
+            stored = next((s for s in rec.shards if tuple(s.offset) == tuple(offset)
+                           and tuple(s.shape) == tuple(dst.shape)), None)
+            if hit is not None and stored is not None and hit.dtype == rec.torch_dtype and \
+                    hit.nbytes == dst.numel() * itemsize(rec.torch_dtype):
+                self.from_memory.append((key, dst, tuple(offset), hit, stored))
+                return
         if rec.codec != "raw" or sys.byteorder != "little":
             self.slow.append((key, dst, tuple(offset)))
             return
@@ -111,7 +135,18 @@ class ChunkReader:
                 self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
 
     async def run(self) -> None:
-        """Read every planned chunk (bounded concurrency), then the zarr-decoded remainder."""
+        """Copy what memory holds (checked), then read every planned chunk (bounded concurrency), then the
+        zarr-decoded remainder."""
+        if self.from_memory and self.memory is not None:
+            ok = await bounded_map(self._copy_from_memory, self.from_memory, limit=self.concurrency)
+            missed = [item for item, good in zip(self.from_memory, ok, strict=True) if not good]
+            pairs = list(zip(self.from_memory, ok, strict=True))
+            self.memory.served_bytes += sum(item[3].nbytes for item, good in pairs if good)
+            self.from_memory, memory, self.memory = [], self.memory, None
+            for key, dst, offset, _hit, _stored in missed:  # stale or damaged: read from storage
+                memory.rejected.append(key)
+                self.add(key, dst, offset)
+            self.memory = memory
         await bounded_map(self._one, self.jobs, limit=self.concurrency)
         for key, dst, offset in self.slow:
             arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
@@ -121,6 +156,35 @@ class ChunkReader:
         for staging, dst in self.copies:
             dst.copy_(staging)
         self.jobs, self.slow, self.copies = [], [], []
+
+    async def _copy_from_memory(
+        self, item: tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]
+    ) -> bool:
+        return await asyncio.to_thread(self._copy_checked, *item)
+
+    def _copy_checked(
+        self, key: str, dst: torch.Tensor, offset: tuple[int, ...], hit: RestoreShard, stored: ShardRecord
+    ) -> bool:
+        """Copy one kept shard out of the arena into ``dst``; True only if every chunk's crc32c matches the
+        commit manifest (the bytes are copied first and checked in the copy, so a range the daemon reuses
+        meanwhile cannot slip through)."""
+        if self.memory is None:
+            return False
+        rec = self.arrays[key]
+        item = itemsize(rec.torch_dtype)
+        target = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
+        flat = target.view(-1).view(torch.uint8).numpy()
+        flat[:] = np.frombuffer(self.memory.view[hit.offset : hit.offset + hit.nbytes], dtype=np.uint8)
+        typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
+        for ch in stored.chunks:
+            ext = chunk_selection(ch.coords, rec.chunks, rec.shape)
+            rel = tuple(slice(s.start - o, s.stop - o) for s, o in zip(ext, offset, strict=True))
+            block = np.ascontiguousarray(typed[rel])
+            if block.nbytes != ch.nbytes or int(crc32c.crc32c(block.data.cast("B"))) != ch.crc32c:
+                return False
+        if target is not dst:
+            dst.copy_(target)
+        return True
 
     async def _one(self, job: _Job) -> None:
         if self.local_root is not None:

@@ -21,6 +21,7 @@ from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
+from ckptd.daemon.restore import Retention
 from ckptd.daemon.writes import ShardWriter, first_leaf
 from ckptd.writer.backends import Backend
 from ckptd.writer.commit import CheckpointWriter
@@ -74,6 +75,8 @@ class CheckpointService:
         self._background: set[asyncio.Task[None]] = set()
         self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
+        self.retention = Retention(arena)  # in-memory restore of the newest committed step
+        self.writer.retention = self.retention
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -203,6 +206,9 @@ class CheckpointService:
                 await self._note_failure(job, err)
         else:
             job.mark_committed()
+            self.retention.step_committed(job.step)
+        if job.error is not None:  # failed: its kept slots serve no restore
+            self.retention.step_failed(job.step)
         self._log_step(job)
 
     async def _note_failure(self, job: StepJob, exc: CkptdError) -> None:

@@ -20,6 +20,7 @@ from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_
 from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices
 from ckptd.client.megatron.rng import restore_rng, rng_template
 from ckptd.client.reader import fill_async, plan_reads, read_flat_async
+from ckptd.client.restore import arena_source
 from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError, InvalidRequestError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
@@ -53,6 +54,7 @@ class LoadedCheckpoint:
     step: int
     extra: object  # the ``extra`` plain data given to save_checkpoint (None if there was none)
     source_rank: int  # the saved rank whose RNG state and ``extra`` were restored
+    from_memory_bytes: int = 0  # bytes copied from the daemon's arena (in-memory restore), checksummed
 
 
 def load_checkpoint(
@@ -83,9 +85,12 @@ def load_checkpoint(
     """
     root, opts = _root_of(root_or_client, storage_options)
 
+    client = None if isinstance(root_or_client, str) else root_or_client
+
     async def run() -> LoadedCheckpoint:
         async with open_root(root, opts) as ckpt:
-            return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng)
+            return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng,
+                                               client=client)
 
     return run_sync(run())
 
@@ -106,8 +111,12 @@ async def load_checkpoint_async(
     *,
     strict: bool = True,
     rng: bool = True,
+    client: CheckpointClient | None = None,
 ) -> LoadedCheckpoint:
-    """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed)."""
+    """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed).
+
+    With ``client``, a same-layout load first asks its daemon for the step's shards kept in memory
+    (in-memory restore, :mod:`ckptd.client.restore`) and reads the rest from storage."""
     which: int | Literal["latest"] = "latest" if step == "latest" else int(step)
     commit = await ckpt.read_commit(await ckpt.resolve(which))
     layout = get_layout(model_chunks, optimizer)
@@ -146,10 +155,12 @@ async def load_checkpoint_async(
     regions = _optimizer_regions(commit, layout, optimizer)
     rng_tensors = rng_template(commit, source) if rng else {}
 
-    # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place
-    slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions))
+    # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place;
+    # what the node's daemon still holds of this step comes from its arena (checked against the manifest)
+    memory = arena_source(client, commit.step) if client is not None else None
+    slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions, memory=memory))
     slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
-    await fill_async(ckpt, commit, {**template, **rng_tensors})
+    await fill_async(ckpt, commit, {**template, **rng_tensors}, memory=memory)
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
     source_objects = commit.objects[str(source)]
@@ -159,7 +170,11 @@ async def load_checkpoint_async(
         "loaded step %d (tp%d pp%d dp%d/%d, saved at DP %d)",
         commit.step, layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.dp_size, records[source]["dp_size"],
     )
-    return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source)
+    if memory is not None:
+        logger.info("step %d: %d bytes restored from the daemon's memory (%d regions fell back to storage)",
+                    commit.step, memory.served_bytes, len(memory.rejected))
+    return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source,
+                            memory.served_bytes if memory is not None else 0)
 
 
 async def _load_merged(
