@@ -48,6 +48,7 @@ from ckptd.writer.root import CheckpointRoot
 #: chunks in flight at once (each holds a worker thread while it reads and checksums)
 CHUNK_CONCURRENCY = 8
 _CRC = 4
+_PIECE = 1 << 20  # read + checksum granularity (fits the CPU cache)
 
 
 @dataclass
@@ -210,13 +211,14 @@ def _contiguous_run(rel: Sequence[slice], shape: Sequence[int]) -> tuple[int, in
     return start, math.prod(s.stop - s.start for s in rel)
 
 
-def _check(job: _Job, data: memoryview, trailer: bytes) -> None:
+def _check(job: _Job, data: memoryview, trailer: bytes, crc: int | None = None) -> None:
     want = job.chunk.nbytes
     if data.nbytes != want or len(trailer) != _CRC:
         raise CorruptCheckpointError(
             f"{job.path}: chunk holds {data.nbytes + len(trailer)} bytes, the manifest recorded {want} + {_CRC}"
         )
-    crc = int(crc32c.crc32c(data))
+    if crc is None:
+        crc = int(crc32c.crc32c(data))
     stored = int.from_bytes(trailer, "little")
     if crc != stored or crc != job.chunk.crc32c:
         raise CorruptCheckpointError(
@@ -238,17 +240,23 @@ def _read_local(path: str, job: _Job) -> None:
             )
         scratch = job.direct if job.direct is not None else np.empty(job.chunk.nbytes, dtype=np.uint8)
         body = scratch.data
+        # read and checksum piece by piece: each piece is checksummed while it is still in the CPU cache
+        crc, pos = 0, 0
+        while pos < body.nbytes:
+            piece = body[pos : pos + _PIECE]
+            _preadv_all(fd, [piece], path, pos)
+            crc = crc32c.crc32c(piece, crc)
+            pos += piece.nbytes
         trailer = bytearray(_CRC)
-        _preadv_all(fd, [body, memoryview(trailer)], path)
+        _preadv_all(fd, [memoryview(trailer)], path, body.nbytes)
     finally:
         os.close(fd)
-    _check(job, body, bytes(trailer))
+    _check(job, body, bytes(trailer), crc)
     if job.direct is None:
         _scatter(job, body)
 
 
-def _preadv_all(fd: int, bufs: list[memoryview], path: str) -> None:
-    pos = 0
+def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> None:
     while bufs:
         n = os.preadv(fd, bufs, pos)
         if n == 0:
