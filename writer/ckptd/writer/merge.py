@@ -13,8 +13,8 @@ param lives; Megatron's own checkpoints do not record it.
 Output, next to the step's model arrays (which are in model space already):
 
     step_N/merged/optimizer.state.<state>.<model key>   zarr v3, the model array's global shape and grid
-    step_N/merged/_progress/<task>.json                  one per finished bucket (makes reruns resume)
-    step_N/merged/MERGED                                 manifest, written last: the merge's commit
+    step_N/merged/_ckptd/_progress/<task>.json           one per finished bucket (makes reruns resume)
+    step_N/merged/_ckptd/MERGED                          manifest, written last: the merge's commit
 
 Memory is bounded by the work in flight: each worker holds one bucket's state array (plus the chunk
 being written), whatever the model size. Workers run over (model-parallel rank, buffer, bucket).
