@@ -131,7 +131,7 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
     assert run_ranks(rank_load, 4, root, [("latest", 2), (1, 1)], 2, opts, env=env) == [True] * 4
 
     client = s3.client()
-    commit = decode_commit(client.get_object(Bucket=BUCKET, Key=f"{prefix}/step_2/COMMITTED")["Body"].read())
+    commit = decode_commit(client.get_object(Bucket=BUCKET, Key=f"{prefix}/step_2/_ckptd/COMMITTED")["Body"].read())
     arrays = {a.name: a for a in commit.arrays}
     # Arrays spanning both nodes keep the rank grid: one object per writer.
     assert arrays["model/w"].chunks == [4, 6] and sorted(s.rank for s in arrays["model/w"].shards) == [0, 1, 2, 3]
@@ -249,7 +249,7 @@ def test_faults_on_every_request_fail_the_step_typed_and_bounded(
 
     # Nothing earlier was harmed, step 2 never committed, and the daemon still serves.
     _check_loads(root, s3.endpoint_url, 1)
-    assert s3.list_keys(BUCKET, "doomed/step_2/COMMITTED") == []
+    assert s3.list_keys(BUCKET, "doomed/step_2/_ckptd/COMMITTED") == []
     client = CheckpointClient(d0.socket, placement=Placement(0, 1, 1, 0), timeout_s=30)
     client.save(3, _fault_state(3)).wait(60)
     _check_loads(root, s3.endpoint_url, 3)

@@ -106,7 +106,7 @@ class ChunkReader:
             target = torch.empty(dst.shape, dtype=dst.dtype)
             self.copies.append((target, dst))
         item = itemsize(rec.torch_dtype)
-        flat = target.view(-1).view(torch.uint8).numpy()
+        flat = target.detach().view(-1).view(torch.uint8).numpy()
         typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
         self._plan(rec, typed, flat, tuple(offset), item)
 
@@ -174,7 +174,7 @@ class ChunkReader:
         rec = self.arrays[key]
         item = itemsize(rec.torch_dtype)
         target = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
-        flat = target.view(-1).view(torch.uint8).numpy()
+        flat = target.detach().view(-1).view(torch.uint8).numpy()
         flat[:] = np.frombuffer(self.memory.view[hit.offset : hit.offset + hit.nbytes], dtype=np.uint8)
         typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
         for ch in stored.chunks:
