@@ -78,7 +78,7 @@ def _save(rank: int, world: int, socket_path: str, workdir: str, cfg: dict[str, 
     client = CheckpointClient(socket_path, timeout_s=600)
     save_checkpoint(client, STEP, model, optimizer, extra={"iteration": STEP}).wait(1200)
     client.close()
-    mdir = os.path.join(workdir, "megatron")
+    mdir = os.path.join(workdir, "load-megatron")
     if rank == 0:
         os.makedirs(mdir, exist_ok=True)
     dist.barrier()
@@ -102,7 +102,7 @@ def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list
 
     model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **cfg)
     train_step(0)  # live optimizer state exists (as in a restarted job before its load)
-    root = os.path.join(workdir, "ckptd")
+    root = os.path.join(workdir, "load-ckptd")
     files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}")) for f in fs)
     mine = files[rank::world]
     buf = torch.empty(max((os.path.getsize(f) for f in mine), default=1), dtype=torch.uint8)
@@ -119,7 +119,7 @@ def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list
         from megatron.core.utils import unwrap_model
 
         with torch.no_grad():  # the loaded tensors replace params in place
-            state = dist_checkpointing.load(_sharded(model, optimizer, True), os.path.join(workdir, "megatron"))
+            state = dist_checkpointing.load(_sharded(model, optimizer, True), os.path.join(workdir, "load-megatron"))
             unwrap_model(model[0]).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
 
@@ -161,7 +161,7 @@ def _slowest(results: list[dict[str, Any]], key: str) -> float | None:
     if any(not r.get(key) for r in results):
         return None
     n = min(len(r[key]) for r in results)
-    return round(float(statistics.median(max(r[key][i] for r in results) for i in range(n))), 4)
+    return round(float(statistics.median(max(r[key][i] for r in results) for i in range(n))), 6)
 
 
 def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
@@ -172,11 +172,11 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     from bench_megatron import _gpt_params
 
     arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64
-    root = os.path.join(workdir, "ckptd")
+    root = os.path.join(workdir, "load-ckptd")
     sock = os.path.join(workdir, "load.sock")
     daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1",
                            log_path=os.path.join(workdir, "load-daemon.log"))
-    paths = [root, os.path.join(workdir, "megatron")]
+    paths = [root, os.path.join(workdir, "load-megatron")]
     try:
         daemon.wait_ready(300)
         saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
