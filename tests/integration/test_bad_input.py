@@ -229,7 +229,7 @@ def test_cross_rank_inconsistency_fails_the_step(served, case, state1):
     state0 = {"w": Shard("w", torch.zeros(4), (8,), (0,))}
     errors = _two_rank_step(d.socket, 60, state0, state1)
     assert all(isinstance(e, ShardLayoutError) for e in errors), (case, errors)
-    assert not os.path.exists(os.path.join(root, "step_60", "COMMITTED"))
+    assert not os.path.exists(os.path.join(root, "step_60", "_ckptd", "COMMITTED"))
 
 
 def test_another_user_cannot_connect_or_map_the_arena(served):

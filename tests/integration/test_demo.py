@@ -30,7 +30,7 @@ def test_demo_json(tmp_path: Path) -> None:
     assert out["bytes_per_step"] > 1 << 20
     assert 0 < out["stall_s_median"] < 30
     assert all(p["bytes"] == out["bytes_per_step"] for p in out["per_step"])
-    assert sorted(os.listdir(root)) == [".ckptd-demo", "_sidecars", "latest", "step_4", "step_8", "zarr.json"]
+    assert sorted(os.listdir(root)) == [".ckptd-demo", "_ckptd", "step_4", "step_8", "zarr.json"]
 
     # any other non-empty directory is refused, untouched
     other = tmp_path / "other"

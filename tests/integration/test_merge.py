@@ -134,10 +134,10 @@ def _merged_digest(root: str) -> str:
     base = Path(root) / "step_1" / "merged"
     for path in sorted(base.rglob("*")):
         rel = path.relative_to(base)
-        if path.is_dir() or rel.parts[0] == "_progress" or rel.name == "MERGED":
+        if path.is_dir() or rel.parts[:2] == ("_ckptd", "_progress") or rel.name == "MERGED":
             continue
         h.update(str(rel).encode() + path.read_bytes())
-    merged = json.loads((base / "MERGED").read_text())
+    merged = json.loads((base / "_ckptd" / "MERGED").read_text())
     merged.pop("committed_at")
     h.update(json.dumps(merged, sort_keys=True).encode())
     return h.hexdigest()
@@ -152,13 +152,13 @@ def test_merge_killed_and_rerun_gives_identical_output(start_daemon, tmp_path):
     proc = subprocess.Popen(
         [*CLI, "merge", root, "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    progress = Path(root) / "step_1" / "merged" / "_progress"
+    progress = Path(root) / "step_1" / "merged" / "_ckptd" / "_progress"
     deadline = time.monotonic() + 60
     while not (progress.exists() and any(progress.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (Path(root) / "step_1" / "merged" / "MERGED").exists(), "the merge finished before the kill"
+    assert not (Path(root) / "step_1" / "merged" / "_ckptd" / "MERGED").exists(), "the merge finished before the kill"
     out = json.loads(subprocess.run([*CLI, "merge", root, "--json"], capture_output=True, text=True,
                                     check=True).stdout)
     assert out["tasks_skipped"] >= 1

@@ -135,13 +135,13 @@ def test_two_nodes_four_ranks_round_trip_bit_exact(start_daemon, tmp_path):
     assert run_ranks(rank_load_check, 4, root, 10, 10) == [True] * 4
 
     # Replicated tensors were written once (rank 0), sharded ones once per owner, by the right node.
-    commit = decode_commit((tmp_path / "ckpt" / "step_20" / "COMMITTED").read_bytes())
+    commit = decode_commit((tmp_path / "ckpt" / "step_20" / "_ckptd" / "COMMITTED").read_bytes())
     writers = {a.name: sorted(s.rank for s in a.shards) for a in commit.arrays}
     assert writers == {"model/w": [0, 1, 2, 3], "model/emb": [0, 1, 2, 3], "model/bias": [0],
                        "counts": [0, 1, 2, 3], "replicated": [0]}
-    part1 = decode_part((tmp_path / "ckpt" / "step_20" / "_parts" / "node-1.json").read_bytes())
+    part1 = decode_part((tmp_path / "ckpt" / "step_20" / "_ckptd" / "_parts" / "node-1.json").read_bytes())
     assert part1.ranks == [2, 3] and {s.rank for a in part1.arrays for s in a.shards} == {2, 3}
-    assert (tmp_path / "ckpt" / "latest").read_text() == "20"
+    assert (tmp_path / "ckpt" / "_ckptd" / "latest").read_text() == "20"
 
     # Any zarr v3 reader gets the bytes without ckptd: bf16 is raw uint16 bits plus a dtype attribute.
     emb = zarr.open_array(store=str(tmp_path / "ckpt"), path="step_20/model/emb", mode="r")
@@ -185,7 +185,7 @@ def test_daemon_kill_9_mid_save(start_daemon, tmp_path):
     with pytest.raises(DaemonUnavailableError):
         handle.wait(timeout=10)
     assert time.monotonic() - t0 < 10
-    assert not (tmp_path / "ckpt" / "step_2" / "COMMITTED").exists()
+    assert not (tmp_path / "ckpt" / "step_2" / "_ckptd" / "COMMITTED").exists()
 
     from ckptd.client.reader import load
 
@@ -214,7 +214,7 @@ def test_sigterm_drains_in_flight_save(start_daemon, tmp_path):
     client.save(7, state)
     d0.proc.send_signal(signal.SIGTERM)
     assert d0.proc.wait(60) == 0
-    assert (tmp_path / "ckpt" / "step_7" / "COMMITTED").exists()
+    assert (tmp_path / "ckpt" / "step_7" / "_ckptd" / "COMMITTED").exists()
     log = Path(d0.log_path).read_text()  # type: ignore[arg-type]
     assert "draining 1 in-flight step" in log and "step=7 node=0 state=committed" in log
 
@@ -231,7 +231,7 @@ def test_retention_keeps_newest_and_gc_cli(start_daemon, tmp_path):
     subprocess.run([*cli, "gc", root, "--keep", "1"], check=True, capture_output=True)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_4"]
     subprocess.run([*cli, "gc", root, "--keep", "0"], check=True, capture_output=True)
-    assert (tmp_path / "ckpt" / "step_4" / "COMMITTED").exists()  # never the only committed step
+    assert (tmp_path / "ckpt" / "step_4" / "_ckptd" / "COMMITTED").exists()  # never the only committed step
     out = subprocess.run([*cli, "ls", root, "--json"], check=True, capture_output=True, text=True)
     assert [(r["step"], r["committed"]) for r in json.loads(out.stdout)] == [(4, True)]
 
@@ -249,7 +249,7 @@ def test_coordinator_failure_reaches_other_nodes_and_retry_commits(start_daemon,
         with pytest.raises(SaveTimeoutError, match="failed on the coordinator"):
             handles[r].wait(60)
     assert time.monotonic() - t0 < 30  # not the 600 s commit timeout
-    assert (tmp_path / "ckpt" / "step_30" / "FAILED").exists()
+    assert (tmp_path / "ckpt" / "step_30" / "_ckptd" / "FAILED").exists()
     # the same step saved again by all ranks commits: the old failure note does not poison the retry
     for c in clients.values():
         with contextlib.suppress(CkptdError):
@@ -257,5 +257,5 @@ def test_coordinator_failure_reaches_other_nodes_and_retry_commits(start_daemon,
     retry = [clients[r].save(30, expected_state(r, 4, 30)) for r in range(4)]
     for h in retry:
         h.wait(60)
-    assert (tmp_path / "ckpt" / "step_30" / "COMMITTED").exists()
-    assert not (tmp_path / "ckpt" / "step_30" / "FAILED").exists()
+    assert (tmp_path / "ckpt" / "step_30" / "_ckptd" / "COMMITTED").exists()
+    assert not (tmp_path / "ckpt" / "step_30" / "_ckptd" / "FAILED").exists()

@@ -131,7 +131,7 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
     assert run_ranks(rank_load, 4, root, [("latest", 2), (1, 1)], 2, opts, env=env) == [True] * 4
 
     client = s3.client()
-    commit = decode_commit(client.get_object(Bucket=BUCKET, Key=f"{prefix}/step_2/COMMITTED")["Body"].read())
+    commit = decode_commit(client.get_object(Bucket=BUCKET, Key=f"{prefix}/step_2/_ckptd/COMMITTED")["Body"].read())
     arrays = {a.name: a for a in commit.arrays}
     # Arrays spanning both nodes keep the rank grid: one object per writer.
     assert arrays["model/w"].chunks == [4, 6] and sorted(s.rank for s in arrays["model/w"].shards) == [0, 1, 2, 3]
@@ -141,9 +141,10 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
         rec = arrays[f"tp{node}/bias"]
         assert rec.chunks == [4, 3] and [s.rank for s in rec.shards] == [2 * node]
         assert s3.list_keys(BUCKET, f"{prefix}/step_2/tp{node}/bias/c/") == [f"{prefix}/step_2/tp{node}/bias/c/0/0"]
-    part1 = decode_part(client.get_object(Bucket=BUCKET, Key=f"{prefix}/step_2/_parts/node-1.json")["Body"].read())
+    part_key = f"{prefix}/step_2/_ckptd/_parts/node-1.json"
+    part1 = decode_part(client.get_object(Bucket=BUCKET, Key=part_key)["Body"].read())
     assert part1.ranks == [2, 3]
-    assert client.get_object(Bucket=BUCKET, Key=f"{prefix}/latest")["Body"].read() == b"2"
+    assert client.get_object(Bucket=BUCKET, Key=f"{prefix}/_ckptd/latest")["Body"].read() == b"2"
 
     # Any zarr v3 reader gets the packed array without ckptd.
     import zarr
@@ -164,13 +165,13 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
     assert [r["ok"] for r in json.loads(out.stdout)] == [True, True]
 
     # A failed step 0 left data and an unfinished multipart upload; step 1 left one too.
-    client.put_object(Bucket=BUCKET, Key=f"{prefix}/step_0/_parts/node-0.json", Body=b"{}")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/step_0/_ckptd/_parts/node-0.json", Body=b"{}")
     client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_0/model/w/c/0/0")
     client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_1/model/w/c/1/0")
     out = cli("gc", root, "--keep", "1", *flags, env=env)
     assert out.returncode == 0, out.stderr
     left = {k.split("/")[1] for k in s3.list_keys(BUCKET, f"{prefix}/")}
-    assert left == {"step_2", "latest", "zarr.json"}
+    assert left == {"step_2", "_ckptd", "zarr.json"}
     uploads = client.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{prefix}/").get("Uploads", [])
     assert uploads == []
     for rank in (0, 3):
@@ -248,7 +249,7 @@ def test_faults_on_every_request_fail_the_step_typed_and_bounded(
 
     # Nothing earlier was harmed, step 2 never committed, and the daemon still serves.
     _check_loads(root, s3.endpoint_url, 1)
-    assert s3.list_keys(BUCKET, "doomed/step_2/COMMITTED") == []
+    assert s3.list_keys(BUCKET, "doomed/step_2/_ckptd/COMMITTED") == []
     client = CheckpointClient(d0.socket, placement=Placement(0, 1, 1, 0), timeout_s=30)
     client.save(3, _fault_state(3)).wait(60)
     _check_loads(root, s3.endpoint_url, 3)

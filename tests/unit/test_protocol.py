@@ -58,6 +58,7 @@ requests = st.one_of(
     ),
     st.builds(p.ReleaseRequest, v=st.just(V), lease_id=i64),
     st.builds(p.StatusRequest, v=st.just(V), step=i64, wait_s=finite),
+    st.builds(p.RestoreRequest, v=st.just(V), step=i64),
 )
 
 replies = st.one_of(
@@ -74,6 +75,11 @@ replies = st.one_of(
     ),
     st.builds(p.Released, v=st.just(V), lease_id=i64),
     st.builds(p.ErrorReply, v=st.just(V), code=text, message=text),
+    st.builds(
+        p.RestoreReply, v=st.just(V), step=i64,
+        shards=st.lists(st.builds(p.RestoreShard, key=text, dtype=text, global_offset=st.lists(u32, max_size=4),
+                                  shape=st.lists(u32, max_size=4), offset=u32, nbytes=u32), max_size=3),
+    ),
 )
 
 
@@ -106,10 +112,10 @@ def test_every_reply_round_trips(msg: Any) -> None:
 def test_every_message_type_is_covered_by_the_strategies() -> None:
     """A new message type must be added to the strategies above, or it would go untested."""
     assert {t.__name__ for t in p.Request.__args__} == {
-        "Hello", "LeaseRequest", "SaveRequest", "ReleaseRequest", "StatusRequest"
+        "Hello", "LeaseRequest", "SaveRequest", "ReleaseRequest", "StatusRequest", "RestoreRequest"
     }
     assert {t.__name__ for t in p.Reply.__args__} == {
-        "Welcome", "LeaseGranted", "SaveAccepted", "StepStatus", "Released", "ErrorReply"
+        "Welcome", "LeaseGranted", "SaveAccepted", "StepStatus", "Released", "ErrorReply", "RestoreReply"
     }
 
 

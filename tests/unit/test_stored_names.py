@@ -184,7 +184,7 @@ def _run(root: Path, renamed: dict[str, str]) -> dict[str, Any]:
 def test_default_names_agree(tmp_path: Path) -> None:
     result = _run(tmp_path / "ckpt", {})
     assert any(n.startswith("step_1/optim/tp0.pp0/buf0/bucket0/param/") for n in result["stored"])
-    assert "step_1/merged/MERGED" in result["stored"]
+    assert "step_1/merged/_ckptd/MERGED" in result["stored"]
     assert "merged/optimizer.state.exp_avg.layers.fc1" in result["merged_arrays"]
 
 
@@ -193,8 +193,8 @@ def test_renamed_prefixes_still_agree(tmp_path: Path, names: dict[str, str]) -> 
     result = _run(tmp_path / "ckpt", names)
     stored = result["stored"]
     assert any(n.startswith("step_1/opt.state/tp0.pp0/buf0/bucket0/main/") for n in stored)
-    assert "step_1/resharded/DONE" in stored
-    assert any(n.startswith("step_1/resharded/_prog/") for n in stored)
+    assert "step_1/resharded/_ckptd/DONE" in stored
+    assert any(n.startswith("step_1/resharded/_ckptd/_prog/") for n in stored)
     assert "resharded/opt.st.exp_avg.layers.fc1" in result["merged_arrays"]
     leaked = [n for n in stored if any(old in n for old in DEFAULT_SPELLINGS)]
     assert not leaked, leaked

@@ -137,8 +137,29 @@ class ErrorReply(_Msg, frozen=True, tag="error"):
     message: str
 
 
-Request = Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest
-Reply = Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply
+# --- in-memory restore (the daemon keeps the newest committed step's staged bytes in its arena) --------
+class RestoreRequest(_Msg, frozen=True, tag="restore"):
+    """Which arena ranges hold ``step``'s shards staged on this node (empty when it keeps none)."""
+
+    step: int
+
+
+class RestoreShard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    key: str
+    dtype: str  # torch dtype name; the bytes are the stored (raw-bit) little-endian layout
+    global_offset: list[int]
+    shape: list[int]
+    offset: int  # byte offset in the arena
+    nbytes: int
+
+
+class RestoreReply(_Msg, frozen=True, tag="restore_reply"):
+    step: int
+    shards: list[RestoreShard]
+
+
+Request = Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest | RestoreRequest
+Reply = Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply | RestoreReply
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

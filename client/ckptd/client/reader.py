@@ -26,11 +26,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ckptd.client.fastread import ChunkReader
+from ckptd.client.restore import ArenaSource
 from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard, torch_dtype
-from ckptd.writer.arrays import open_array, read_region
 from ckptd.writer.errors import StateMismatchError
-from ckptd.writer.fanout import bounded_map
-from ckptd.writer.format import ArrayRecord, CommitManifest, step_dir, validate_key
+from ckptd.writer.format import ArrayRecord, CommitManifest, validate_key
 from ckptd.writer.root import CheckpointRoot, open_root
 from ckptd.writer.sync import run_sync
 
@@ -84,18 +84,18 @@ async def load_async(
     return _with_objects(template, objects)
 
 
-async def fill_async(ckpt: CheckpointRoot, commit: CommitManifest, template: Mapping[str, Any]) -> None:
+async def fill_async(
+    ckpt: CheckpointRoot, commit: CommitManifest, template: Mapping[str, Any], *, memory: ArenaSource | None = None
+) -> None:
     """Fill the template's tensors in place from ``commit``'s arrays, everything checked first
-    (:func:`plan_reads`); reads bounded to :data:`READ_CONCURRENCY` at once."""
+    (:func:`plan_reads`); raw chunks are read straight into the tensors, crc32c checked
+    (:class:`~ckptd.client.fastread.ChunkReader`). ``memory``: shards the daemon kept in its arena
+    (in-memory restore), used where they match exactly and pass their checksums."""
     targets = plan_reads(commit, template)
-    prefix = step_dir(commit.step)
-
-    async def one(shard: Shard) -> None:
-        arr = await open_array(ckpt.store, f"{prefix}/{shard.key}")
-        data = await read_region(arr, shard.global_offset, tuple(shard.data.shape))
-        copy_into(shard.data, data)
-
-    await bounded_map(one, targets, limit=READ_CONCURRENCY)
+    reader = ChunkReader(ckpt, commit, memory=memory)
+    for shard in targets:
+        reader.add(shard.key, shard.data, shard.global_offset)
+    await reader.run()
 
 
 async def read_commit_async(
@@ -112,20 +112,18 @@ async def read_flat_async(
     regions: Mapping[str, tuple[int, int]],
     *,
     storage_options: Mapping[str, Any] | None = None,
+    memory: ArenaSource | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Async :func:`read_flat`; ``root`` may be an opened :class:`CheckpointRoot`."""
+    """Async :func:`read_flat`; ``root`` may be an opened :class:`CheckpointRoot`; ``memory`` as in
+    :func:`fill_async`."""
     clipped = _clip_flat(commit, regions)
     out = {k: torch.empty(hi - lo, dtype=torch_dtype(dt)) for k, (lo, hi, dt) in clipped.items()}
-    prefix = step_dir(commit.step)
-    todo = [(key, lo, hi) for key, (lo, hi, _dt) in clipped.items() if hi > lo]
     async with opened(root, storage_options) as ckpt:
-
-        async def one(item: tuple[str, int, int]) -> None:
-            key, lo, hi = item
-            arr = await open_array(ckpt.store, f"{prefix}/{key}")
-            copy_into(out[key], await read_region(arr, (lo,), (hi - lo,)))
-
-        await bounded_map(one, todo, limit=READ_CONCURRENCY)
+        reader = ChunkReader(ckpt, commit, memory=memory)
+        for key, (lo, hi, _dt) in clipped.items():
+            if hi > lo:
+                reader.add(key, out[key], (lo,))
+        await reader.run()
     return out
 
 

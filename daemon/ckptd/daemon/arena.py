@@ -17,6 +17,7 @@ import os
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd.writer.errors import ArenaError, BackpressureError, SaveTimeoutError
@@ -129,6 +130,9 @@ class Arena:
         self._leases: dict[int, Lease] = {}
         self._next_id = 1
         self._waiters: deque[asyncio.Future[None]] = deque()
+        # Frees space kept for in-memory restore (ckptd.daemon.restore) when a lease does not fit:
+        # saves always win the space. Returns the bytes it freed.
+        self.on_pressure: Callable[[], int] | None = None
 
     def _prefault(self) -> None:
         t0 = time.perf_counter()
@@ -161,6 +165,8 @@ class Arena:
         deadline = time.monotonic() + timeout
         while True:
             got = self._try_alloc(sizes)
+            if got is None and self.on_pressure is not None and self.on_pressure():
+                got = self._try_alloc(sizes)
             if got is not None:
                 lease = Lease(self._next_id, owner, got, list(sizes))
                 self._next_id += 1
@@ -218,6 +224,18 @@ class Arena:
         self._alloc.free(lease.offsets[i], lease.sizes[i])
         if all(lease.released):
             self._leases.pop(lease.lease_id, None)
+        self._wake()
+
+    def retain_slot(self, lease: Lease, i: int) -> tuple[int, int]:
+        """Take slot ``i`` out of its lease without freeing its bytes: ``(offset, size)``, to be given back
+        with :meth:`free_range` (in-memory restore keeps a committed step's staged bytes this way)."""
+        lease.released[i] = True
+        if all(lease.released):
+            self._leases.pop(lease.lease_id, None)
+        return lease.offsets[i], lease.sizes[i]
+
+    def free_range(self, offset: int, size: int) -> None:
+        self._alloc.free(offset, size)
         self._wake()
 
     def release(self, lease: Lease) -> None:

@@ -34,6 +34,7 @@ from ckptd.client.protocol import (
     RegisterPlan,
     Released,
     ReleaseRequest,
+    RestoreRequest,
     SaveAccepted,
     SaveRequest,
     StatusRequest,
@@ -306,4 +307,6 @@ class Daemon:
                     v=v, step=req.step, state=state, error_code=type(err).__name__ if err else "",
                     error=str(err) if err else "",
                 )
+            case RestoreRequest():
+                return service.retention.reply(req.step)
         raise ProtocolError(f"unexpected message {type(req).__name__}")

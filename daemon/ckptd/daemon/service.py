@@ -24,6 +24,7 @@ from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
 from ckptd.daemon.plans import PlanRegistry
+from ckptd.daemon.restore import Retention
 from ckptd.daemon.writes import ShardWriter, first_leaf
 from ckptd.writer.backends import Backend
 from ckptd.writer.commit import CheckpointWriter
@@ -78,6 +79,8 @@ class CheckpointService:
         self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
         self.plans = PlanRegistry()
+        self.retention = Retention(arena)  # in-memory restore of the newest committed step
+        self.writer.retention = self.retention
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -221,6 +224,9 @@ class CheckpointService:
                 await self._note_failure(job, err)
         else:
             job.mark_committed()
+            self.retention.step_committed(job.step)
+        if job.error is not None:  # failed: its kept slots serve no restore
+            self.retention.step_failed(job.step)
         self._log_step(job)
 
     async def _note_failure(self, job: StepJob, exc: CkptdError) -> None:

@@ -20,6 +20,7 @@ from ckptd.daemon.arena import Arena
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import RankSave, StepJob
 from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
+from ckptd.daemon.restore import Retention
 from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
 from ckptd.writer.backends import Backend
 from ckptd.writer.format import (
@@ -46,6 +47,7 @@ class ShardWriter:
         self.arena = arena
         self.backend = backend
         self._chunk_slots = asyncio.Semaphore(config.write_concurrency)
+        self.retention: Retention | None = None  # set by the service: keeps written slots for a restore
         self._sink = ChunkSink(backend)
         # small arrays packed into one object only where each object costs a request (not on local disks)
         local = backend.local_root is not None
@@ -79,7 +81,9 @@ class ShardWriter:
             self.arena.release_slot(lease, meta.slot)
             return
         await self._write_block(job, save, meta, data)
-        self.arena.release_slot(lease, meta.slot)
+        keep = self.retention is not None and job.state is StepState.PENDING
+        if not (keep and self.retention is not None and self.retention.keep(job.step, meta, lease)):
+            self.arena.release_slot(lease, meta.slot)
 
     def _hold_for_packing(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> bool:
         """Keep a copy of a small array's block until the node's other ranks arrived (see packing.py)."""

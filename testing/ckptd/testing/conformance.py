@@ -41,13 +41,13 @@ from ckptd.writer.errors import (
     StoragePermissionError,
 )
 from ckptd.writer.format import (
-    COMMIT_MARKER,
     FORMAT_VERSION,
     ArrayRecord,
     ChunkRecord,
     PartManifest,
     ShardRecord,
     chunk_key,
+    commit_marker,
     step_dir,
 )
 from ckptd.writer.root import CheckpointRoot
@@ -183,7 +183,7 @@ class BackendConformance:
         await writer.write_part(part)
         commit = await writer.commit(3, 1, timeout=10)
         assert commit.step == 3
-        assert await backend.exists(f"{step_dir(3)}/{COMMIT_MARKER}")
+        assert await backend.exists(commit_marker(3))
         root = CheckpointRoot(backend)
         assert await root.committed_steps() == [3]
         assert await root.latest_hint() == 3

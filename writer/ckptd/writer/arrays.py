@@ -156,6 +156,13 @@ async def write_group(store: Store, path: str, attributes: dict[str, Any] | None
     await store.set(f"{path}/zarr.json" if path else "zarr.json", bufs["zarr.json"])
 
 
+async def write_control_doc(store: Store, path: str) -> None:
+    """Declare a control folder (``ckptd.writer.format.control_dir``) a zero-size ``uint8`` array, so zarr
+    readers list it as an empty array instead of warning about the objects inside it."""
+    meta = await array_metadata("uint8", (0,), (1,), extra_attrs={"control": True})
+    await write_metadata(store, path, meta)
+
+
 async def open_array(store: Store, path: str) -> AsyncArray[Any]:
     try:
         return await zasync.open_array(store=store, path=path, mode="r")

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import msgspec
 from zarr.abc.store import Store
 
-from ckptd.writer.arrays import array_metadata, write_group, write_metadata
+from ckptd.writer.arrays import array_metadata, write_control_doc, write_group, write_metadata
 from ckptd.writer.errors import (
     SaveTimeoutError,
     StepCommittedError,
@@ -34,18 +34,20 @@ from ckptd.writer.errors import (
 )
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
-    COMMIT_MARKER,
-    FAILED_MARKER,
     FORMAT_VERSION,
-    LATEST,
-    SIDECAR_DIR,
+    READABLE_VERSIONS,
     ArrayRecord,
     CommitManifest,
     PartManifest,
     check_sidecar,
+    commit_marker,
+    control_groups,
     encode_json,
+    failed_marker,
+    latest_key,
     merge_parts,
-    part_name,
+    part_key,
+    sidecar_key,
     step_dir,
 )
 from ckptd.writer.root import CheckpointRoot
@@ -67,14 +69,14 @@ class CheckpointWriter(CheckpointRoot):
 
     async def write_part(self, part: PartManifest) -> None:
         """This node's part manifest; durable before it returns (it claims the node's data)."""
-        key = f"{step_dir(part.step)}/{part_name(part.node)}"
+        key = part_key(part.step, part.node)
         await self.backend.put(key, encode_json(part))
         await self.make_durable([key])
 
     async def write_sidecar(self, name: str, text: str) -> bool:
         """Store a content-addressed document once; False if it was already there."""
         check_sidecar(name, text)
-        key = f"{SIDECAR_DIR}/{name}"
+        key = sidecar_key(name)
         if await self.backend.exists(key):
             return False
         await self.backend.put(key, text.encode())
@@ -83,7 +85,7 @@ class CheckpointWriter(CheckpointRoot):
 
     async def discard_part(self, step: int, node: int) -> None:
         """Drop a stale part of this node (left by a crashed attempt) before the step is written again."""
-        key = f"{step_dir(step)}/{part_name(node)}"
+        key = part_key(step, node)
         if await self.backend.exists(key):
             log.warning("step=%d node=%d: removing a part left by an earlier, unfinished attempt", step, node)
             await self.backend.delete(key)
@@ -117,9 +119,12 @@ class CheckpointWriter(CheckpointRoot):
         docs: list[Callable[[], Awaitable[None]]] = [
             functools.partial(_write_array_doc, store, f"{prefix}/{rec.name}", rec) for rec in merged.arrays
         ]
-        for group in sorted(_groups(rec.name for rec in merged.arrays)):
+        # "" is the step's own group: zarr.open_group(ROOT) lists committed steps, open_group(ROOT/step_N) works
+        for group in sorted(_groups(rec.name for rec in merged.arrays) | {""}):
             docs.append(functools.partial(write_group, store, f"{prefix}/{group}" if group else prefix))
         docs.append(functools.partial(write_group, store, "", {"ckptd": {"format": FORMAT_VERSION}}))
+        for folder in control_groups(step):
+            docs.append(functools.partial(write_control_doc, store, folder))
         await bounded_map(lambda write: write(), docs, limit=METADATA_CONCURRENCY)
         final = msgspec.structs.replace(merged, step=step, committed_at=time.time())
         # The marker is the commit: once started, let it finish even if the caller is cancelled.
@@ -131,21 +136,21 @@ class CheckpointWriter(CheckpointRoot):
         # Create-once (conditional PUT on S3, link on local disks): of two racing coordinators exactly one
         # commits; the other learns it here instead of overwriting the manifest. Backends without an
         # atomic create say so in their capabilities (an explicit opt-out, logged when opened).
-        key = f"{step_dir(step)}/{COMMIT_MARKER}"
+        key = commit_marker(step)
         if not await self.backend.create(key, data):
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
         current = await self.latest_hint()
         if current is None or step >= current:
-            await self.backend.put(LATEST, str(step).encode())
+            await self.backend.put(latest_key(), str(step).encode())
 
     async def mark_failed(self, step: int, error: BaseException) -> None:
         """Tell the other nodes' daemons at once that this step will never commit (they stop waiting)."""
         doc = {"step": step, "code": type(error).__name__, "message": str(error), "at": time.time()}
-        await self.backend.put(f"{step_dir(step)}/{FAILED_MARKER}", encode_json(doc))
+        await self.backend.put(failed_marker(step), encode_json(doc))
 
     async def clear_failed(self, step: int) -> None:
         """The coordinator starts the step again: drop the failure note of an earlier attempt."""
-        key = f"{step_dir(step)}/{FAILED_MARKER}"
+        key = failed_marker(step)
         if await self.backend.exists(key):
             await self.backend.delete(key)
 
@@ -177,7 +182,8 @@ class CheckpointWriter(CheckpointRoot):
         uploads under the step are aborted too: invisible to listings, but kept and billed until aborted.
         """
         prefix = step_dir(step)
-        await self.backend.delete(f"{prefix}/{COMMIT_MARKER}")
+        for version in READABLE_VERSIONS:  # every marker first (a step of either format)
+            await self.backend.delete(commit_marker(step, version))
         await self.backend.delete_prefix(prefix)
         if self.backend.capabilities.multipart_cleanup:
             aborted = await self.backend.abort_uploads(prefix)

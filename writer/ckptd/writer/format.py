@@ -16,13 +16,19 @@ import msgspec
 
 from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: format versions the readers accept (1: control objects beside the arrays; 2: inside ``_ckptd/``)
+READABLE_VERSIONS = (1, 2)
 
 COMMIT_MARKER = "COMMITTED"
 FAILED_MARKER = "FAILED"
 LATEST = "latest"
 PARTS_DIR = "_parts"
 SIDECAR_DIR = "_sidecars"
+# Since format 2 ckptd's control objects (markers, manifests, sidecars, ``latest``) live in a folder that
+# is a zero-size zarr array: zarr readers list it as an (empty) array and never look inside, so listing a
+# group meets nothing but zarr nodes (zarr-python warns about any other object in a group's folder).
+CONTROL_DIR = "_ckptd"
 ARRAY_ATTR = "ckptd"
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -45,6 +51,51 @@ def parse_step_dir(name: str) -> int | None:
 
 def part_name(node: int) -> str:
     return f"{PARTS_DIR}/node-{node}.json"
+
+
+def control_dir(group: str = "", version: int = FORMAT_VERSION) -> str:
+    """The folder holding the control objects of a group (``""``: the root): ``<group>/_ckptd`` since
+    format 2, the group's own folder in format 1. Its ``zarr.json`` makes it an empty array."""
+    if version >= 2:
+        return f"{group}/{CONTROL_DIR}" if group else CONTROL_DIR
+    return group
+
+
+def _in(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def commit_marker(step: int, version: int = FORMAT_VERSION) -> str:
+    """``step_N/_ckptd/COMMITTED`` (format 1: ``step_N/COMMITTED``)."""
+    return _in(control_dir(step_dir(step), version), COMMIT_MARKER)
+
+
+def failed_marker(step: int, version: int = FORMAT_VERSION) -> str:
+    return _in(control_dir(step_dir(step), version), FAILED_MARKER)
+
+
+def parts_dir(step: int, version: int = FORMAT_VERSION) -> str:
+    return _in(control_dir(step_dir(step), version), PARTS_DIR)
+
+
+def part_key(step: int, node: int, version: int = FORMAT_VERSION) -> str:
+    """``step_N/_ckptd/_parts/node-K.json``."""
+    return _in(control_dir(step_dir(step), version), part_name(node))
+
+
+def latest_key(version: int = FORMAT_VERSION) -> str:
+    """``_ckptd/latest`` (format 1: ``latest``)."""
+    return _in(control_dir("", version), LATEST)
+
+
+def sidecar_key(name: str, version: int = FORMAT_VERSION) -> str:
+    """``_ckptd/_sidecars/<sha256>.json`` (format 1: ``_sidecars/<sha256>.json``)."""
+    return _in(control_dir("", version), f"{SIDECAR_DIR}/{name}")
+
+
+def control_groups(step: int) -> list[str]:
+    """The control folders a commit of ``step`` declares as (empty) zarr arrays."""
+    return [control_dir(""), control_dir(step_dir(step))]
 
 
 def sidecar_name(text: str) -> str:
@@ -389,9 +440,14 @@ def merged_state_of(name: str) -> str | None:
     return name[len(prefix) :].split(".", 1)[0] if name.startswith(prefix) else None
 
 
-def merged_marker(step: int) -> str:
-    return f"{step_dir(step)}/{MERGED_DIR}/{MERGED_MARKER}"
+def merged_control_dir(step: int, version: int = FORMAT_VERSION) -> str:
+    """``step_N/merged/_ckptd`` (format 1: ``step_N/merged``): the merge's marker and progress notes."""
+    return control_dir(f"{step_dir(step)}/{MERGED_DIR}", version)
 
 
-def merged_progress_dir(step: int) -> str:
-    return f"{step_dir(step)}/{MERGED_DIR}/{MERGED_PROGRESS_DIR}"
+def merged_marker(step: int, version: int = FORMAT_VERSION) -> str:
+    return f"{merged_control_dir(step, version)}/{MERGED_MARKER}"
+
+
+def merged_progress_dir(step: int, version: int = FORMAT_VERSION) -> str:
+    return f"{merged_control_dir(step, version)}/{MERGED_PROGRESS_DIR}"

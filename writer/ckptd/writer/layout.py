@@ -3,7 +3,7 @@
 Megatron's checkpoints do not record the distributed optimizer's grad-buffer layout (``param_index_map``,
 ``bucket_indices``) nor where each param's pieces sit in model space, yet the offline merge and a load
 into another parallel layout need exactly that. Each saving rank stores its :class:`MegatronLayout` once
-per run as a content-addressed sidecar (``_sidecars/<sha256>.json``), named in its ``megatron`` record.
+per run as a content-addressed sidecar (``_ckptd/_sidecars/<sha256>.json``), named in its ``megatron`` record.
 
 Pure data: frozen ``msgspec`` structs, no torch, no I/O. :func:`encode_layout` writes compact JSON with
 sorted keys (the sidecar's content address depends on these bytes); :func:`decode_layout` checks the

@@ -13,8 +13,8 @@ param lives; Megatron's own checkpoints do not record it.
 Output, next to the step's model arrays (which are in model space already):
 
     step_N/merged/optimizer.state.<state>.<model key>   zarr v3, the model array's global shape and grid
-    step_N/merged/_progress/<task>.json                  one per finished bucket (makes reruns resume)
-    step_N/merged/MERGED                                 manifest, written last: the merge's commit
+    step_N/merged/_ckptd/_progress/<task>.json           one per finished bucket (makes reruns resume)
+    step_N/merged/_ckptd/MERGED                          manifest, written last: the merge's commit
 
 Memory is bounded by the work in flight: each worker holds one bucket's state array (plus the chunk
 being written), whatever the model size. Workers run over (model-parallel rank, buffer, bucket).
@@ -40,7 +40,15 @@ import msgspec
 import numpy as np
 from zarr.abc.store import Store
 
-from ckptd.writer.arrays import ChunkSink, array_metadata, open_array, read_region, write_group, write_metadata
+from ckptd.writer.arrays import (
+    ChunkSink,
+    array_metadata,
+    open_array,
+    read_region,
+    write_control_doc,
+    write_group,
+    write_metadata,
+)
 from ckptd.writer.backends import Backend
 from ckptd.writer.errors import CheckpointNotFoundError, ShardLayoutError
 from ckptd.writer.format import (
@@ -59,6 +67,7 @@ from ckptd.writer.format import (
     encode_json,
     itemsize,
     merged_array_name,
+    merged_control_dir,
     merged_marker,
     merged_progress_dir,
     merged_state_of,
@@ -303,10 +312,9 @@ async def run_merge(
     n = await ckpt.resolve(step)
     commit = await ckpt.read_commit(n)
     prefix = step_dir(n)
-    marker = merged_marker(n)
-    if await backend.exists(marker):
-        done = msgspec.json.decode(await backend.get(marker) or b"{}")
-        return MergeSummary(n, len(done.get("arrays", [])), 0, 0, 0, 0, time.monotonic() - t0, already_merged=True)
+    done = await ckpt.read_merged_manifest(n)  # either format version's marker
+    if done is not None:
+        return MergeSummary(n, len(done.arrays), 0, 0, 0, 0, time.monotonic() - t0, already_merged=True)
     names = layout_names(commit.objects)
     layouts = [decode_layout(await ckpt.read_sidecar(s)) for s in sorted(set(names.values()))]
     plan = plan_merge(commit, layouts)
@@ -421,6 +429,7 @@ async def _commit_merge(
         await write_metadata(backend.store, f"{prefix}/{name}", meta)
     attrs = {"ckptd": {"content": MERGED_CONTENT, "step": commit.step}}
     await write_group(backend.store, f"{prefix}/{MERGED_DIR}", attrs)
+    await write_control_doc(backend.store, merged_control_dir(commit.step))
     manifest = CommitManifest(
         format=FORMAT_VERSION, step=commit.step, num_nodes=commit.num_nodes, world_size=commit.world_size,
         arrays=arrays, objects={"content": MERGED_CONTENT, "source": "dp_layout"},

@@ -26,24 +26,25 @@ from ckptd.writer.errors import (
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
     COMMIT_MARKER,
-    FAILED_MARKER,
-    LATEST,
-    PARTS_DIR,
-    SIDECAR_DIR,
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
     CommitManifest,
     PartManifest,
     check_sidecar,
+    commit_marker,
     decode_commit,
     decode_part,
+    failed_marker,
+    latest_key,
     merged_marker,
     parse_step_dir,
+    parts_dir,
+    sidecar_key,
     step_dir,
 )
 
 if TYPE_CHECKING:
     from ckptd.writer.backends.s3 import S3Options
-
-# The merge job's output folder and marker under a step (docs/merge.md).
 
 #: small reads (markers, part manifests) in flight at once
 READ_CONCURRENCY = 16
@@ -72,8 +73,19 @@ class CheckpointRoot:
         found = [parse_step_dir(name) for name in await self.backend.list_dir("")]
         return sorted(s for s in found if s is not None)
 
+    async def _get_any(self, keys: list[str]) -> bytes | None:
+        """The first of ``keys`` that exists (the same object in each readable format version, newest first)."""
+        for key in keys:
+            data = await self.backend.get(key)
+            if data is not None:
+                return data
+        return None
+
     async def is_committed(self, step: int) -> bool:
-        return await self.backend.exists(f"{step_dir(step)}/{COMMIT_MARKER}")
+        for version in READABLE_VERSIONS[::-1]:  # the current layout first: one request for new steps
+            if await self.backend.exists(commit_marker(step, version)):
+                return True
+        return False
 
     async def committed_steps(self) -> list[int]:
         steps = await self.steps()
@@ -87,7 +99,7 @@ class CheckpointRoot:
 
     async def latest_hint(self) -> int | None:
         """What the ``latest`` object says (``None`` if absent or unreadable)."""
-        data = await self.backend.get(LATEST)
+        data = await self._get_any([latest_key(v) for v in READABLE_VERSIONS[::-1]])
         try:
             return int(data) if data else None
         except ValueError:
@@ -106,7 +118,7 @@ class CheckpointRoot:
 
     async def read_commit(self, step: int) -> CommitManifest:
         """The commit manifest of a committed step; :class:`UncommittedStepError` if it never committed."""
-        data = await self.backend.get(f"{step_dir(step)}/{COMMIT_MARKER}")
+        data = await self._get_any([commit_marker(step, v) for v in READABLE_VERSIONS[::-1]])
         if data is None:
             if await self.backend.list_dir(step_dir(step)):
                 raise UncommittedStepError(f"step {step} under {self.url} never committed: it is not a checkpoint")
@@ -118,7 +130,7 @@ class CheckpointRoot:
 
     async def read_parts(self, step: int) -> dict[int, PartManifest]:
         """The node part manifests present for ``step``, by node."""
-        prefix = f"{step_dir(step)}/{PARTS_DIR}"
+        prefix = parts_dir(step, FORMAT_VERSION)
         names = await self.backend.list_dir(prefix)
         found = await bounded_map(lambda n: self.backend.get(f"{prefix}/{n}"), names, limit=READ_CONCURRENCY)
         parts: dict[int, PartManifest] = {}
@@ -130,7 +142,7 @@ class CheckpointRoot:
 
     async def read_sidecar(self, name: str) -> str:
         """A content-addressed document (e.g. a layout sidecar), checked against its hash."""
-        data = await self.backend.get(f"{SIDECAR_DIR}/{name}")
+        data = await self._get_any([sidecar_key(name, v) for v in READABLE_VERSIONS[::-1]])
         if data is None:
             raise CheckpointNotFoundError(f"sidecar {name} not found under {self.url}")
         text = data.decode()
@@ -142,12 +154,12 @@ class CheckpointRoot:
 
     async def read_failed(self, step: int) -> dict[str, Any] | None:
         """The coordinator's failure note for ``step`` (``None`` if there is none)."""
-        data = await self.backend.get(f"{step_dir(step)}/{FAILED_MARKER}")
+        data = await self.backend.get(failed_marker(step))
         return None if data is None else dict(msgspec.json.decode(data))
 
     async def read_merged_manifest(self, step: int) -> CommitManifest | None:
         """The merge manifest of ``step`` (``ckptd merge``), or ``None`` if it was never merged."""
-        data = await self.backend.get(merged_marker(step))
+        data = await self._get_any([merged_marker(step, v) for v in READABLE_VERSIONS[::-1]])
         if data is None:
             return None
         try:

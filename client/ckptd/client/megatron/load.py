@@ -19,11 +19,12 @@ from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, check_extra_st
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
-from ckptd.client.megatron.reshard import merged_optimizer_slices
+from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices
 from ckptd.client.megatron.rng import restore_rng, rng_template
 from ckptd.client.reader import fill_async, plan_reads, read_flat_async
+from ckptd.client.restore import arena_source
 from ckptd.client.state import Shard, dtype_name
-from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, StateMismatchError
+from ckptd.writer.errors import CkptdError, InvalidRequestError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
     EXTRA,
     LAYOUT_FIELD,
@@ -56,6 +57,7 @@ class LoadedCheckpoint:
     step: int
     extra: object  # the ``extra`` plain data given to save_checkpoint (None if there was none)
     source_rank: int  # the saved rank whose RNG state and ``extra`` were restored
+    from_memory_bytes: int = 0  # bytes copied from the daemon's arena (in-memory restore), checksummed
 
 
 def load_checkpoint(
@@ -71,24 +73,27 @@ def load_checkpoint(
     """Restore model, optimizer and RNG state saved by ``save_checkpoint``, in place, on every rank.
 
     ``root_or_client`` is the checkpoint root (path or URL) or a ``CheckpointClient``; ``step`` an int
-    or ``"latest"``. The tensor-parallel and pipeline-parallel sizes must equal the saving run's, or the
-    step must have been merged (``ckptd merge``); the data-parallel size may differ (each rank reads its
-    own slice of every stored bucket, clipped to the stored padding). No collective. The store is opened
-    once for the whole load and closed before returning.
+    or ``"latest"``. Any TP/PP/DP and any grad-buffer bucket layout loads: with the saving run's TP/PP and
+    buckets each rank reads its own slice of every stored bucket (clipped to the stored padding when DP
+    changed); otherwise each param's optimizer state is read from the merged layout when ``ckptd merge``
+    built one, else straight from the stored DP bucket slices through the saved layout sidecars (no merge
+    needed). No collective. The store is opened once for the whole load and closed before returning.
 
-    Everything is checked before any live tensor is written: another TP/PP without the merged layout
-    raises :class:`LayoutMismatchError`; a model key missing from the checkpoint, another global shape or
-    dtype, a param that sits elsewhere in the grad buffers, or (``strict``) a checkpoint key the model
-    lacks raises :class:`StateMismatchError` naming it. Model params come from the model arrays; the
-    optimizer's fp32 main params and states from the bucket slices. RNG state (``rng``) and ``extra``
-    come from the saved rank with this rank's TP/PP/DP coordinates (the same TP/PP and DP rank 0 when
-    that DP rank did not exist).
+    Everything is checked before any live tensor is written: a model key missing from the checkpoint,
+    another global shape or dtype, a param no saved state covers, or (``strict``, same layout) a
+    checkpoint key the model lacks raises :class:`StateMismatchError` naming it. Model params come from
+    the model arrays; the optimizer's fp32 main params and states from the bucket slices. RNG state
+    (``rng``) and ``extra`` come from the saved rank with this rank's TP/PP/DP coordinates (the same
+    TP/PP and DP rank 0 when that DP rank did not exist); RNG state is not restored across a TP/PP change.
     """
     root, opts = _root_of(root_or_client, storage_options)
 
+    client = None if isinstance(root_or_client, str) else root_or_client
+
     async def run() -> LoadedCheckpoint:
         async with open_root(root, opts) as ckpt:
-            return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng)
+            return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng,
+                                               client=client)
 
     return run_sync(run())
 
@@ -109,48 +114,64 @@ async def load_checkpoint_async(
     *,
     strict: bool = True,
     rng: bool = True,
+    client: CheckpointClient | None = None,
 ) -> LoadedCheckpoint:
-    """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed)."""
+    """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed).
+
+    With ``client``, a same-layout load first asks its daemon for the step's shards kept in memory
+    (in-memory restore, :mod:`ckptd.client.restore`) and reads the rest from storage."""
     which: int | Literal["latest"] = "latest" if step == "latest" else int(step)
     commit = await ckpt.read_commit(await ckpt.resolve(which))
     records = _saved_records(commit)
     if optimizer is None:
         return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng)
     layout = get_layout(model_chunks, optimizer)
+    same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
+    template = model_template(model_chunks)
+    reason: CkptdError | None = None
     try:
         _check_parallel_sizes(commit.step, records, layout)
-    except LayoutMismatchError:
+        if not same_mp:
+            raise LayoutMismatchError(
+                f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
+            )
+    except LayoutMismatchError as exc:
+        reason = exc
+    if reason is None:
+        source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
+        if not records[source][LAYOUT_FIELD]:
+            raise StateMismatchError(
+                f"step {commit.step} was saved without optimizer state: load it with optimizer=None (no_load_optim)"
+            )
+        saved_layout = decode_layout(await ckpt.read_sidecar(records[source][LAYOUT_FIELD]))
+        # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
+        plan_reads(commit, template)
+        if strict:
+            _check_no_extra_keys(commit, saved_layout, template)
+        try:
+            _check_structure(saved_layout, layout)
+        except StateMismatchError as exc:
+            reason = exc
+    if reason is not None:
+        # another TP/PP, or other buckets at the same TP/PP: the merged layout when present, else the saved
+        # DP bucket slices read through the layout sidecars (no merge needed)
+        logger.info("step %d: params sit elsewhere than at save time (%s); resharding on read", commit.step, reason)
         manifest = await ckpt.read_merged_manifest(commit.step)
-        if manifest is None:
-            raise
-        return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout)
-    same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
-    if not same_mp:
-        raise LayoutMismatchError(
-            f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
-        )
-    source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
-    if not records[source][LAYOUT_FIELD]:
-        raise StateMismatchError(
-            f"step {commit.step} was saved without optimizer state: load it with optimizer=None (no_load_optim)"
-        )
-    saved_layout = decode_layout(await ckpt.read_sidecar(records[source][LAYOUT_FIELD]))
+        if manifest is not None:
+            return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout)
+        return await _load_resharded(ckpt, commit, records, model_chunks, optimizer, layout, rng=rng)
 
-    # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
-    template = model_template(model_chunks)
-    plan_reads(commit, template)
-    if strict:
-        _check_no_extra_keys(commit, saved_layout, template)
-    _check_structure(saved_layout, layout)
     regions = _optimizer_regions(commit, layout, optimizer)
     rng_tensors = rng_template(commit, source) if rng else {}
     source_objects = commit.objects[str(source)]
     check_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
 
-    # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place
-    slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions))
+    # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place;
+    # what the node's daemon still holds of this step comes from its arena (checked against the manifest)
+    memory = arena_source(client, commit.step) if client is not None else None
+    slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions, memory=memory))
     slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
-    await fill_async(ckpt, commit, {**template, **rng_tensors})
+    await fill_async(ckpt, commit, {**template, **rng_tensors}, memory=memory)
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
     restore_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
@@ -160,7 +181,11 @@ async def load_checkpoint_async(
         "loaded step %d (tp%d pp%d dp%d/%d, saved at DP %d)",
         commit.step, layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.dp_size, records[source]["dp_size"],
     )
-    return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source)
+    if memory is not None:
+        logger.info("step %d: %d bytes restored from the daemon's memory (%d regions fell back to storage)",
+                    commit.step, memory.served_bytes, len(memory.rejected))
+    return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source,
+                            memory.served_bytes if memory is not None else 0)
 
 
 async def _load_merged(
@@ -193,6 +218,51 @@ async def _load_merged(
         "loaded step %d from its merged layout (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
         commit.step, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank, layout.pp_rank,
         layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
+    )
+    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+
+
+async def _load_resharded(
+    ckpt: CheckpointRoot,
+    commit: CommitManifest,
+    records: Mapping[int, Record],
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    layout: MegatronLayout,
+    *,
+    rng: bool,
+) -> LoadedCheckpoint:
+    """Load into another parallel or bucket layout straight from the stored DP bucket slices.
+
+    One layout sidecar per saved model-parallel rank says where each saved param's state sits in the
+    stored buckets and where its pieces sit in model space (:func:`dp_optimizer_slices`). Plain optimizer
+    data as in :func:`_load_merged`. RNG state is restored only when TP and PP are unchanged (the saved
+    rank with this rank's coordinates).
+    """
+    template = model_template(model_chunks)
+    plan_reads(commit, template)
+    firsts: dict[tuple[int, int], int] = {}
+    for r, rec in sorted(records.items()):
+        firsts.setdefault((rec["tp"], rec["pp"]), r)
+    saved = [decode_layout(await ckpt.read_sidecar(records[r][LAYOUT_FIELD])) for r in firsts.values()]
+    slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout))
+    source = min(records)
+    same_mp = [r for r, rec in sorted(records.items()) if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)
+               and (rec["tp_size"], rec["pp_size"]) == (layout.tp_size, layout.pp_size)]
+    if same_mp:
+        source = next((r for r in same_mp if records[r]["dp"] == layout.dp_rank), same_mp[0])
+    rng_tensors = rng_template(commit, source) if rng and same_mp else {}
+    slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(source)][OPTIM_META])]
+    await fill_async(ckpt, commit, {**template, **rng_tensors})
+    drop_unsaved_state(optimizer, layout, slices)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    if rng_tensors:
+        restore_rng(rng_tensors, commit.objects[str(source)].get(RNG_RECORD))
+    saved_rec = records[source]
+    logger.info(
+        "loaded step %d from its DP layout without a merge (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of "
+        "TP=%d PP=%d DP=%d)", commit.step, saved_rec["tp_size"], saved_rec["pp_size"], saved_rec["dp_size"],
+        layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
     )
     return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
 

@@ -12,15 +12,19 @@ way. Each rank reads only the params its slices touch. Nothing here imports mega
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ckptd.client.fastread import ChunkReader
 from ckptd.client.megatron.layout import view_of
 from ckptd.client.state import torch_dtype
 from ckptd.writer.arrays import open_array, read_region
 from ckptd.writer.errors import StateMismatchError
-from ckptd.writer.format import CommitManifest, merged_array_name, step_dir
-from ckptd.writer.layout import MegatronLayout, ParamLayout
+from ckptd.writer.format import MAIN_PARAM, CommitManifest, bucket_states, merged_array_name, step_dir
+from ckptd.writer.layout import BucketLayout, BufferLayout, MegatronLayout, ModelPiece, ParamLayout
 from ckptd.writer.merge import merged_states
 from ckptd.writer.root import CheckpointRoot
 
@@ -70,3 +74,150 @@ async def merged_optimizer_slices(
                 out[i - lo : j - lo] = value.reshape(-1)[i - a : j - a]
             slices[layout.bucket_key(buf, bucket, state)] = out
     return slices
+
+
+# --- merge-free: straight from the stored DP bucket slices ------------------------------------------------
+@dataclass(frozen=True)
+class _SavedPiece:
+    """A piece of a saved param in model space, and where that param's state sits in its stored bucket."""
+
+    piece: ModelPiece
+    param: ParamLayout
+    prefix: str  # the saved bucket's key prefix (``optim/<mp>/buf<g>/bucket<b>/``)
+    lo: int  # the param's range in the saved padded bucket
+    hi: int
+
+
+def _saved_index(saved: Iterable[MegatronLayout]) -> dict[str, list[_SavedPiece]]:
+    """Model key -> the saved pieces covering it (main replicas first: any copy of a replica is equal)."""
+    index: dict[str, list[_SavedPiece]] = {}
+    for lay in saved:
+        for buf, bucket in lay.buckets():
+            prefix = lay.bucket_prefix(buf, bucket)
+            for p in bucket.params:
+                for piece in p.model_pieces:
+                    sp = _SavedPiece(piece, p, prefix, p.start - bucket.start, p.end - bucket.start)
+                    index.setdefault(piece.key, []).append(sp)
+    for pieces in index.values():
+        pieces.sort(key=lambda s: any(s.piece.replica_id))
+    return index
+
+
+def _block(view: torch.Tensor, piece: ModelPiece) -> torch.Tensor:
+    for _ in range(piece.prepend_axis_num):
+        view = view.unsqueeze(0)
+    return view
+
+
+async def dp_optimizer_slices(
+    root: CheckpointRoot, commit: CommitManifest, saved: Sequence[MegatronLayout], layout: MegatronLayout
+) -> dict[str, torch.Tensor]:
+    """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the stored DP layout.
+
+    No merge needed: ``saved`` holds one layout sidecar per saved model-parallel rank, which says for every
+    saved param where its state sits in the stored padded buckets and where its pieces sit in model space.
+    Each of this rank's params is assembled from the saved params that cover its model pieces (another TP
+    splits a param differently; another PP, bucket size or DP moves it to another bucket), reading only
+    those saved params' ranges (through :class:`~ckptd.client.fastread.ChunkReader`), then copied into this
+    rank's slice of its own bucket. Works for any TP/PP/DP and bucket layout; the merged layout
+    (:func:`merged_optimizer_slices`) gives the same result.
+    """
+    arrays = {rec.name: rec for rec in commit.arrays}
+    index = _saved_index(saved)
+    states: dict[str, str] = {}
+    for lay in saved:
+        for buf, bucket in lay.buckets():
+            prefix = lay.bucket_prefix(buf, bucket)
+            for state in bucket_states(list(arrays), prefix):
+                states.setdefault(state, arrays[prefix + state].torch_dtype)
+    if MAIN_PARAM not in states:
+        raise StateMismatchError(f"step {commit.step} holds no optimizer bucket state of the saved layouts")
+
+    # 1. which saved param ranges this rank needs, for which of its param pieces
+    plans: list[tuple[BufferLayout, BucketLayout, list[tuple[ParamLayout, list[tuple[ModelPiece, _SavedPiece]]]]]] = []
+    wanted: dict[tuple[str, int, int], None] = {}
+    for buf, bucket in layout.buckets():
+        s = buf.slice_numel(bucket)
+        lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
+        touched = []
+        for p in bucket.params:
+            if not (p.start - bucket.start < hi and p.end - bucket.start > lo):
+                continue
+            sources = []
+            for piece in p.model_pieces:
+                found = [sp for sp in index.get(piece.key, []) if _overlap(piece, sp.piece) is not None]
+                if not found:
+                    raise StateMismatchError(
+                        f"{p.name}: no saved optimizer state covers model piece {piece.key} at {piece.global_offset}"
+                    )
+                for sp in _cover(piece, found):
+                    sources.append((piece, sp))
+                    wanted[(sp.prefix, sp.lo, sp.hi)] = None
+            touched.append((p, sources))
+        plans.append((buf, bucket, touched))
+
+    # 2. read them: one tensor per (saved param range, state), every chunk checksummed
+    reader = ChunkReader(root, commit)
+    got: dict[tuple[str, int, int, str], torch.Tensor] = {}
+    for prefix, a, b in wanted:
+        for state, dtype in states.items():
+            name = prefix + state
+            if name not in arrays:
+                raise StateMismatchError(f"{name}: not in checkpoint step {commit.step}")
+            t = got[(prefix, a, b, state)] = torch.empty(b - a, dtype=torch_dtype(dtype))
+            reader.add(name, t, (a,))
+    await reader.run()
+
+    # 3. assemble each param's state in this layout, then this rank's slice of each bucket
+    slices: dict[str, torch.Tensor] = {}
+    for buf, bucket, touched in plans:
+        s = buf.slice_numel(bucket)
+        lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
+        for state, dtype in states.items():
+            out = torch.zeros(s, dtype=torch_dtype(dtype))
+            for p, sources in touched:
+                value = torch.empty(p.shape, dtype=out.dtype)
+                for piece, sp in sources:
+                    src_param = got[(sp.prefix, sp.lo, sp.hi, state)].view(sp.param.shape)
+                    src = _block(view_of(sp.piece, src_param), sp.piece)
+                    dst = _block(view_of(piece, value), piece)
+                    inter = _overlap(piece, sp.piece)
+                    if inter is None:
+                        continue
+                    d_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, piece.global_offset, strict=True))
+                    s_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, sp.piece.global_offset, strict=True))
+                    dst[d_sel] = src[s_sel]
+                a, b = p.start - bucket.start, p.end - bucket.start
+                i, j = max(a, lo), min(b, hi)
+                out[i - lo : j - lo] = value.reshape(-1)[i - a : j - a]
+            slices[layout.bucket_key(buf, bucket, state)] = out
+    return slices
+
+
+def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None:
+    """The intersection of two pieces' regions of one model array, or None."""
+    if a.global_shape != b.global_shape or len(a.global_offset) != len(b.global_offset):
+        return None
+    out = []
+    for ra, rb in zip(a.region(), b.region(), strict=True):
+        lo, hi = max(ra.start, rb.start), min(ra.stop, rb.stop)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _cover(piece: ModelPiece, found: list[_SavedPiece]) -> list[_SavedPiece]:
+    """Saved pieces that together cover ``piece``, one copy per region (replicas are skipped)."""
+    chosen: list[_SavedPiece] = []
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    for sp in found:
+        inter = _overlap(piece, sp.piece)
+        if inter is not None and inter not in seen:
+            seen.add(inter)
+            chosen.append(sp)
+    need = math.prod(piece.stored_shape)
+    have = sum(math.prod(y - x for x, y in inter) for inter in seen)
+    if have < need:
+        raise StateMismatchError(f"{piece.key}: the saved optimizer state covers {have} of {need} elements")
+    return chosen

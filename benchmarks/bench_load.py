@@ -1,0 +1,219 @@
+"""Resume: ckptd's load versus Megatron's own ``dist_checkpointing.load``, on the same model, in one run.
+
+One training run (TP1 x DP2, fp32) saves the same state twice: through ckptd (daemon, ``save_checkpoint``)
+and with Megatron's ``dist_checkpointing.save`` (``dp_reshardable``, synchronous). Then, per mode, cold
+(page cache dropped) and warm, the slowest rank's time until model and optimizer hold the state:
+
+- ``megatron``: ``dist_checkpointing.load`` of its dp_reshardable checkpoint + ``load_state_dict``;
+- ``ckptd``: ``load_checkpoint`` at the saving layout (TP1 x DP2);
+- ``ckptd_other_dp``: ``load_checkpoint`` on one rank (DP 2 -> 1), from the DP layout;
+- ``ckptd_other_tp``: ``load_checkpoint`` at TP2 x DP1, merge-free (straight from the DP bucket slices);
+- ``raw_read``: a plain parallel ``readinto`` of ckptd's files of the step (split over the ranks) — the
+  bound any loader of those bytes meets.
+
+Cold: ``echo 3 > /proc/sys/vm/drop_caches`` where permitted (root outside a container); otherwise every
+file of both checkpoints is evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages only: the
+checkpoints are fsynced), and the row says which (``cold_method``). ``memory_restore``: new ranks load
+through a client of the daemon, which still holds the step in its arena (the shm is not dropped by a
+cache drop: "cold" there only means the commit manifest comes from disk); ``memory_restore_bytes`` says
+how much came from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+from ckptd.testing.launch import DaemonProcess, run_ranks
+
+MiB = 1 << 20
+FULL = {"hidden": 1024, "layers": 8, "heads": 16, "vocab": 32768, "seq": 64, "micro_batch_size": 1}
+SMOKE = {"hidden": 64, "layers": 2, "heads": 4, "vocab": 128, "seq": 16}
+STEP = 1
+
+
+def drop_caches(paths: list[str]) -> str:
+    """Evict the checkpoints from the page cache; returns the method used."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for top in paths:
+        for dirpath, _dirs, files in os.walk(top):
+            for name in files:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    return "fadvise_dontneed"
+
+
+# --- rank side -----------------------------------------------------------------------------------
+def _sharded(model: list[Any], optimizer: Any, loading: bool) -> dict[str, Any]:
+    from megatron.core.utils import unwrap_model
+
+    model_sd = unwrap_model(model[0]).sharded_state_dict()
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                            metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _save(rank: int, world: int, socket_path: str, workdir: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from ckptd.client import CheckpointClient
+    from ckptd.client.megatron import save_checkpoint
+    from ckptd.testing.toy_gpt import build_gpt
+
+    model, optimizer, train_step = build_gpt(**cfg)
+    train_step(0)
+    client = CheckpointClient(socket_path, timeout_s=600)
+    save_checkpoint(client, STEP, model, optimizer, extra={"iteration": STEP}).wait(1200)
+    client.close()
+    mdir = os.path.join(workdir, "load-megatron")
+    if rank == 0:
+        os.makedirs(mdir, exist_ok=True)
+    dist.barrier()
+    megatron_ok = ""
+    try:
+        dist_checkpointing.save(_sharded(model, optimizer, False), mdir,
+                                content_metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    except Exception as exc:  # reported, not fatal: the other modes still run
+        megatron_ok = f"{type(exc).__name__}: {exc}"[:300]
+    dist.barrier()
+    return {"params": sum(p.numel() for c in model for p in c.parameters()), "megatron_save_error": megatron_ok}
+
+
+def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[str], repeats: int,
+           cold_paths: list[str], socket_path: str = "") -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from ckptd.client.megatron import load_checkpoint
+    from ckptd.testing.toy_gpt import build_gpt
+
+    model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **cfg)
+    train_step(0)  # live optimizer state exists (as in a restarted job before its load)
+    root = os.path.join(workdir, "load-ckptd")
+    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}")) for f in fs)
+    mine = files[rank::world]
+    buf = torch.empty(max((os.path.getsize(f) for f in mine), default=1), dtype=torch.uint8)
+    out: dict[str, Any] = {"cold_method": ""}
+
+    def raw_read() -> None:
+        view = memoryview(buf.numpy())
+        for path in mine:
+            with open(path, "rb", buffering=0) as fh:
+                fh.readinto(view[: os.path.getsize(path)])
+
+    def megatron_load() -> None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.utils import unwrap_model
+
+        with torch.no_grad():  # the loaded tensors replace params in place
+            state = dist_checkpointing.load(_sharded(model, optimizer, True), os.path.join(workdir, "load-megatron"))
+            unwrap_model(model[0]).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+
+    from ckptd.client import CheckpointClient
+
+    # a restarted trainer connects to its daemon once (it saves through it); the load is what is timed
+    client = CheckpointClient(socket_path, timeout_s=600) if "memory" in modes else None
+
+    def memory_load() -> None:
+        loaded = load_checkpoint(client, STEP, model, optimizer)
+        out["memory_bytes"] = loaded.from_memory_bytes
+
+    run = {"ckptd": lambda: load_checkpoint(root, STEP, model, optimizer), "raw_read": raw_read,
+           "megatron": megatron_load, "memory": memory_load}
+    for mode in modes:
+        for temp in ("cold", "warm"):
+            times: list[float] = []
+            for _ in range(repeats):
+                dist.barrier()
+                if temp == "cold" and rank == 0:
+                    out["cold_method"] = drop_caches(cold_paths)
+                dist.barrier()
+                t0 = time.perf_counter()
+                try:
+                    run[mode]()
+                except Exception as exc:
+                    out[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    break
+                times.append(time.perf_counter() - t0)
+            out[f"{mode}_{temp}"] = times
+    dist.barrier()
+    if client is not None:
+        client.close()
+    return out
+
+
+# --- parent --------------------------------------------------------------------------------------
+def _slowest(results: list[dict[str, Any]], key: str) -> float | None:
+    if any(not r.get(key) for r in results):
+        return None
+    n = min(len(r[key]) for r in results)
+    return round(float(statistics.median(max(r[key][i] for r in results) for i in range(n))), 6)
+
+
+def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
+    from run import emit
+
+    cfg = dict(SMOKE if args.smoke else FULL)
+    repeats = 1 if args.smoke else 3
+    from bench_megatron import _gpt_params
+
+    arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64
+    root = os.path.join(workdir, "load-ckptd")
+    sock = os.path.join(workdir, "load.sock")
+    daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1",
+                           log_path=os.path.join(workdir, "load-daemon.log"))
+    paths = [root, os.path.join(workdir, "load-megatron")]
+    try:
+        daemon.wait_ready(300)
+        saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
+        # new ranks (the savers are gone); the daemon still holds the step: in-memory restore is measured too
+        same = run_ranks(_timed, 2, workdir, cfg, ["raw_read", "ckptd", "megatron", "memory"], repeats, paths, sock,
+                         timeout_s=3600)
+    finally:
+        daemon.stop(120)
+    other_dp = run_ranks(_timed, 1, workdir, cfg, ["ckptd"], repeats, paths, timeout_s=3600)
+    other_tp = run_ranks(_timed, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], repeats, paths, timeout_s=3600)
+    nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}"))
+                 for f in fs)
+    row: dict[str, Any] = {"bench": "load", "model_params": saved[0]["params"], "ranks": 2,
+                           "checkpoint_bytes": nbytes, "cold_method": same[0]["cold_method"], "runs": repeats}
+    for temp in ("cold", "warm"):
+        raw = _slowest(same, f"raw_read_{temp}")
+        ck = _slowest(same, f"ckptd_{temp}")
+        mg = _slowest(same, f"megatron_{temp}")
+        dp = _slowest(other_dp, f"ckptd_{temp}")
+        tp = _slowest(other_tp, f"ckptd_{temp}")
+        mem = _slowest(same, f"memory_{temp}")
+        row.update({f"raw_read_{temp}_s": raw, f"ckptd_{temp}_s": ck, f"megatron_{temp}_s": mg,
+                    f"ckptd_other_dp_{temp}_s": dp, f"ckptd_other_tp_{temp}_s": tp, f"memory_restore_{temp}_s": mem})
+        if ck and raw:
+            row[f"ratio_ckptd_vs_raw_{temp}"] = round(ck / raw, 3)
+        if ck and mg:
+            row[f"ratio_ckptd_vs_megatron_{temp}"] = round(ck / mg, 3)
+        if ck and tp:
+            row[f"ratio_other_tp_vs_same_{temp}"] = round(tp / ck, 3)
+    errors = {k: v for r in [*saved, *same, *other_dp, *other_tp] for k, v in r.items() if k.endswith("_error") and v}
+    if errors:
+        row["errors"] = errors
+    cold = row.get("ckptd_cold_s")
+    if cold and row.get("memory_restore_warm_s"):
+        row["ratio_cold_storage_over_memory"] = round(cold / row["memory_restore_warm_s"], 2)
+    row["memory_restore_bytes"] = sum(r.get("memory_bytes", 0) for r in same)
+    return [emit(row)]
+
+
+BENCHES = {"load": bench_load}

@@ -1,0 +1,287 @@
+"""The fast read path: raw-codec chunks read straight into the destination tensor's memory.
+
+zarr's codec pipeline decodes every chunk into a fresh buffer, which numpy and then torch copy again;
+for the ``raw`` codec (zarr ``bytes`` little-endian + ``crc32c``) the stored object *is* the data
+followed by its checksum. So a chunk whose extent is a contiguous run of the destination is read with
+one ``preadv`` (local roots: :attr:`~ckptd.writer.backends.Backend.local_root`) straight into that run,
+the 4-byte checksum into a small buffer beside it; on object stores one GET per chunk, copied once into
+place. Chunks that only partly overlap the region (a DP slice clipped to another padding, a TP region
+that cuts chunks) go through a scratch buffer of one chunk. Every chunk's crc32c is checked against both
+the stored trailer and the commit manifest's record, in worker threads, before the load returns;
+:class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. Compressed arrays (and
+big-endian hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
+
+    reader = ChunkReader(root, commit)
+    reader.add(key, dst_tensor, global_offset)   # any number of regions
+    await reader.run()                            # bounded concurrency over all chunks at once
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+import torch
+
+from ckptd.client.protocol import RestoreShard
+from ckptd.client.restore import ArenaSource
+from ckptd.writer.arrays import chunk_selection, open_array, read_region
+from ckptd.writer.errors import CorruptCheckpointError
+from ckptd.writer.fanout import bounded_map
+from ckptd.writer.format import (
+    ArrayRecord,
+    ChunkRecord,
+    CommitManifest,
+    ShardRecord,
+    chunk_key,
+    itemsize,
+    step_dir,
+)
+from ckptd.writer.root import CheckpointRoot
+
+#: chunks in flight at once (each holds a worker thread while it reads and checksums)
+CHUNK_CONCURRENCY = 8
+_CRC = 4
+_PIECE = 1 << 20  # read + checksum granularity (fits the CPU cache)
+
+
+@dataclass
+class _Job:
+    path: str  # the chunk object's key, relative to the root
+    chunk: ChunkRecord
+    direct: np.ndarray | None  # uint8 view of the destination run the whole chunk fills, or None
+    dst: np.ndarray | None = None  # scratch case: the destination block (typed view) ...
+    src: tuple[slice, ...] = ()  # ... and the part of the chunk that lands there
+    chunk_shape: tuple[int, ...] = ()
+    item: int = 1
+
+
+class ChunkReader:
+    """Reads regions of a committed step's arrays into tensors; one instance per load."""
+
+    def __init__(
+        self, ckpt: CheckpointRoot, commit: CommitManifest, *, concurrency: int = CHUNK_CONCURRENCY,
+        memory: ArenaSource | None = None,
+    ) -> None:
+        self.ckpt = ckpt
+        self.commit = commit
+        self.prefix = step_dir(commit.step)
+        self.arrays = {rec.name: rec for rec in commit.arrays}
+        self.local_root = ckpt.backend.local_root
+        self.concurrency = concurrency
+        self.jobs: list[_Job] = []
+        self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
+        self.fast_bytes = 0
+        # in-memory restore: regions that are exactly a shard the daemon kept are copied from its arena
+        self.memory = memory if memory is not None and memory.step == commit.step else None
+        self.from_memory: list[tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]] = []
+
+    def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
+        """Fill ``dst`` with the region of array ``key`` that starts at ``offset`` (shape: ``dst.shape``).
+
+        The caller has checked key, shape and dtype (:func:`ckptd.client.reader.plan_reads`)."""
+        rec = self.arrays[key]
+        if dst.numel() == 0:
+            return
+        if self.memory is not None:
+            hit = self.memory.find(key, tuple(offset), tuple(dst.shape))
+            stored = next((s for s in rec.shards if tuple(s.offset) == tuple(offset)
+                           and tuple(s.shape) == tuple(dst.shape)), None)
+            if hit is not None and stored is not None and hit.dtype == rec.torch_dtype and \
+                    hit.nbytes == dst.numel() * itemsize(rec.torch_dtype):
+                self.from_memory.append((key, dst, tuple(offset), hit, stored))
+                return
+        if rec.codec != "raw" or sys.byteorder != "little":
+            self.slow.append((key, dst, tuple(offset)))
+            return
+        target = dst
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            target = torch.empty(dst.shape, dtype=dst.dtype)
+            self.copies.append((target, dst))
+        item = itemsize(rec.torch_dtype)
+        flat = target.detach().view(-1).view(torch.uint8).numpy()
+        typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
+        self._plan(rec, typed, flat, tuple(offset), item)
+
+    def _plan(self, rec: ArrayRecord, typed: np.ndarray, flat: np.ndarray, offset: tuple[int, ...], item: int) -> None:
+        local = typed.shape
+        end = tuple(o + n for o, n in zip(offset, local, strict=True))
+        for shard in rec.shards:
+            for ch in shard.chunks:
+                ext = chunk_selection(ch.coords, rec.chunks, rec.shape)
+                lo = tuple(max(s.start, o) for s, o in zip(ext, offset, strict=True))
+                hi = tuple(min(s.stop, e) for s, e in zip(ext, end, strict=True))
+                if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                    continue
+                path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
+                whole = all(a == s.start and b == s.stop for a, b, s in zip(lo, hi, ext, strict=True))
+                rel = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
+                run = _contiguous_run(rel, local) if whole else None
+                if run is not None and run[1] * item == ch.nbytes:
+                    start, count = run
+                    self.jobs.append(_Job(path, ch, flat[start * item : (start + count) * item]))
+                else:
+                    src = tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, ext, strict=True))
+                    shape = tuple(s.stop - s.start for s in ext)
+                    if math.prod(rec.chunks) * item == ch.nbytes:  # an edge chunk stored at full size (zarr)
+                        shape = tuple(rec.chunks)
+                    self.jobs.append(_Job(path, ch, None, typed[rel], src, shape, item))
+                self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
+
+    async def run(self) -> None:
+        """Copy what memory holds (checked), then read every planned chunk (bounded concurrency), then the
+        zarr-decoded remainder."""
+        if self.from_memory and self.memory is not None:
+            ok = await bounded_map(self._copy_from_memory, self.from_memory, limit=self.concurrency)
+            missed = [item for item, good in zip(self.from_memory, ok, strict=True) if not good]
+            pairs = list(zip(self.from_memory, ok, strict=True))
+            self.memory.served_bytes += sum(item[3].nbytes for item, good in pairs if good)
+            self.from_memory, memory, self.memory = [], self.memory, None
+            for key, dst, offset, _hit, _stored in missed:  # stale or damaged: read from storage
+                memory.rejected.append(key)
+                self.add(key, dst, offset)
+            self.memory = memory
+        await bounded_map(self._one, self.jobs, limit=self.concurrency)
+        for key, dst, offset in self.slow:
+            arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
+            data = await read_region(arr, offset, tuple(dst.shape))
+            src = torch.from_numpy(np.ascontiguousarray(data))
+            dst.copy_(src.view(dst.dtype) if src.dtype != dst.dtype else src)
+        for staging, dst in self.copies:
+            dst.copy_(staging)
+        self.jobs, self.slow, self.copies = [], [], []
+
+    async def _copy_from_memory(
+        self, item: tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]
+    ) -> bool:
+        return await asyncio.to_thread(self._copy_checked, *item)
+
+    def _copy_checked(
+        self, key: str, dst: torch.Tensor, offset: tuple[int, ...], hit: RestoreShard, stored: ShardRecord
+    ) -> bool:
+        """Copy one kept shard out of the arena into ``dst``; True only if every chunk's crc32c matches the
+        commit manifest (the bytes are copied first and checked in the copy, so a range the daemon reuses
+        meanwhile cannot slip through)."""
+        if self.memory is None:
+            return False
+        rec = self.arrays[key]
+        item = itemsize(rec.torch_dtype)
+        target = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
+        flat = target.detach().view(-1).view(torch.uint8).numpy()
+        flat[:] = np.frombuffer(self.memory.view[hit.offset : hit.offset + hit.nbytes], dtype=np.uint8)
+        typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
+        for ch in stored.chunks:
+            ext = chunk_selection(ch.coords, rec.chunks, rec.shape)
+            rel = tuple(slice(s.start - o, s.stop - o) for s, o in zip(ext, offset, strict=True))
+            block = np.ascontiguousarray(typed[rel])
+            if block.nbytes != ch.nbytes or int(crc32c.crc32c(block.data.cast("B"))) != ch.crc32c:
+                return False
+        if target is not dst:
+            dst.copy_(target)
+        return True
+
+    async def _one(self, job: _Job) -> None:
+        if self.local_root is not None:
+            await asyncio.to_thread(_read_local, os.path.join(self.local_root, job.path), job)
+            return
+        data = await self.ckpt.backend.get(job.path)
+        if data is None:
+            raise CorruptCheckpointError(f"{job.path}: chunk missing")
+        await asyncio.to_thread(_place, job, memoryview(data))
+
+
+def _contiguous_run(rel: Sequence[slice], shape: Sequence[int]) -> tuple[int, int] | None:
+    """``(first element, count)`` when the block ``rel`` of a C-ordered ``shape`` is one contiguous run."""
+    n = len(shape)
+    k = 0
+    while k < n - 1 and rel[k].stop - rel[k].start == 1:
+        k += 1
+    if any(rel[j].start != 0 or rel[j].stop != shape[j] for j in range(k + 1, n)):
+        return None
+    start = 0
+    for s, dim in zip(rel, shape, strict=True):
+        start = start * dim + s.start
+    return start, math.prod(s.stop - s.start for s in rel)
+
+
+def _check(job: _Job, data: memoryview, trailer: bytes, crc: int | None = None) -> None:
+    want = job.chunk.nbytes
+    if data.nbytes != want or len(trailer) != _CRC:
+        raise CorruptCheckpointError(
+            f"{job.path}: chunk holds {data.nbytes + len(trailer)} bytes, the manifest recorded {want} + {_CRC}"
+        )
+    if crc is None:
+        crc = int(crc32c.crc32c(data))
+    stored = int.from_bytes(trailer, "little")
+    if crc != stored or crc != job.chunk.crc32c:
+        raise CorruptCheckpointError(
+            f"{job.path}: stored bytes have crc32c {crc:#010x}; the chunk's trailer says {stored:#010x} and the "
+            f"manifest {job.chunk.crc32c:#010x}"
+        )
+
+
+def _read_local(path: str, job: _Job) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: chunk missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != job.chunk.nbytes + _CRC:
+            raise CorruptCheckpointError(
+                f"{path}: chunk holds {size} bytes, the manifest recorded {job.chunk.nbytes} + {_CRC}"
+            )
+        scratch = job.direct if job.direct is not None else np.empty(job.chunk.nbytes, dtype=np.uint8)
+        body = scratch.data
+        # read and checksum piece by piece: each piece is checksummed while it is still in the CPU cache
+        crc, pos = 0, 0
+        while pos < body.nbytes:
+            piece = body[pos : pos + _PIECE]
+            _preadv_all(fd, [piece], path, pos)
+            crc = crc32c.crc32c(piece, crc)
+            pos += piece.nbytes
+        trailer = bytearray(_CRC)
+        _preadv_all(fd, [memoryview(trailer)], path, body.nbytes)
+    finally:
+        os.close(fd)
+    _check(job, body, bytes(trailer), crc)
+    if job.direct is None:
+        _scatter(job, body)
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> None:
+    while bufs:
+        n = os.preadv(fd, bufs, pos)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path}: chunk shorter than recorded")
+        pos += n
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+
+
+def _place(job: _Job, data: memoryview) -> None:
+    if data.nbytes < _CRC:
+        raise CorruptCheckpointError(f"{job.path}: chunk of {data.nbytes} bytes has no crc32c")
+    body, trailer = data[: data.nbytes - _CRC], bytes(data[data.nbytes - _CRC :])
+    _check(job, body, trailer)
+    if job.direct is not None:
+        job.direct[:] = np.frombuffer(body, dtype=np.uint8)
+    else:
+        _scatter(job, body)
+
+
+def _scatter(job: _Job, body: memoryview) -> None:
+    if job.dst is None:  # the scratch case always has a destination
+        raise CorruptCheckpointError(f"{job.path}: no destination for a partial chunk")
+    src = np.frombuffer(body, dtype=job.dst.dtype).reshape(job.chunk_shape)
+    job.dst[...] = src[job.src]

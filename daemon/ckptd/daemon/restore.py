@@ -1,0 +1,91 @@
+"""In-memory restore: the daemon keeps the newest committed step's staged bytes in its arena.
+
+After a crash of the training processes (the node and its daemon live) the restarted ranks can copy the
+newest committed step back from the daemon's shared memory instead of reading it from storage. When a
+shard's chunks are written, :class:`Retention` keeps its arena slot (instead of freeing it) under the
+step; when a step commits, every older step's slots are freed; when a lease does not fit, everything kept
+is freed at once (:meth:`Retention.evict`, hooked to :attr:`Arena.on_pressure`): saves always win the
+space. A :class:`~ckptd.client.protocol.RestoreRequest` is answered with the arena ranges of the step's
+shards only while that step is the newest commit and still whole; the client checks every chunk
+against the commit manifest's crc32c (an evicted and reused range fails the check and is read from
+storage).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreShard, ShardMeta
+from ckptd.daemon.arena import Arena, Lease
+from ckptd.writer.format import itemsize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Kept:
+    shards: list[RestoreShard] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Retention:
+    """Staged slots kept after their write, per step; at most the newest commit plus steps in flight."""
+
+    def __init__(self, arena: Arena, enabled: bool = True) -> None:
+        self.arena = arena
+        self.enabled = enabled
+        self.kept: dict[int, _Kept] = {}
+        self.committed: int | None = None
+        self.served = 0  # restore replies with shards (a counter for tests and logs)
+        self.evictions = 0
+        if enabled:
+            arena.on_pressure = self.evict
+
+    def keep(self, step: int, meta: ShardMeta, lease: Lease) -> bool:
+        """Keep the written shard's slot for a restore; False (caller frees it) when retention is off."""
+        if not self.enabled:
+            return False
+        offset, size = self.arena.retain_slot(lease, meta.slot)
+        kept = self.kept.setdefault(step, _Kept())
+        shard = RestoreShard(meta.key, meta.dtype, list(meta.global_offset), list(meta.shape), offset, _nbytes(meta))
+        kept.shards.append(shard)
+        kept.ranges.append((offset, size))
+        return True
+
+    def step_committed(self, step: int) -> None:
+        """``step`` is the newest commit: free every older step's slots."""
+        self.committed = step if self.committed is None else max(self.committed, step)
+        for old in [s for s in self.kept if s < self.committed]:
+            self._free(old)
+
+    def step_failed(self, step: int) -> None:
+        self._free(step)
+
+    def evict(self) -> int:
+        """Free everything kept (a save needs the space); returns the bytes freed."""
+        freed = sum(size for kept in self.kept.values() for _o, size in kept.ranges)
+        if freed:
+            self.evictions += 1
+            log.info("in-memory restore: %d MiB of kept steps %s evicted for a save", freed >> 20, sorted(self.kept))
+        for step in list(self.kept):
+            self._free(step)
+        return freed
+
+    def reply(self, step: int) -> RestoreReply:
+        kept = self.kept.get(step)
+        if kept is None or step != self.committed:
+            return RestoreReply(v=PROTOCOL_VERSION, step=step, shards=[])
+        self.served += 1
+        return RestoreReply(v=PROTOCOL_VERSION, step=step, shards=list(kept.shards))
+
+    def _free(self, step: int) -> None:
+        kept = self.kept.pop(step, None)
+        if kept is not None:
+            for offset, size in kept.ranges:
+                self.arena.free_range(offset, size)
+
+
+def _nbytes(meta: ShardMeta) -> int:
+    return math.prod(meta.shape) * itemsize(meta.dtype)

@@ -1,0 +1,173 @@
+"""Reshard on read, merge optional: load_checkpoint at another TP, PP, DP or bucket layout reads each
+param's optimizer state straight from the stored DP bucket slices through the saved layout sidecars.
+
+Every case loads twice in one set of ranks: first from a copy of the root that ``ckptd merge`` processed
+(the merged layout is used), then from the root without it (the merge-free path). The two must give the
+bit-identical model and optimizer state on every rank; then training continues and the losses must match
+the original run's (bit-exact at the same TP; to REL_TOL after a TP change, as in test_reshard.py, whose
+control shows lost optimizer moments move the second loss far outside it; the control here repeats it
+for the merge-free path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from ckptd.client import CheckpointClient
+from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
+from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+
+pytestmark = pytest.mark.megatron
+
+K, AFTER = 3, 2
+REL_TOL = 1e-6
+CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
+MULTI = {"overlap_grad_reduce": True, "bucket_size": 6000}
+
+
+def _save(rank: int, world: int, socket: str, build: dict[str, Any]) -> list[float]:
+    model, optimizer, train_step = build_gpt(**build)
+    client = CheckpointClient(socket)
+    for i in range(K):
+        train_step(i)
+    save_checkpoint(client, K, model, optimizer, extra={"iteration": K}).wait(60)
+    return [train_step(K + i) for i in range(AFTER)]
+
+
+def _digest(model: list[torch.nn.Module], optimizer: Any) -> str:
+    h = hashlib.sha256()
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            h.update(name.encode() + p.detach().float().numpy().tobytes())
+    for opt in optimizer.chained_optimizers:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                h.update(p.detach().numpy().tobytes())
+                for key, value in sorted(opt.optimizer.state.get(p, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        h.update(key.encode() + value.detach().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], drop: bool) -> dict[str, Any]:
+    import logging
+
+    paths: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if msg.startswith("loaded step"):
+                paths.append("merge-free" if "without a merge" in msg else "merged" if "merged" in msg else "dp")
+
+    log = logging.getLogger("ckptd.client.megatron.load")
+    log.addHandler(Collect())
+    log.setLevel(logging.INFO)
+    model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **build)  # other init, same data
+    merged, plain = roots
+    load_checkpoint(merged, K, model, optimizer)
+    via_merged = _digest(model, optimizer)
+    loaded = load_checkpoint(plain, K, model, optimizer)
+    via_dp = _digest(model, optimizer)
+    if drop:  # control: the right params, but the optimizer's moments zeroed
+        for opt in optimizer.chained_optimizers:
+            for state in opt.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        value.zero_()
+    layout = get_layout(model, optimizer)
+    return {"merged": via_merged, "dp": via_dp, "extra": loaded.extra, "paths": paths,
+            "sizes": (layout.tp_size, layout.pp_size, layout.dp_size),
+            "losses": [train_step(K + i) for i in range(AFTER)]}
+
+
+def _saved(tmp: Path, name: str, world: int, build: dict[str, Any]) -> dict[str, Any]:
+    root = str(tmp / "plain")
+    daemon = DaemonProcess(root, f"/tmp/ckd-{os.getpid()}-{name}.sock", "--arena-size", "64MiB", "--no-prefault",
+                           log_path=str(tmp / "daemon.log")).wait_ready()
+    try:
+        losses = spawn_ranks(_save, world, daemon.socket, build)[0]
+    finally:
+        daemon.stop(timeout=20)
+    merged = str(tmp / "merged")
+    shutil.copytree(root, merged)
+    subprocess.run([*CLI, "merge", merged, "--json"], check=True, capture_output=True)
+    assert not (Path(root) / "step_3" / "merged").exists()
+    return {"roots": (merged, root), "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def tp1dp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _saved(tmp_path_factory.mktemp("tp1dp2"), "a", 2, {"tp": 1, **MULTI})
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _saved(tmp_path_factory.mktemp("tp2pp2"), "b", 4, {"tp": 2, "pp": 2, **MULTI})
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= REL_TOL * abs(y) for x, y in zip(a, b, strict=True))
+
+
+CASES = [  # (saved, world, build, sizes): the load paths taken are "dp" for a DP change, else merged/merge-free
+    ("tp1dp2", 1, {"tp": 1, **MULTI}, (1, 1, 1)),  # DP 2 -> 1
+    ("tp1dp2", 4, {"tp": 1, **MULTI}, (1, 1, 4)),  # DP 2 -> 4
+    ("tp1dp2", 2, {"tp": 1}, (1, 1, 2)),  # bucket layout changed (one bucket), same TP/PP/DP
+    ("tp1dp2", 2, {"tp": 2, **MULTI}, (2, 1, 1)),  # TP 1 -> 2
+    ("tp2pp2", 2, {"tp": 2, "pp": 1, **MULTI}, (2, 1, 1)),  # PP 2 -> 1
+    ("tp2pp2", 1, {"tp": 1, "pp": 1, **MULTI}, (1, 1, 1)),  # TP 2 -> 1 and PP 2 -> 1
+]
+
+
+@pytest.mark.parametrize(("saved", "world", "build", "sizes"), CASES,
+                         ids=["dp2-1", "dp2-4", "buckets", "tp1-2", "pp2-1", "tp2pp2-1"])
+def test_load_without_merge_equals_merged_and_resumes(
+    request: pytest.FixtureRequest, saved: str, world: int, build: dict[str, Any], sizes: tuple[int, ...]
+) -> None:
+    run = request.getfixturevalue(saved)
+    results = spawn_ranks(_load, world, run["roots"], build, False)
+    assert {r["sizes"] for r in results} == {sizes}
+    same = saved == "tp1dp2" and build == {"tp": 1, **MULTI}  # only DP changed: the DP layout as saved
+    assert {tuple(r["paths"]) for r in results} == {("dp", "dp") if same else ("merged", "merge-free")}
+    for r in results:
+        assert r["dp"] == r["merged"], "merge-free and merged loads differ"
+        assert r["extra"] == {"iteration": K}
+    losses, original = results[0]["losses"], run["losses"]
+    assert losses[0] == pytest.approx(original[0], rel=REL_TOL)
+    assert _close(losses, original), (losses, original)
+
+
+def test_control_lost_optimizer_state_is_caught(tp1dp2: dict[str, Any]) -> None:
+    results = spawn_ranks(_load, 2, tp1dp2["roots"], {"tp": 1}, True)
+    losses, original = results[0]["losses"], tp1dp2["losses"]
+    assert abs(losses[1] - original[1]) > 10 * REL_TOL * abs(original[1]), (losses, original)
+
+
+def test_merged_step_lists_without_warnings(tp1dp2: dict[str, Any]) -> None:
+    import warnings
+
+    import zarr
+
+    merged = tp1dp2["roots"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        group = zarr.open_group(merged, mode="r")
+        members = dict(group.members(max_depth=None))
+        assert "step_3/merged" in members and "step_3/merged/_ckptd" in members
+        n = sum(1 for v in members.values() if isinstance(v, zarr.Array) and v[...] is not None)
+    assert n > 20
+    assert json.loads((Path(merged) / "step_3" / "merged" / "zarr.json").read_text())["node_type"] == "group"
