@@ -61,6 +61,9 @@ from ckptd.writer.format import sidecar_name
 log = logging.getLogger(__name__)
 
 Policy = Literal["wait", "fail", "skip"]
+# What a lost daemon does to the training loop: "warn" (default) logs and fails only the save's handle;
+# "raise" raises DaemonUnavailableError from save()/wait() like any other error.
+DaemonLostPolicy = Literal["warn", "raise"]
 # A state dict: tensors (or Shard / ShardedTensor descriptions of them) and plain data, nested in dicts and
 # lists. Values are typed ``object`` because what a leaf may be is checked at run time by plan_state.
 StateDict = Mapping[str, object]
@@ -128,20 +131,30 @@ class SaveHandle:
         self.skipped = skipped
         self.state: StepState = StepState.SKIPPED if skipped else StepState.PENDING
         self._error: CkptdError | None = None
+        self._delivered = False  # the error reached the caller (wait() raised it, or a warning told it)
+
+    def _fail(self, error: CkptdError) -> SaveHandle:
+        self.state = StepState.FAILED
+        self._error = error
+        return self
 
     def _update(self, wait_s: float) -> None:
         if self.state.final or self._client is None:
             return
-        st = self._client._status(self.step, wait_s)
+        try:
+            st = self._client._status(self.step, wait_s)
+        except DaemonUnavailableError as exc:  # the daemon died or restarted: this save is lost with it
+            self._fail(DaemonUnavailableError(f"step {self.step}: lost the daemon before the commit: {exc}"))
+            return
         self.state = st.state
         if st.state is StepState.FAILED:
             cls = _ERRORS.get(st.error_code, StepFailedError)
             self._error = cls(f"step {self.step} failed: {st.error}")
         elif st.state is StepState.UNKNOWN:
-            self.state = StepState.FAILED
-            self._error = StepFailedError(
+            # a restarted daemon never commits its predecessor's unfinished steps: the save is lost
+            self._fail(DaemonUnavailableError(
                 f"step {self.step}: the daemon has no record of this save (it restarted before committing?)"
-            )
+            ))
 
     def done(self) -> bool:
         """True once the step committed or failed (non-blocking)."""
@@ -154,12 +167,21 @@ class SaveHandle:
         return self.state in (StepState.DURABLE, StepState.COMMITTED)
 
     def wait(self, timeout: float | None = None) -> SaveHandle:
-        """Block until the step committed; raise its error if it failed, SaveTimeoutError on timeout."""
+        """Block until the step committed; raise its error if it failed, SaveTimeoutError on timeout.
+
+        A failure is delivered once: after ``wait()`` raised it, the next ``save()`` does not raise it
+        again. A lost daemon (:class:`DaemonUnavailableError`) is raised only under the client's
+        ``on_daemon_lost="raise"``; under ``"warn"`` it is logged once and ``wait()`` returns the handle
+        in state ``FAILED`` (see :meth:`exception`).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             self._update(max(0.0, left))
             if self.state is StepState.FAILED and self._error is not None:
+                if self._client is not None and not self._client._must_raise(self):
+                    return self
+                self._delivered = True
                 raise self._error
             if self.state in (StepState.COMMITTED, StepState.SKIPPED):
                 return self
@@ -199,8 +221,10 @@ class CheckpointClient:
         start_daemon: bool = False,
         daemon_args: Sequence[str] = (),
         storage_options: Mapping[str, object] | None = None,
+        on_daemon_lost: DaemonLostPolicy = "warn",
     ) -> None:
         env = os.environ
+        self.on_daemon_lost: DaemonLostPolicy = on_daemon_lost
         self.socket_path = socket_path or default_socket_path(env)
         self.placement = placement or Placement.detect(env)
         self.backpressure: Policy = backpressure
@@ -313,7 +337,7 @@ class CheckpointClient:
 
     def _request(self, msg: _Msg) -> Reply:
         if self._sock is None:
-            self._open_socket()
+            self._connect()  # reconnect; the embedded mode starts a new daemon if the old one is gone
         sock = self._sock
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {self.socket_path}")
@@ -368,6 +392,26 @@ class CheckpointClient:
     def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
         """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked."""
         self._raise_background_errors()
+        try:
+            return self._save_staged(step, plan, sidecars, t0)
+        except DaemonUnavailableError as exc:
+            handle = SaveHandle(self, step, 0, time.perf_counter() - t0)._fail(exc)
+            if self._must_raise(handle):
+                handle._delivered = True
+                raise
+            return handle
+
+    def _must_raise(self, handle: SaveHandle) -> bool:
+        """Whether ``handle``'s error goes up into the caller (else: a warning, once, and the handle says it)."""
+        if not isinstance(handle._error, DaemonUnavailableError) or self.on_daemon_lost == "raise":
+            return True
+        if not handle._delivered:
+            handle._delivered = True
+            log.warning("rank %d: step %d not saved, training goes on (on_daemon_lost='warn'): %s",
+                        self.placement.rank, handle.step, handle._error)
+        return False
+
+    def _save_staged(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
         docs = {sidecar_name(t): t for t in sidecars}
         docs = {n: t for n, t in docs.items() if n not in self._sidecars_sent}
         encode_objects(plan.objects)
@@ -431,15 +475,18 @@ class CheckpointClient:
         self._pinned = True
 
     def _raise_background_errors(self) -> None:
-        pending = []
-        for h in self._handles:
+        """Raise the first failure of an earlier save that no ``wait()`` delivered (each is delivered once)."""
+        handles, self._handles = self._handles, []
+        for i, h in enumerate(handles):
             h._update(0.0)
             if h.state is StepState.FAILED and h._error is not None:
-                self._handles.remove(h)
+                if h._delivered or not self._must_raise(h):
+                    continue
+                h._delivered = True
+                self._handles.extend(x for x in handles[i + 1 :] if not x.state.final)
                 raise StepFailedError(f"an earlier save failed in the background: {h._error}") from h._error
-            if h.state not in (StepState.COMMITTED, StepState.SKIPPED):
-                pending.append(h)
-        self._handles = pending
+            if not h.state.final:
+                self._handles.append(h)
 
     # --- load -------------------------------------------------------------------------------------
     def load(self, step: int | Literal["latest"], template: StateDict) -> dict[str, object]:
