@@ -13,6 +13,7 @@ import fcntl
 import logging
 import mmap
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -301,6 +302,8 @@ class CheckpointClient:
             with contextlib.suppress(DaemonUnavailableError):
                 self._open_socket()
                 return
+            with contextlib.suppress(FileNotFoundError):  # a dead daemon's socket: nobody listens on it
+                os.unlink(self.socket_path)
             cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", self._root,
                    "--socket", self.socket_path, *self._daemon_args]
             log.info("rank %d: starting an embedded daemon: %s", self.placement.rank, " ".join(cmd))
@@ -313,6 +316,22 @@ class CheckpointClient:
                     proc.kill()
                     raise DaemonUnavailableError(f"the embedded daemon did not start within {self.timeout_s}s")
                 time.sleep(0.05)
+
+    def _drop_if_dead(self) -> None:
+        """Close the connection if the daemon hung up (it died or restarted), so the next request
+        reconnects (and the embedded mode starts a new daemon) instead of failing on a dead socket."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            # Between requests a live daemon sends nothing: readable means it hung up (EOF) or an
+            # unsolicited frame arrived; either way this connection is done.
+            gone = bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            gone = True
+        if gone:
+            log.warning("rank %d: the daemon at %s went away; reconnecting", self.placement.rank, self.socket_path)
+            self._close_socket()
 
     def _close_socket(self) -> None:
         if self._sock is not None:
@@ -391,6 +410,7 @@ class CheckpointClient:
 
     def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
         """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked."""
+        self._drop_if_dead()
         self._raise_background_errors()
         try:
             return self._save_staged(step, plan, sidecars, t0)
