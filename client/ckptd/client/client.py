@@ -455,7 +455,7 @@ class CheckpointClient:
                     v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
                     node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size,
                     shards=[_meta(s, i) for i, s in enumerate(plan.shards)], objects=plan.objects,
-                    sidecars=docs,
+                    sidecars=docs, stall_s=time.perf_counter() - t0,
                 )
             )
             self._sidecars_sent.update(docs)

@@ -89,6 +89,9 @@ class SaveRequest(_Msg, frozen=True, tag="save"):
     # Content-addressed documents written once per root (e.g. a Megatron layout): name -> JSON text.
     # Names are "<sha256 of the text>.json"; the daemon checks the hash and skips ones already stored.
     sidecars: dict[str, str] = {}
+    # Seconds the rank was blocked up to sending this request (planning and the copy into the arena):
+    # the daemon's save-stall histogram. 0.0 from clients that do not measure it.
+    stall_s: float = 0.0
 
 
 class ReleaseRequest(_Msg, frozen=True, tag="release"):
@@ -134,8 +137,46 @@ class ErrorReply(_Msg, frozen=True, tag="error"):
     message: str
 
 
-Request = Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest
-Reply = Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply
+# --- operations (``ckptd status``) ------------------------------------------------------------------
+class ReportRequest(_Msg, frozen=True, tag="report"):
+    """Ask the daemon for its :class:`StatusReport` (no side effects)."""
+
+
+class StepReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One step the daemon holds a record of."""
+
+    step: int
+    state: StepState
+    node: int
+    ranks_saved: int
+    local_world_size: int
+    nbytes: int
+    age_s: float  # since its first rank saved
+    error: str = ""
+
+
+class StatusReport(_Msg, frozen=True, tag="report_reply"):
+    """A live daemon's state for operators: steps, arena, queue, throughput, retries, last error."""
+
+    daemon_pid: int
+    root: str
+    uptime_s: float
+    draining: bool
+    arena_bytes: int
+    arena_free_bytes: int
+    leases: int
+    in_flight: int  # steps not yet committed or failed (the queue)
+    steps: list[StepReport]
+    commits: int
+    failures: int
+    bytes_written: int  # by steps that reached storage (durable or committed) since start
+    bytes_per_s: float  # of the last finished step, first save to commit
+    retries: int  # storage requests retried since start (S3)
+    last_error: str = ""
+
+
+Request = Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest | ReportRequest
+Reply = Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply | StatusReport
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

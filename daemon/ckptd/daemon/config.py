@@ -113,6 +113,8 @@ class _Options(BaseSettings):
     read_timeout_s: float = 30.0
     prefault: bool = True
     nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # opt-in Prometheus endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"
     storage: StorageOptions = Field(default_factory=StorageOptions)
 
     @field_validator("codec")

@@ -31,6 +31,7 @@ from ckptd.client.protocol import (
     Released,
     ReleaseRequest,
     Reply,
+    ReportRequest,
     Request,
     SaveAccepted,
     SaveRequest,
@@ -44,6 +45,7 @@ from ckptd.client.protocol import (
 from ckptd.daemon.arena import Arena, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.service import CheckpointService
+from ckptd.daemon.stats import DaemonStats, status_report
 from ckptd.writer.backends import Backend, open_backend
 from ckptd.writer.errors import CkptdError, DaemonShuttingDownError, InvalidRequestError, ProtocolError
 
@@ -124,7 +126,8 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
-                self.service = CheckpointService(cfg, self.arena, backend, spawn=self._spawn)
+                stats = self._stats(backend)
+                self.service = CheckpointService(cfg, self.arena, backend, spawn=self._spawn, stats=stats)
                 server = await self._listen()
                 for sig in signals:
                     loop.add_signal_handler(sig, self._stop.set)
@@ -171,6 +174,14 @@ class Daemon:
             log.error("grace period over with steps unfinished: they will not commit")
             return 1
         return 0
+
+    def _stats(self, backend: Backend) -> DaemonStats:
+        """The counters; with ``metrics_port`` they also feed a Prometheus endpoint (metrics.py)."""
+        if self.config.metrics_port is None:
+            return DaemonStats()
+        from ckptd.daemon.metrics import serve_metrics
+
+        return serve_metrics(self.config.metrics_port, self.config.metrics_host, self._arena(), backend)
 
     def stop(self) -> None:
         """Trigger shutdown (the same as SIGTERM)."""
@@ -285,4 +296,7 @@ class Daemon:
                     v=v, step=req.step, state=state, error_code=type(err).__name__ if err else "",
                     error=str(err) if err else "",
                 )
+            case ReportRequest():
+                return status_report(service.stats, service.jobs, arena, service.root.backend,
+                                     root=self.config.root, draining=service.draining)
         raise ProtocolError(f"unexpected message {type(req).__name__}")

@@ -21,6 +21,7 @@ from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
+from ckptd.daemon.stats import DaemonStats
 from ckptd.daemon.writes import ShardWriter, first_leaf
 from ckptd.writer.backends import Backend
 from ckptd.writer.commit import CheckpointWriter
@@ -63,8 +64,12 @@ class CheckpointService:
     puts them in its task group, so shutdown can cancel them; by default they are plain loop tasks.
     """
 
-    def __init__(self, config: DaemonConfig, arena: Arena, backend: Backend, spawn: Spawn | None = None) -> None:
+    def __init__(
+        self, config: DaemonConfig, arena: Arena, backend: Backend, spawn: Spawn | None = None,
+        stats: DaemonStats | None = None,
+    ) -> None:
         self.config = config
+        self.stats = stats or DaemonStats()
         self.arena = arena
         self.root = CheckpointWriter(backend)
         self.jobs: dict[int, StepJob] = {}
@@ -101,6 +106,7 @@ class CheckpointService:
         save = RankSave(req, lease)
         nbytes = sum(lease.sizes[s.slot] for s in req.shards)
         last = job.add_save(save, nbytes)
+        self.stats.on_save(req.stall_s)
         job.tasks[req.rank] = self._spawn(self.writer.write_rank(job, save), f"write step={req.step} rank={req.rank}")
         if last:
             self._spawn(self._finish_node(job), f"finish step={req.step}")
@@ -296,6 +302,7 @@ class CheckpointService:
 
     def _log_step(self, job: StepJob) -> None:
         took = time.monotonic() - job.started
+        self.stats.on_step_end(job, took)
         mib = job.nbytes / 2**20
         retries = ""
         metrics = self.root.backend.metrics
