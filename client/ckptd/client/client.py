@@ -208,6 +208,12 @@ class CheckpointClient:
     ``socket_path`` defaults to the agreed per-user location (``$CKPTD_SOCKET``, ...). With
     ``start_daemon=True`` and a ``root``, the first rank on a node that finds no daemon starts one as a
     separate process (the embedded default); otherwise run ``ckptd serve`` next to the job.
+
+    ``on_daemon_lost`` says what a lost daemon (killed, crashed, restarted) does to the training loop:
+    ``"warn"`` (default: a checkpointer must never be why training stops) logs one warning per save and
+    leaves the save's handle ``FAILED`` with :class:`DaemonUnavailableError` (``save()``/``wait()`` do not
+    raise); ``"raise"`` raises it. Either way the next save reconnects, and with ``start_daemon=True``
+    starts a new daemon. Failures of a step the daemon reports (e.g. ``StorageFullError``) always raise.
     """
 
     def __init__(
