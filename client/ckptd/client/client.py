@@ -13,7 +13,6 @@ import fcntl
 import logging
 import mmap
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.paths import default_socket_path
 from ckptd.client.protocol import (
     HEADER,
@@ -51,6 +51,7 @@ from ckptd.client.state import Plan, Shard, dtype_name, plan_state
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
+    ConfigError,
     DaemonUnavailableError,
     ProtocolError,
     SaveTimeoutError,
@@ -62,9 +63,6 @@ from ckptd.writer.format import sidecar_name
 log = logging.getLogger(__name__)
 
 Policy = Literal["wait", "fail", "skip"]
-# What a lost daemon does to the training loop: "warn" (default) logs and fails only the save's handle;
-# "raise" raises DaemonUnavailableError from save()/wait() like any other error.
-DaemonLostPolicy = Literal["warn", "raise"]
 # A state dict: tensors (or Shard / ShardedTensor descriptions of them) and plain data, nested in dicts and
 # lists. Values are typed ``object`` because what a leaf may be is checked at run time by plan_state.
 StateDict = Mapping[str, object]
@@ -209,11 +207,8 @@ class CheckpointClient:
     ``start_daemon=True`` and a ``root``, the first rank on a node that finds no daemon starts one as a
     separate process (the embedded default); otherwise run ``ckptd serve`` next to the job.
 
-    ``on_daemon_lost`` says what a lost daemon (killed, crashed, restarted) does to the training loop:
-    ``"warn"`` (default: a checkpointer must never be why training stops) logs one warning per save and
-    leaves the save's handle ``FAILED`` with :class:`DaemonUnavailableError` (``save()``/``wait()`` do not
-    raise); ``"raise"`` raises it. Either way the next save reconnects, and with ``start_daemon=True``
-    starts a new daemon. Failures of a step the daemon reports (e.g. ``StorageFullError``) always raise.
+    ``on_daemon_lost``: ``"warn"`` (default) fails only the save's handle when the daemon is gone, with one
+    warning; ``"raise"`` raises :class:`DaemonUnavailableError` (see :mod:`ckptd.client.daemon_lost`).
     """
 
     def __init__(
@@ -231,6 +226,8 @@ class CheckpointClient:
         on_daemon_lost: DaemonLostPolicy = "warn",
     ) -> None:
         env = os.environ
+        if on_daemon_lost not in DAEMON_LOST_POLICIES:
+            raise ConfigError(f"on_daemon_lost must be one of {DAEMON_LOST_POLICIES}, got {on_daemon_lost!r}")
         self.on_daemon_lost: DaemonLostPolicy = on_daemon_lost
         self.socket_path = socket_path or default_socket_path(env)
         self.placement = placement or Placement.detect(env)
@@ -326,16 +323,7 @@ class CheckpointClient:
     def _drop_if_dead(self) -> None:
         """Close the connection if the daemon hung up (it died or restarted), so the next request
         reconnects (and the embedded mode starts a new daemon) instead of failing on a dead socket."""
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            # Between requests a live daemon sends nothing: readable means it hung up (EOF) or an
-            # unsolicited frame arrived; either way this connection is done.
-            gone = bool(select.select([sock], [], [], 0)[0])
-        except (OSError, ValueError):
-            gone = True
-        if gone:
+        if self._sock is not None and peer_hung_up(self._sock):
             log.warning("rank %d: the daemon at %s went away; reconnecting", self.placement.rank, self.socket_path)
             self._close_socket()
 
@@ -429,12 +417,11 @@ class CheckpointClient:
 
     def _must_raise(self, handle: SaveHandle) -> bool:
         """Whether ``handle``'s error goes up into the caller (else: a warning, once, and the handle says it)."""
-        if not isinstance(handle._error, DaemonUnavailableError) or self.on_daemon_lost == "raise":
+        if must_raise(handle._error, self.on_daemon_lost):
             return True
         if not handle._delivered:
             handle._delivered = True
-            log.warning("rank %d: step %d not saved, training goes on (on_daemon_lost='warn'): %s",
-                        self.placement.rank, handle.step, handle._error)
+            warn_lost(self.placement.rank, handle.step, handle._error)
         return False
 
     def _save_staged(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
