@@ -20,6 +20,7 @@ from ckptd.daemon.arena import Arena
 from ckptd.daemon.job import StepJob
 from ckptd.daemon.stats import DaemonStats
 from ckptd.writer.backends import Backend
+from ckptd.writer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ def serve_metrics(port: int, host: str, arena: Arena, backend: Backend) -> Prome
     """Start the HTTP endpoint (a daemon thread of prometheus-client) and return the stats feeding it."""
     registry = CollectorRegistry(auto_describe=True)
     stats = PrometheusStats(registry, arena, backend)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:  # port taken, address not local: say which option is wrong
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
     log.info("metrics on http://%s:%d/metrics", host, server.server_port)
     return stats
