@@ -496,7 +496,7 @@ class CheckpointClient:
                 if h._delivered or not self._must_raise(h):
                     continue
                 h._delivered = True
-                self._handles.extend(x for x in handles[i + 1 :] if not x.state.final)
+                self._handles.extend(x for x in handles[i + 1 :] if not x.state.final or not x._delivered)
                 raise StepFailedError(f"an earlier save failed in the background: {h._error}") from h._error
             if not h.state.final:
                 self._handles.append(h)
