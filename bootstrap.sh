@@ -19,6 +19,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check -c .ci/constraints.txt -e ".[all,test,verl]"
   echo "$want" > "$stamp"
 fi
+# s3rver (npm), the second S3 implementation the S3 tests run against; skipped where npm is missing
+S3RVER_VERSION=3.7.1  # keep in step with ckptd/testing/s3rver.py
+if command -v npm >/dev/null && [ ! -x .ci/node_modules/.bin/s3rver ]; then
+  echo "bootstrap: installing s3rver@$S3RVER_VERSION into .ci/node_modules" >&2
+  npm install --prefix .ci --no-save --no-package-lock --no-audit --no-fund --silent "s3rver@$S3RVER_VERSION" >&2
+fi
 what=${1:-setup}
 [ $# -gt 0 ] && shift
 case "$what" in

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,3 +39,21 @@ async def test_file_urls_and_relative_paths_are_one_root(tmp_path: Path, monkeyp
         await a.put("k", b"v")
         assert await b.get("k") == b"v"
         assert a.local_root == str(tmp_path / "r")
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_no_space_and_quota_are_storage_full(tmp_path: Path, code: int) -> None:
+    from ckptd.writer.errors import StorageError, StorageFullError
+
+    backend = LocalBackend.open(str(tmp_path))
+    direct = backend.error(OSError(code, os.strerror(code)))
+    try:  # wrapped the way zarr/fsspec re-raise
+        try:
+            raise OSError(code, os.strerror(code))
+        except OSError as inner:
+            raise RuntimeError("store write failed") from inner
+    except RuntimeError as outer:
+        wrapped = backend.error(outer)
+    for err in (direct, wrapped):
+        assert isinstance(err, StorageFullError) and isinstance(err, StorageError) and isinstance(err, OSError)
+    assert type(backend.error(OSError(errno.EIO, "io"))) is StorageError

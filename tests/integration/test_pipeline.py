@@ -173,7 +173,7 @@ def test_daemon_kill_9_mid_save(start_daemon, tmp_path):
     root = str(tmp_path / "ckpt")
     slow = ("--chunk-bytes", "128KiB", "--write-concurrency", "1")
     d0 = start_daemon(root, "d0", *slow, arena="256MiB")
-    client = CheckpointClient(d0.socket, placement=Placement(0, 1, 1, 0), timeout_s=5)
+    client = CheckpointClient(d0.socket, placement=Placement(0, 1, 1, 0), timeout_s=5, on_daemon_lost="raise")
     small = {"x": torch.arange(10.0)}
     client.save(1, small).wait(30)
 

@@ -55,10 +55,12 @@ requests = st.one_of(
         local_world_size=i64,
         shards=st.lists(shard_meta, max_size=4),
         objects=st.dictionaries(text, plain, max_size=4),
+        stall_s=finite,
     ),
     st.builds(p.ReleaseRequest, v=st.just(V), lease_id=i64),
     st.builds(p.StatusRequest, v=st.just(V), step=i64, wait_s=finite),
     st.builds(p.RestoreRequest, v=st.just(V), step=i64),
+    st.builds(p.ReportRequest, v=st.just(V)),
 )
 
 replies = st.one_of(
@@ -79,6 +81,14 @@ replies = st.one_of(
         p.RestoreReply, v=st.just(V), step=i64,
         shards=st.lists(st.builds(p.RestoreShard, key=text, dtype=text, global_offset=st.lists(u32, max_size=4),
                                   shape=st.lists(u32, max_size=4), offset=u32, nbytes=u32), max_size=3),
+    ),
+    st.builds(
+        p.StatusReport, v=st.just(V), daemon_pid=i64, root=text, uptime_s=finite, draining=st.booleans(),
+        arena_bytes=i64, arena_free_bytes=i64, leases=i64, in_flight=i64,
+        steps=st.lists(st.builds(p.StepReport, step=i64, state=st.sampled_from(p.STEP_STATES), node=i64,
+                                 ranks_saved=i64, local_world_size=i64, nbytes=i64, age_s=finite, error=text),
+                       max_size=3),
+        commits=i64, failures=i64, bytes_written=i64, bytes_per_s=finite, retries=i64, last_error=text,
     ),
 )
 
@@ -112,10 +122,12 @@ def test_every_reply_round_trips(msg: Any) -> None:
 def test_every_message_type_is_covered_by_the_strategies() -> None:
     """A new message type must be added to the strategies above, or it would go untested."""
     assert {t.__name__ for t in p.Request.__args__} == {
-        "Hello", "LeaseRequest", "SaveRequest", "ReleaseRequest", "StatusRequest", "RestoreRequest"
+        "Hello", "LeaseRequest", "SaveRequest", "ReleaseRequest", "StatusRequest", "RestoreRequest", "ReportRequest",
+        "RegisterPlan",
     }
     assert {t.__name__ for t in p.Reply.__args__} == {
-        "Welcome", "LeaseGranted", "SaveAccepted", "StepStatus", "Released", "ErrorReply", "RestoreReply"
+        "Welcome", "LeaseGranted", "SaveAccepted", "StepStatus", "Released", "ErrorReply", "RestoreReply",
+        "StatusReport", "PlanRegistered",
     }
 
 

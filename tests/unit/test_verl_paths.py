@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ckptd.client.client import Placement
+from ckptd.client.placement import Placement
 from ckptd.integrations.verl import ckptd_root, placement_from_env, socket_for, step_of
 from ckptd.writer.errors import InvalidRequestError
 

@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ckptd.client.client import CheckpointClient, SaveHandle, StateDict
+    from ckptd.client.client import CheckpointClient, StateDict
+    from ckptd.client.handle import SaveHandle
     from ckptd.client.placement import Placement
     from ckptd.client.protocol import StepState
     from ckptd.client.reader import load, read_commit, read_flat, read_sidecar
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "CheckpointClient": "ckptd.client.client",
     "Placement": "ckptd.client.placement",
-    "SaveHandle": "ckptd.client.client",
+    "SaveHandle": "ckptd.client.handle",
     "StateDict": "ckptd.client.client",
     "StepState": "ckptd.client.protocol",
     "Shard": "ckptd.client.state",

@@ -14,13 +14,15 @@ import mmap
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import msgspec
 import torch
 
+from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.embedded import ensure_daemon
+from ckptd.client.handle import SaveHandle
 from ckptd.client.paths import client_socket_path, normalize_root
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
@@ -51,6 +53,7 @@ from ckptd.client.state import Plan, Shard, dtype_name, plan_state
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
+    ConfigError,
     DaemonUnavailableError,
     PlanUnknownError,
     ProtocolError,
@@ -85,70 +88,6 @@ def _expect(reply: Reply, kind: type[_R]) -> _R:
     return reply
 
 
-class SaveHandle:
-    """The future of one save: node durability, then global commit. Errors re-raise here."""
-
-    def __init__(
-        self, client: CheckpointClient | None, step: int, nbytes: int, stall_s: float, skipped: bool = False
-    ) -> None:
-        self._client = client
-        self.step = step
-        self.nbytes = nbytes
-        self.stall_s = stall_s
-        self.skipped = skipped
-        self.state: StepState = StepState.SKIPPED if skipped else StepState.PENDING
-        self._error: CkptdError | None = None
-
-    def _update(self, wait_s: float) -> None:
-        if self.state.final or self._client is None:
-            return
-        st = self._client._status(self.step, wait_s)
-        self.state = st.state
-        if st.state is StepState.FAILED:
-            cls = _ERRORS.get(st.error_code, StepFailedError)
-            self._error = cls(f"step {self.step} failed: {st.error}")
-        elif st.state is StepState.UNKNOWN:
-            self.state = StepState.FAILED
-            self._error = StepFailedError(
-                f"step {self.step}: the daemon has no record of this save (it restarted before committing?)"
-            )
-
-    def done(self) -> bool:
-        """True once the step committed or failed (non-blocking)."""
-        self._update(0.0)
-        return self.state.final
-
-    def durable(self) -> bool:
-        """True once this node's part is on storage (before or after the global commit)."""
-        self._update(0.0)
-        return self.state in (StepState.DURABLE, StepState.COMMITTED)
-
-    def wait(self, timeout: float | None = None) -> SaveHandle:
-        """Block until the step committed; raise its error if it failed, SaveTimeoutError on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            self._update(max(0.0, left))
-            if self.state is StepState.FAILED and self._error is not None:
-                raise self._error
-            if self.state in (StepState.COMMITTED, StepState.SKIPPED):
-                return self
-            if deadline is not None and time.monotonic() >= deadline:
-                raise SaveTimeoutError(f"step {self.step} not committed within {timeout}s (state: {self.state})")
-
-    def result(self, timeout: float | None = None) -> SaveHandle:
-        """Same as :meth:`wait` (the ``concurrent.futures`` spelling)."""
-        return self.wait(timeout)
-
-    def exception(self) -> CkptdError | None:
-        """The step's error once it failed, else ``None`` (non-blocking)."""
-        self._update(0.0)
-        return self._error
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, state={self.state}, nbytes={self.nbytes}, stall_s={self.stall_s:.4f})"
-
-
 class CheckpointClient:
     """A rank's connection to its node daemon.
 
@@ -156,6 +95,9 @@ class CheckpointClient:
     a daemon that writes to another root than ``root`` is refused (:class:`RootMismatchError`). With
     ``start_daemon=True`` and a ``root``, the first rank on a node that finds no daemon starts one as a
     separate process (the embedded default); otherwise run ``ckptd serve`` next to the job.
+
+    ``on_daemon_lost``: ``"warn"`` (default) fails only the save's handle when the daemon is gone, with one
+    warning; ``"raise"`` raises :class:`DaemonUnavailableError` (see :mod:`ckptd.client.daemon_lost`).
     """
 
     def __init__(
@@ -170,8 +112,12 @@ class CheckpointClient:
         start_daemon: bool = False,
         daemon_args: Sequence[str] = (),
         storage_options: Mapping[str, object] | None = None,
+        on_daemon_lost: DaemonLostPolicy = "warn",
     ) -> None:
         env = os.environ
+        if on_daemon_lost not in DAEMON_LOST_POLICIES:
+            raise ConfigError(f"on_daemon_lost must be one of {DAEMON_LOST_POLICIES}, got {on_daemon_lost!r}")
+        self.on_daemon_lost: DaemonLostPolicy = on_daemon_lost
         self.socket_path = socket_path or client_socket_path(env, root)
         self.placement = placement or Placement.detect(env)
         self.backpressure: Policy = backpressure
@@ -251,6 +197,13 @@ class CheckpointClient:
         ensure_daemon(self.socket_path, self._root, self._daemon_args, timeout_s=self.timeout_s,
                       rank=self.placement.rank)
 
+    def _drop_if_dead(self) -> None:
+        """Close the connection if the daemon hung up (it died or restarted), so the next request
+        reconnects (and the embedded mode starts a new daemon) instead of failing on a dead socket."""
+        if self._sock is not None and peer_hung_up(self._sock):
+            log.warning("rank %d: the daemon at %s went away; reconnecting", self.placement.rank, self.socket_path)
+            self._close_socket()
+
     def _close_socket(self) -> None:
         if self._sock is not None:
             with contextlib.suppress(OSError):
@@ -274,7 +227,7 @@ class CheckpointClient:
 
     def _request(self, msg: _Msg) -> Reply:
         if self._sock is None:
-            self._open_socket()
+            self._connect()  # reconnect; the embedded mode starts a new daemon if the old one is gone
         sock = self._sock
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {self.socket_path}")
@@ -341,48 +294,7 @@ class CheckpointClient:
         (``dynamic``: its per-save tensors, in order) and a request that names the plan. Raises
         :class:`~ckptd.client.plan.StalePlanError` before leasing when a looked-up source changed."""
         t0 = time.perf_counter() if t0 is None else t0
-        self._raise_background_errors()
-        docs = {sidecar_name(t): t for t in sidecars}
-        docs = {n: t for n, t in docs.items() if n not in self._sidecars_sent}
-        encode_objects(objects)
-        sources = plan.sources(dynamic)
-        plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)
-        timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
-        try:
-            lease = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=[plan.span],
-                                 timeout_s=timeout)
-            grant = self._request(lease)
-        except BackpressureError:
-            if self.backpressure == "skip":
-                log.warning("rank %d: step %d skipped: staging arena still full", self.placement.rank, step)
-                return SaveHandle(None, step, 0, time.perf_counter() - t0, skipped=True)
-            raise
-        grant = _expect(grant, LeaseGranted)
-        try:
-            if self._arena_t is None:
-                raise DaemonUnavailableError("no staging arena mapped: the client is closed")
-            if plan.cuda and not self._pinned:
-                self._pin_arena()
-            plan.stage(self._arena_t, grant.offsets[0], sources)
-            p = self.placement
-            req = SaveRequest(
-                v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
-                node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size, shards=[],
-                objects=objects, sidecars=docs, plan_id=plan_id,
-            )
-            try:
-                reply = self._request(req)
-            except PlanUnknownError:  # the daemon dropped it (or is another one): register again, resend
-                reply = self._request(msgspec.structs.replace(req, plan_id=self._register_plan(plan)))
-            self._sidecars_sent.update(docs)
-        except BaseException:
-            with contextlib.suppress(CkptdError):
-                self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))
-            raise
-        accepted = _expect(reply, SaveAccepted)
-        handle = SaveHandle(self, step, accepted.nbytes, time.perf_counter() - t0)
-        self._handles.append(handle)
-        return handle
+        return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0))
 
     def _register_plan(self, plan: StagePlan) -> int:
         reply = _expect(self._request(plan.register_message(self.placement.rank)), PlanRegistered)
@@ -392,11 +304,33 @@ class CheckpointClient:
 
     def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
         """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked."""
+        return self._guarded(step, t0, lambda: self._save_shards(step, plan, sidecars, t0))
+
+    def _guarded(self, step: int, t0: float, attempt: Callable[[], SaveHandle]) -> SaveHandle:
+        """Run one save attempt under the daemon-loss policy: a lost daemon fails the save's handle (with a
+        warning) instead of raising into the training loop, unless ``on_daemon_lost="raise"``."""
+        self._drop_if_dead()
         self._raise_background_errors()
-        docs = {sidecar_name(t): t for t in sidecars}
-        docs = {n: t for n, t in docs.items() if n not in self._sidecars_sent}
-        encode_objects(plan.objects)
-        sizes = [s.nbytes for s in plan.shards]
+        try:
+            return attempt()
+        except DaemonUnavailableError as exc:
+            handle = SaveHandle(self, step, 0, time.perf_counter() - t0)._fail(exc)
+            if self._must_raise(handle):
+                handle._delivered = True
+                raise
+            return handle
+
+    def _must_raise(self, handle: SaveHandle) -> bool:
+        """Whether ``handle``'s error goes up into the caller (else: a warning, once, and the handle says it)."""
+        if must_raise(handle._error, self.on_daemon_lost):
+            return True
+        if not handle._delivered:
+            handle._delivered = True
+            warn_lost(self.placement.rank, handle.step, handle._error)
+        return False
+
+    def _lease(self, step: int, sizes: list[int], t0: float) -> LeaseGranted | SaveHandle:
+        """Staging space for one save, or a skipped handle (policy ``skip`` with the arena still full)."""
         timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
         try:
             grant = self._request(
@@ -407,7 +341,15 @@ class CheckpointClient:
                 log.warning("rank %d: step %d skipped: staging arena still full", self.placement.rank, step)
                 return SaveHandle(None, step, 0, time.perf_counter() - t0, skipped=True)
             raise
-        grant = _expect(grant, LeaseGranted)
+        return _expect(grant, LeaseGranted)
+
+    def _save_shards(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
+        """One save of planned shards: a slot each, one copy each, the shard metas in the request."""
+        docs = self._unsent(sidecars)
+        encode_objects(plan.objects)
+        grant = self._lease(step, [s.nbytes for s in plan.shards], t0)
+        if isinstance(grant, SaveHandle):
+            return grant
         try:
             self._stage(plan.shards, grant.offsets)
             p = self.placement
@@ -416,14 +358,58 @@ class CheckpointClient:
                     v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
                     node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size,
                     shards=[_meta(s, i) for i, s in enumerate(plan.shards)], objects=plan.objects,
-                    sidecars=docs,
+                    sidecars=docs, stall_s=time.perf_counter() - t0,
                 )
             )
             self._sidecars_sent.update(docs)
         except BaseException:
-            with contextlib.suppress(CkptdError):
-                self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))
+            self._release(grant)
             raise
+        return self._accepted(step, reply, t0)
+
+    def _save_span(
+        self, step: int, plan: StagePlan, dynamic: Sequence[torch.Tensor], objects: dict[str, Any],
+        sidecars: Sequence[str], t0: float,
+    ) -> SaveHandle:
+        """One save through a registered plan: one span lease, the plan's batched copies, a request naming it."""
+        docs = self._unsent(sidecars)
+        encode_objects(objects)
+        sources = plan.sources(dynamic)
+        plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)
+        grant = self._lease(step, [plan.span], t0)
+        if isinstance(grant, SaveHandle):
+            return grant
+        try:
+            if self._arena_t is None:
+                raise DaemonUnavailableError("no staging arena mapped: the client is closed")
+            if plan.cuda and not self._pinned:
+                self._pin_arena()
+            plan.stage(self._arena_t, grant.offsets[0], sources)
+            p = self.placement
+            req = SaveRequest(
+                v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
+                node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size, shards=[],
+                objects=objects, sidecars=docs, plan_id=plan_id, stall_s=time.perf_counter() - t0,
+            )
+            try:
+                reply = self._request(req)
+            except PlanUnknownError:  # the daemon dropped it (or is another one): register again, resend
+                reply = self._request(msgspec.structs.replace(req, plan_id=self._register_plan(plan)))
+            self._sidecars_sent.update(docs)
+        except BaseException:
+            self._release(grant)
+            raise
+        return self._accepted(step, reply, t0)
+
+    def _unsent(self, sidecars: Sequence[str]) -> dict[str, str]:
+        docs = {sidecar_name(t): t for t in sidecars}
+        return {n: t for n, t in docs.items() if n not in self._sidecars_sent}
+
+    def _release(self, grant: LeaseGranted) -> None:
+        with contextlib.suppress(CkptdError):
+            self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))
+
+    def _accepted(self, step: int, reply: Reply, t0: float) -> SaveHandle:
         accepted = _expect(reply, SaveAccepted)
         handle = SaveHandle(self, step, accepted.nbytes, time.perf_counter() - t0)
         self._handles.append(handle)
@@ -456,15 +442,18 @@ class CheckpointClient:
         self._pinned = True
 
     def _raise_background_errors(self) -> None:
-        pending = []
-        for h in self._handles:
+        """Raise the first failure of an earlier save that no ``wait()`` delivered (each is delivered once)."""
+        handles, self._handles = self._handles, []
+        for i, h in enumerate(handles):
             h._update(0.0)
             if h.state is StepState.FAILED and h._error is not None:
-                self._handles.remove(h)
+                if h._delivered or not self._must_raise(h):
+                    continue
+                h._delivered = True
+                self._handles.extend(x for x in handles[i + 1 :] if not x.state.final or not x._delivered)
                 raise StepFailedError(f"an earlier save failed in the background: {h._error}") from h._error
-            if h.state not in (StepState.COMMITTED, StepState.SKIPPED):
-                pending.append(h)
-        self._handles = pending
+            if not h.state.final:
+                self._handles.append(h)
 
     # --- load -------------------------------------------------------------------------------------
     def load(self, step: int | Literal["latest"], template: StateDict) -> dict[str, object]:

@@ -92,6 +92,9 @@ class SaveRequest(_Msg, frozen=True, tag="save"):
     # A plan registered with RegisterPlan: the daemon takes the shards (and their slots in the lease's one
     # contiguous span) from it, and ``shards`` is empty. 0: no plan, ``shards`` says everything.
     plan_id: int = 0
+    # Seconds the rank was blocked up to sending this request (planning and the copy into the arena):
+    # the daemon's save-stall histogram. 0.0 from clients that do not measure it.
+    stall_s: float = 0.0
 
 
 class ReleaseRequest(_Msg, frozen=True, tag="release"):
@@ -158,8 +161,74 @@ class RestoreReply(_Msg, frozen=True, tag="restore_reply"):
     shards: list[RestoreShard]
 
 
-Request = Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest | RestoreRequest
-Reply = Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply | RestoreReply
+
+
+# --- operations (``ckptd status``) ------------------------------------------------------------------
+class ReportRequest(_Msg, frozen=True, tag="report"):
+    """Ask the daemon for its :class:`StatusReport` (no side effects)."""
+
+
+class StepReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One step the daemon holds a record of."""
+
+    step: int
+    state: StepState
+    node: int
+    ranks_saved: int
+    local_world_size: int
+    nbytes: int
+    age_s: float  # since its first rank saved
+    error: str = ""
+
+
+class StatusReport(_Msg, frozen=True, tag="report_reply"):
+    """A live daemon's state for operators: steps, arena, queue, throughput, retries, last error."""
+
+    daemon_pid: int
+    root: str
+    uptime_s: float
+    draining: bool
+    arena_bytes: int
+    arena_free_bytes: int
+    leases: int
+    in_flight: int  # steps not yet committed or failed (the queue)
+    steps: list[StepReport]
+    commits: int
+    failures: int
+    bytes_written: int  # by steps that reached storage (durable or committed) since start
+    bytes_per_s: float  # of the last finished step, first save to commit
+    retries: int  # storage requests retried since start (S3)
+    last_error: str = ""
+
+
+
+# --- save plans (registered once per run, named by id in later SaveRequests) -------------------------
+class RegisterPlan(_Msg, frozen=True, tag="register_plan"):
+    """A rank's static save layout: every shard's meta and where its slot sits in one contiguous span.
+
+    ``offsets[i]``/``sizes[i]`` are slot ``i``'s byte offset from the span's start and its size; a save
+    with this plan leases one slot of ``span`` bytes and the daemon places slot ``i`` at base + offsets[i].
+    The daemon validates it once and answers :class:`PlanRegistered`.
+    """
+
+    rank: int
+    shards: list[ShardMeta]
+    offsets: list[int]
+    sizes: list[int]
+    span: int
+
+
+class PlanRegistered(_Msg, frozen=True, tag="plan_registered"):
+    plan_id: int
+
+
+Request = (
+    Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest | RestoreRequest | ReportRequest | RegisterPlan
+)
+Reply = (
+    Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply | RestoreReply | StatusReport
+    | PlanRegistered
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
@@ -242,29 +311,3 @@ def encode_objects(objects: object) -> None:
         _encoder.encode(objects)
     except (TypeError, OverflowError) as exc:
         raise ProtocolError(f"non-tensor state must be plain data (dict/list/str/int/float/bool/None): {exc}") from exc
-
-
-# --- save plans (appended: registered once per run, named by id in later SaveRequests) ----------------
-class RegisterPlan(_Msg, frozen=True, tag="register_plan"):
-    """A rank's static save layout: every shard's meta and where its slot sits in one contiguous span.
-
-    ``offsets[i]``/``sizes[i]`` are slot ``i``'s byte offset from the span's start and its size; a save
-    with this plan leases one slot of ``span`` bytes and the daemon places slot ``i`` at base + offsets[i].
-    The daemon validates it once and answers :class:`PlanRegistered`.
-    """
-
-    rank: int
-    shards: list[ShardMeta]
-    offsets: list[int]
-    sizes: list[int]
-    span: int
-
-
-class PlanRegistered(_Msg, frozen=True, tag="plan_registered"):
-    plan_id: int
-
-
-AnyRequest = Request | RegisterPlan
-AnyReply = Reply | PlanRegistered
-_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
-_reply_decoder = msgspec.msgpack.Decoder(AnyReply)

@@ -30,7 +30,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptd.client.client import CheckpointClient, SaveHandle
+from ckptd.client.client import CheckpointClient
+from ckptd.client.handle import SaveHandle
 from ckptd.client.paths import default_socket_path
 from ckptd.client.placement import Placement
 from ckptd.writer.errors import CheckpointNotFoundError, InvalidRequestError

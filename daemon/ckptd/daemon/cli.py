@@ -1,4 +1,4 @@
-"""The ``ckptd`` command: ``serve``, ``demo``, ``ls``, ``verify``, ``gc``."""
+"""The ``ckptd`` command: ``serve``, ``demo``, ``ls``, ``verify``, ``gc``, ``merge``, ``status``, ``plan``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ckptd.daemon.commands import COMMANDS, add_commands, run_command
 from ckptd.writer.errors import CkptdError, ConfigError
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nice", type=int, help="CPU niceness increment of the daemon (default 10: ranks come first)")
     s.add_argument("--exit-when-idle", dest="exit_when_idle_s", type=float,
                    help="exit once no client has been connected and no step in flight for this many seconds")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (opt-in; 0: any free)")
+    s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     _storage_flags(s)
 
     d = sub.add_parser("demo", help="run the embedded demo: daemon + 4 ranks training, saving, reloading")
@@ -137,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=int, required=True)
     g.add_argument("--dry-run", action="store_true")
     _storage_flags(g, config=True)
+    add_commands(sub)
     return parser
 
 
@@ -151,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(root=args.root, as_json=args.json, ranks=args.ranks, steps=args.steps,
                             save_every=args.save_every)
+        if args.command in COMMANDS:
+            return run_command(args)
         return asyncio.run(_offline(args))
     except CkptdError as exc:
         print(f"ckptd {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -115,6 +115,8 @@ class _Options(BaseSettings):
     nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
     # an embedded daemon ends with its job: no client and no step in flight for this long -> exit
     exit_when_idle_s: float | None = Field(default=None, gt=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # opt-in Prometheus endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"
     storage: StorageOptions = Field(default_factory=StorageOptions)
 
     @field_validator("codec")

@@ -24,8 +24,6 @@ from typing import Any
 from ckptd.client.protocol import (
     HEADER,
     PROTOCOL_VERSION,
-    AnyReply,
-    AnyRequest,
     ErrorReply,
     Hello,
     LeaseGranted,
@@ -34,6 +32,9 @@ from ckptd.client.protocol import (
     RegisterPlan,
     Released,
     ReleaseRequest,
+    Reply,
+    ReportRequest,
+    Request,
     RestoreRequest,
     SaveAccepted,
     SaveRequest,
@@ -47,6 +48,7 @@ from ckptd.client.protocol import (
 from ckptd.daemon.arena import Arena, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.service import CheckpointService
+from ckptd.daemon.stats import DaemonStats, status_report
 from ckptd.writer.backends import Backend, open_backend
 from ckptd.writer.errors import CkptdError, DaemonShuttingDownError, InvalidRequestError, ProtocolError
 
@@ -128,7 +130,8 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
-                self.service = CheckpointService(cfg, self.arena, backend, spawn=self._spawn)
+                stats = self._stats(backend)
+                self.service = CheckpointService(cfg, self.arena, backend, spawn=self._spawn, stats=stats)
                 server = await self._listen()
                 for sig in signals:
                     loop.add_signal_handler(sig, self._stop.set)
@@ -189,6 +192,14 @@ class Daemon:
             elif loop.time() - idle_since >= idle_s:
                 log.info("no client and no step in flight for %.1fs: exiting (--exit-when-idle)", idle_s)
                 self._stop.set()
+
+    def _stats(self, backend: Backend) -> DaemonStats:
+        """The counters; with ``metrics_port`` they also feed a Prometheus endpoint (metrics.py)."""
+        if self.config.metrics_port is None:
+            return DaemonStats()
+        from ckptd.daemon.metrics import serve_metrics
+
+        return serve_metrics(self.config.metrics_port, self.config.metrics_host, self._arena(), backend)
 
     def stop(self) -> None:
         """Trigger shutdown (the same as SIGTERM)."""
@@ -262,11 +273,11 @@ class Daemon:
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
 
-    async def _send(self, writer: asyncio.StreamWriter, reply: AnyReply) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
         writer.write(encode(reply, self.config.max_frame_bytes))
         await writer.drain()
 
-    async def _handle(self, conn: int, body: bytes) -> AnyReply:
+    async def _handle(self, conn: int, body: bytes) -> Reply:
         try:
             req = decode_request(body)
             return await self._dispatch(conn, req)
@@ -274,7 +285,7 @@ class Daemon:
             log.info("conn=%d: rejected request: %s: %s", conn, type(exc).__name__, exc)
             return ErrorReply(v=PROTOCOL_VERSION, code=type(exc).__name__, message=str(exc))
 
-    async def _dispatch(self, conn: int, req: AnyRequest) -> AnyReply:
+    async def _dispatch(self, conn: int, req: Request) -> Reply:
         service, arena = self._service(), self._arena()
         v = PROTOCOL_VERSION
         match req:
@@ -309,4 +320,7 @@ class Daemon:
                 )
             case RestoreRequest():
                 return service.retention.reply(req.step)
+            case ReportRequest():
+                return status_report(service.stats, service.jobs, arena, service.root.backend,
+                                     root=self.config.root, draining=service.draining)
         raise ProtocolError(f"unexpected message {type(req).__name__}")

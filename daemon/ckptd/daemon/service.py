@@ -25,6 +25,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
 from ckptd.daemon.plans import PlanRegistry
 from ckptd.daemon.restore import Retention
+from ckptd.daemon.stats import DaemonStats
 from ckptd.daemon.writes import ShardWriter, first_leaf
 from ckptd.writer.backends import Backend
 from ckptd.writer.commit import CheckpointWriter
@@ -67,8 +68,12 @@ class CheckpointService:
     puts them in its task group, so shutdown can cancel them; by default they are plain loop tasks.
     """
 
-    def __init__(self, config: DaemonConfig, arena: Arena, backend: Backend, spawn: Spawn | None = None) -> None:
+    def __init__(
+        self, config: DaemonConfig, arena: Arena, backend: Backend, spawn: Spawn | None = None,
+        stats: DaemonStats | None = None,
+    ) -> None:
         self.config = config
+        self.stats = stats or DaemonStats()
         self.arena = arena
         self.root = CheckpointWriter(backend)
         self.jobs: dict[int, StepJob] = {}
@@ -114,6 +119,7 @@ class CheckpointService:
         save = RankSave(req, lease)
         nbytes = sum(lease.sizes[s.slot] for s in req.shards)
         last = job.add_save(save, nbytes)
+        self.stats.on_save(req.stall_s)
         write = self.writer.write_rank(job, save) if span is None else self._write_span(job, save, span)
         job.tasks[req.rank] = self._spawn(write, f"write step={req.step} rank={req.rank}")
         if last:
@@ -320,6 +326,7 @@ class CheckpointService:
 
     def _log_step(self, job: StepJob) -> None:
         took = time.monotonic() - job.started
+        self.stats.on_step_end(job, took)
         mib = job.nbytes / 2**20
         retries = ""
         metrics = self.root.backend.metrics

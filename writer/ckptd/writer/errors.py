@@ -11,6 +11,11 @@ nothing heavy.
 
 from __future__ import annotations
 
+import errno
+
+#: errno values that mean "no space": the disk is full or the user's quota is spent
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
 
 class CkptdError(Exception):
     """Root of every ckptd error."""
@@ -105,6 +110,11 @@ class StoragePermissionError(StorageError, PermissionError):
 
 class StorageNotFoundError(StorageError, FileNotFoundError):
     """The bucket, root or object does not exist."""
+
+
+class StorageFullError(StorageError):
+    """The storage has no space left (``ENOSPC``) or the user's quota is spent (``EDQUOT``): the step
+    fails, earlier steps stay intact, and the next step can commit once space returns."""
 
 
 class CheckpointNotFoundError(CkptdError, FileNotFoundError):

@@ -30,7 +30,8 @@ from ckptd.writer.errors import CheckpointNotFoundError, CkptdError
 if TYPE_CHECKING:
     import torch
 
-    from ckptd.client.client import CheckpointClient, SaveHandle
+    from ckptd.client.client import CheckpointClient
+    from ckptd.client.handle import SaveHandle
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ from ckptd.writer.format import (
 from ckptd.writer.layout import MegatronLayout
 
 if TYPE_CHECKING:
-    from ckptd.client.client import CheckpointClient, SaveHandle
+    from ckptd.client.client import CheckpointClient
+    from ckptd.client.handle import SaveHandle
     from ckptd.client.megatron.introspect import MegatronOptimizer
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def save_checkpoint(
     Call it on every rank, like Megatron-LM's ``save_checkpoint(iteration, model, optimizer, ...)``
     (``model_chunks`` is its ``model`` list of DDP-wrapped chunks, ``optimizer`` what
     ``get_megatron_optimizer`` returned, or None to save the model alone). Returns the
-    :class:`~ckptd.client.client.SaveHandle` as soon as the data is in the daemon's shared memory;
+    :class:`~ckptd.client.handle.SaveHandle` as soon as the data is in the daemon's shared memory;
     training may go on and overwrite its tensors at once.
     ``handle.wait()`` blocks until the step committed (or raises why it did not).
 

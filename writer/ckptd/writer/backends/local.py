@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import os
 import uuid
 from collections.abc import Iterable
@@ -19,7 +20,14 @@ from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 from zarr.storage import FsspecStore
 
 from ckptd.writer.backends import Backend, Capabilities
-from ckptd.writer.errors import CkptdError, StorageError, StorageNotFoundError, StoragePermissionError
+from ckptd.writer.errors import (
+    NO_SPACE_ERRNOS,
+    CkptdError,
+    StorageError,
+    StorageFullError,
+    StorageNotFoundError,
+    StoragePermissionError,
+)
 
 CAPABILITIES = Capabilities(atomic_create=True, needs_fsync=True, multipart_cleanup=False)
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -93,7 +101,21 @@ class LocalBackend(Backend):
             return StorageNotFoundError(f"{self.url}: {exc}")
         if isinstance(exc, PermissionError):
             return StoragePermissionError(f"{self.url}: {exc}")
+        full = _no_space(exc)
+        if full is not None:
+            return StorageFullError(f"{self.url}: no space left ({errno.errorcode.get(full, full)}): {exc}")
         return StorageError(f"{self.url}: {type(exc).__name__}: {exc}")
+
+
+def _no_space(exc: BaseException | None) -> int | None:
+    """The ENOSPC/EDQUOT errno of ``exc`` or of an error it wraps (zarr and fsspec re-raise), else None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
 
 
 def _link_into_place(path: str, data: bytes) -> bool:

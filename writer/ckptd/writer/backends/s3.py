@@ -31,6 +31,15 @@ import s3fs
 from zarr.storage import FsspecStore
 
 from ckptd.writer.backends import Backend, Capabilities, RetryMetrics
+from ckptd.writer.backends.s3_compat import (
+    BATCH_DELETE,
+    CONDITIONAL_PUT,
+    MULTIPART_LISTING,
+    lacks,
+    mark_lacking,
+    not_implemented,
+    probe_conditional_put,
+)
 from ckptd.writer.backends.s3_errors import (
     classify_error,
     count_fault,
@@ -202,6 +211,8 @@ class S3Backend(Backend):
         return cls(url, fs, opts, metrics)
 
     async def create(self, key: str, data: bytes) -> bool:
+        if self.options.conditional_put:
+            await probe_conditional_put(self.fs, self._path)
         return await put_if_absent(self.fs, f"{self._path}/{key}", data, conditional=self.options.conditional_put)
 
     async def put_body(self, key: str, body: bytearray) -> None:
@@ -210,6 +221,18 @@ class S3Backend(Backend):
             await self.fs._pipe_file(f"{self._path}/{key}", body)
         except Exception as exc:
             raise self.error(exc) from exc
+
+    async def delete_prefix(self, prefix: str) -> None:
+        """Batch deletes (``DeleteObjects``) where the server has them, else one DELETE per object."""
+        if not lacks(self.fs, BATCH_DELETE):
+            try:
+                await super().delete_prefix(prefix)
+                return
+            except StorageError as exc:
+                if not not_implemented(exc):
+                    raise
+                mark_lacking(self.fs, BATCH_DELETE, exc)
+        await delete_one_by_one(self.fs, f"{self._path}/{prefix}".rstrip("/"))
 
     async def abort_uploads(self, prefix: str) -> int:
         bucket, _, base = self._path.partition("/")
@@ -341,9 +364,14 @@ async def abort_incomplete_uploads(
             kwargs["KeyMarker"] = key_marker
             if upload_marker is not None:
                 kwargs["UploadIdMarker"] = upload_marker
+        if lacks(fs, MULTIPART_LISTING):
+            return aborted
         try:
             page = await fs._call_s3("list_multipart_uploads", **kwargs)
         except Exception as exc:
+            if not_implemented(exc):  # optional: never fail the retention or gc that asked
+                mark_lacking(fs, MULTIPART_LISTING, exc)
+                return aborted
             raise classify_error(exc, url) from exc
         todo = [
             (u["Key"], u["UploadId"])
@@ -376,7 +404,7 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
     """
     bucket, key, _version = fs.split_path(path)
     url = f"s3://{bucket}/{key}"
-    if not conditional:
+    if not conditional or lacks(fs, CONDITIONAL_PUT):
         if await _exists(fs, bucket, key, url):
             return await _holds(fs, bucket, key, data, url)
         await _put(fs, bucket, key, data, url)
@@ -389,12 +417,8 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
             code, status = error_code(exc), error_status(exc)
             if code == "PreconditionFailed" or status == 412 or isinstance(exc, FileExistsError):
                 return await _holds(fs, bucket, key, data, url)
-            if code == "NotImplemented" or status == 501:
-                logger.warning(
-                    "%s: the endpoint rejects conditional PUTs (If-None-Match); falling back to a "
-                    "check-then-put, which does not exclude a racing writer",
-                    describe_location(url),
-                )
+            if not_implemented(exc):
+                mark_lacking(fs, CONDITIONAL_PUT, exc)
                 return await put_if_absent(fs, path, data, conditional=False)
             if code == "ConditionalRequestConflict" or status == 409:
                 await asyncio.sleep(0.1 * 2**attempt)  # a concurrent conditional write is in progress
@@ -402,6 +426,28 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
             raise classify_error(exc, url) from exc
     raise StorageError(f"conditional PUT of {url} kept conflicting with concurrent writers")
 
+
+
+async def delete_one_by_one(fs: s3fs.S3FileSystem, path: str) -> None:
+    """Delete every object under ``path`` (``bucket/prefix``) with single DELETEs, a few at a time."""
+    bucket, key_prefix, _version = fs.split_path(path)
+    url = f"s3://{bucket}/{key_prefix}"
+    try:
+        keys = [fs.split_path(p)[1] for p in await fs._find(path)]
+    except Exception as exc:
+        raise classify_error(exc, url) from exc
+    sem = asyncio.Semaphore(_ABORT_CONCURRENCY)
+
+    async def one(key: str) -> None:
+        async with sem:
+            try:
+                await fs._call_s3("delete_object", Bucket=bucket, Key=key)
+            except Exception as exc:
+                raise classify_error(exc, url) from exc
+
+    async with asyncio.TaskGroup() as tg:
+        for key in keys:
+            tg.create_task(one(key))
 
 
 async def _put(fs: s3fs.S3FileSystem, bucket: str, key: str, data: bytes, url: str) -> None:

@@ -1,0 +1,104 @@
+"""The future of one save (:class:`SaveHandle`): node durability, then the global commit."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ckptd.client.protocol import StepState
+from ckptd.writer.errors import (
+    CkptdError,
+    DaemonUnavailableError,
+    SaveTimeoutError,
+    StepFailedError,
+    error_classes,
+)
+
+if TYPE_CHECKING:
+    from ckptd.client.client import CheckpointClient
+
+_ERRORS = error_classes()
+_POLL_S = 0.5
+
+
+class SaveHandle:
+    """The future of one save: node durability, then global commit. Errors re-raise here."""
+
+    def __init__(
+        self, client: CheckpointClient | None, step: int, nbytes: int, stall_s: float, skipped: bool = False
+    ) -> None:
+        self._client = client
+        self.step = step
+        self.nbytes = nbytes
+        self.stall_s = stall_s
+        self.skipped = skipped
+        self.state: StepState = StepState.SKIPPED if skipped else StepState.PENDING
+        self._error: CkptdError | None = None
+        self._delivered = False  # the error reached the caller (wait() raised it, or a warning told it)
+
+    def _fail(self, error: CkptdError) -> SaveHandle:
+        self.state = StepState.FAILED
+        self._error = error
+        return self
+
+    def _update(self, wait_s: float) -> None:
+        if self.state.final or self._client is None:
+            return
+        try:
+            st = self._client._status(self.step, wait_s)
+        except DaemonUnavailableError as exc:  # the daemon died or restarted: this save is lost with it
+            self._fail(DaemonUnavailableError(f"step {self.step}: lost the daemon before the commit: {exc}"))
+            return
+        self.state = st.state
+        if st.state is StepState.FAILED:
+            cls = _ERRORS.get(st.error_code, StepFailedError)
+            self._error = cls(f"step {self.step} failed: {st.error}")
+        elif st.state is StepState.UNKNOWN:
+            # a restarted daemon never commits its predecessor's unfinished steps: the save is lost
+            self._fail(DaemonUnavailableError(
+                f"step {self.step}: the daemon has no record of this save (it restarted before committing?)"
+            ))
+
+    def done(self) -> bool:
+        """True once the step committed or failed (non-blocking)."""
+        self._update(0.0)
+        return self.state.final
+
+    def durable(self) -> bool:
+        """True once this node's part is on storage (before or after the global commit)."""
+        self._update(0.0)
+        return self.state in (StepState.DURABLE, StepState.COMMITTED)
+
+    def wait(self, timeout: float | None = None) -> SaveHandle:
+        """Block until the step committed; raise its error if it failed, SaveTimeoutError on timeout.
+
+        A failure is delivered once: after ``wait()`` raised it, the next ``save()`` does not raise it
+        again. A lost daemon (:class:`DaemonUnavailableError`) is raised only under the client's
+        ``on_daemon_lost="raise"``; under ``"warn"`` it is logged once and ``wait()`` returns the handle
+        in state ``FAILED`` (see :meth:`exception`).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            self._update(max(0.0, left))
+            if self.state is StepState.FAILED and self._error is not None:
+                if self._client is not None and not self._client._must_raise(self):
+                    return self
+                self._delivered = True
+                raise self._error
+            if self.state in (StepState.COMMITTED, StepState.SKIPPED):
+                return self
+            if deadline is not None and time.monotonic() >= deadline:
+                raise SaveTimeoutError(f"step {self.step} not committed within {timeout}s (state: {self.state})")
+
+    def result(self, timeout: float | None = None) -> SaveHandle:
+        """Same as :meth:`wait` (the ``concurrent.futures`` spelling)."""
+        return self.wait(timeout)
+
+    def exception(self) -> CkptdError | None:
+        """The step's error once it failed, else ``None`` (non-blocking)."""
+        self._update(0.0)
+        return self._error
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, state={self.state}, nbytes={self.nbytes}, stall_s={self.stall_s:.4f})"

@@ -1,0 +1,98 @@
+"""Operations against a live daemon: ``ckptd status`` (text, JSON, found by root), the opt-in Prometheus
+endpoint, and ``ckptd plan`` wired to the sizing rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from ckptd.client import CheckpointClient, Placement, Shard
+from ckptd.daemon.sizing import plan_arena
+from ckptd.testing.launch import free_port
+
+pytestmark = pytest.mark.timeout(120)
+CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
+
+
+def ckptd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in the metrics:\n{text}")
+
+
+def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
+    root = str(tmp_path / "ckpt")
+    port = free_port()
+    d = start_daemon(root, "d0", "--part-timeout", "8", "--metrics-port", str(port), arena="32MiB")
+    clients = [CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0)) for r in range(2)]
+    n = 1 << 18  # 1 MiB of float32 per rank
+
+    def state(r: int) -> dict[str, Shard]:
+        return {"x": Shard("x", torch.full((n,), float(r)), (2 * n,), (r * n,))}
+
+    for h in [c.save(1, state(r)) for r, c in enumerate(clients)]:
+        h.wait(30)
+    pending = clients[0].save(2, state(0))  # rank 1 never saves step 2
+
+    out = ckptd("status", "--socket", d.socket, "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["daemon_pid"] == d.pid and report["root"] == root and report["arena_bytes"] == 32 << 20
+    assert report["in_flight"] == 1 and report["commits"] == 1 and report["failures"] == 0
+    assert report["bytes_written"] == 2 * (1 << 20)
+    steps = {s["step"]: s for s in report["steps"]}
+    assert steps[2]["state"] == "pending" and (steps[2]["ranks_saved"], steps[2]["local_world_size"]) == (1, 2)
+    assert steps[1]["state"] == "committed"
+
+    # found by root among this user's sockets (the default socket's folder, here the test's)
+    env = {"CKPTD_SOCKET": os.path.join(sockdir, "default.sock")}
+    by_root = ckptd("status", "--root", root, env=env)
+    assert by_root.returncode == 0, by_root.stderr
+    assert "1 in flight, 1 committed, 0 failed" in by_root.stdout and "pending" in by_root.stdout
+
+    deadline = time.monotonic() + 30  # the part timeout abandons step 2: a failure with its reason
+    while not pending.done() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pending.exception() is not None
+    report = json.loads(ckptd("status", "--socket", d.socket, "--json").stdout)
+    assert report["in_flight"] == 0 and report["failures"] == 1 and "never saved" in report["last_error"]
+    assert report["arena_free_bytes"] == report["arena_bytes"]  # the abandoned step's staging space is back
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert _metric(text, "ckptd_steps_committed_total") == 1.0
+    assert _metric(text, "ckptd_steps_failed_total") == 1.0
+    assert _metric(text, "ckptd_bytes_written_total") == 2 * (1 << 20)
+    assert _metric(text, "ckptd_save_stall_seconds_count") == 3.0  # two saves of step 1, one of step 2
+    assert 0 < _metric(text, "ckptd_save_stall_seconds_sum") < 30
+    assert _metric(text, "ckptd_step_drain_seconds_count") == 1.0
+    assert _metric(text, "ckptd_arena_bytes") == 32 << 20 and _metric(text, "ckptd_arena_used_bytes") == 0
+    assert _metric(text, "ckptd_storage_retries_total") == 0
+    for c in clients:
+        c.close()
+
+
+def test_status_without_a_daemon_is_a_clear_error(sockdir):
+    out = ckptd("status", "--socket", os.path.join(sockdir, "nobody.sock"))
+    assert out.returncode == 2 and "DaemonUnavailableError" in out.stderr
+
+
+def test_plan_matches_the_sizing_rule():
+    out = ckptd("plan", "--params", "70B", "--tp", "8", "--pp", "4", "--dp", "4", "--ranks-per-node", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == plan_arena(70 * 10**9, tp=8, pp=4, dp=4, ranks_per_node=8).to_dict()
+    text = ckptd("plan", "--params", "7e9", "--weight-dtype", "fp32", "--ranks-per-node", "1")
+    assert "16 B/param" in text.stdout and "--arena-size" in text.stdout
+    bad = ckptd("plan", "--params", "lots")
+    assert bad.returncode == 2 and "ConfigError" in bad.stderr
