@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from ckptd.testing.faultproxy import FaultProxy
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.s3server import S3Server
 from ckptd.writer.arrays import verify_array
-from ckptd.writer.format import step_dir
+from ckptd.writer.format import commit_marker, latest_key, part_key, parts_dir, sidecar_key, step_dir
 from ckptd.writer.root import open_root
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(180), pytest.mark.usefixtures("in_aws_env")]
@@ -45,19 +47,20 @@ class Point:
 
 POINTS = {
     # accept: the daemon checks the step is not committed yet; the rank is blocked in save()
-    "accept-commit-check": Point(rf"/step_{KILLED}/COMMITTED", ("HEAD", "GET")),
-    "accept-sidecar": Point(r"/_sidecars/[0-9a-f]+\.json", ("PUT",)),
+    "accept-commit-check": Point(rf"/{re.escape(commit_marker(KILLED))}", ("HEAD", "GET")),
+    "accept-sidecar": Point(rf"/{re.escape(sidecar_key(''))}[0-9a-f]+\.json", ("PUT",)),
     "first-chunk": Point(rf"/step_{KILLED}/model/w/c/0(\?|$)", ("PUT",)),
     "later-chunk": Point(rf"/step_{KILLED}/model/w/c/5(\?|$)", ("PUT",)),
     "packed-small-array": Point(rf"/step_{KILLED}/model/b(/|\?|$)", ("PUT",)),
-    "part-manifest": Point(rf"/step_{KILLED}/_parts/node-0\.json", ("PUT",)),
-    "parts-listing": Point(rf"prefix=[^&]*step_{KILLED}%2F_parts", ("GET",)),
+    "part-manifest": Point(rf"/{re.escape(part_key(KILLED, 0))}", ("PUT",)),
+    "parts-listing": Point(rf"prefix=[^&]*{quote(parts_dir(KILLED), safe='')}", ("GET",)),
     "array-zarr-json": Point(rf"/step_{KILLED}/model/w/zarr\.json", ("PUT",)),
     "group-zarr-json": Point(rf"/step_{KILLED}/model/zarr\.json", ("PUT",)),
     "root-zarr-json": Point(r"/kill-root-zarr-json/zarr\.json", ("PUT",)),
-    "marker": Point(rf"/step_{KILLED}/COMMITTED", ("PUT",)),
-    "latest": Point(r"/latest(\?|$)", ("PUT",), marker_landed=True),
-    "retention-marker-delete": Point(r"/step_1/COMMITTED|\?delete", ("DELETE", "POST"), marker_landed=True),
+    "marker": Point(rf"/{re.escape(commit_marker(KILLED))}", ("PUT",)),
+    "latest": Point(rf"/{re.escape(latest_key())}(\?|$)", ("PUT",), marker_landed=True),
+    "retention-marker-delete": Point(rf"/{re.escape(commit_marker(1))}|\?delete", ("DELETE", "POST"),
+                                     marker_landed=True),
 }
 
 

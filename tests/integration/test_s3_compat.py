@@ -23,6 +23,7 @@ from ckptd.client.reader import load
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.s3rver import S3rverServer, s3rver_command
 from ckptd.testing.s3server import S3Server
+from ckptd.writer.format import CONTROL_DIR
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(180)]
 CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
@@ -93,6 +94,6 @@ def test_round_trip_retention_ls_verify_gc(server: Any, start_daemon, monkeypatc
     out = cli("gc", root, "--keep", "1")
     assert out.returncode == 0, out.stderr  # s3rver answered 501 to the multipart listing: gc still runs
     assert _warnings(out.stderr, "multipart_listing") == (0 if moto else 1), out.stderr
-    assert {k.split("/")[1] for k in server.list_keys(BUCKET, "compat/")} == {"step_4", "latest", "zarr.json"}
+    assert {k.split("/")[1] for k in server.list_keys(BUCKET, "compat/")} == {"step_4", CONTROL_DIR, "zarr.json"}
     if moto:
         assert s3.list_multipart_uploads(Bucket=BUCKET, Prefix="compat/").get("Uploads", []) == []

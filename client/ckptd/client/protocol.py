@@ -199,6 +199,7 @@ class StatusReport(_Msg, frozen=True, tag="report_reply"):
     bytes_per_s: float  # of the last finished step, first save to commit
     retries: int  # storage requests retried since start (S3)
     last_error: str = ""
+    arena_retained_bytes: int = 0  # of the used bytes: the newest committed step kept for an in-memory restore
 
 
 

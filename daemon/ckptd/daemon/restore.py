@@ -54,6 +54,11 @@ class Retention:
         kept.ranges.append((offset, size))
         return True
 
+    @property
+    def retained_bytes(self) -> int:
+        """Arena bytes held for an in-memory restore (given back to any save that needs them)."""
+        return sum(size for kept in self.kept.values() for _o, size in kept.ranges)
+
     def step_committed(self, step: int) -> None:
         """``step`` is the newest commit: free every older step's slots."""
         self.committed = step if self.committed is None else max(self.committed, step)
@@ -65,7 +70,7 @@ class Retention:
 
     def evict(self) -> int:
         """Free everything kept (a save needs the space); returns the bytes freed."""
-        freed = sum(size for kept in self.kept.values() for _o, size in kept.ranges)
+        freed = self.retained_bytes
         if freed:
             self.evictions += 1
             log.info("in-memory restore: %d MiB of kept steps %s evicted for a save", freed >> 20, sorted(self.kept))

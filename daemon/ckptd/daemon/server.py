@@ -322,5 +322,6 @@ class Daemon:
                 return service.retention.reply(req.step)
             case ReportRequest():
                 return status_report(service.stats, service.jobs, arena, service.root.backend,
-                                     root=self.config.root, draining=service.draining)
+                                     root=self.config.root, draining=service.draining,
+                                     retained=service.retention.retained_bytes)
         raise ProtocolError(f"unexpected message {type(req).__name__}")

@@ -27,6 +27,7 @@ from zarr.abc.store import Store
 
 from ckptd.writer.arrays import array_metadata, write_control_doc, write_group, write_metadata
 from ckptd.writer.errors import (
+    CkptdError,
     SaveTimeoutError,
     StepCommittedError,
     StepFailedError,
@@ -125,7 +126,12 @@ class CheckpointWriter(CheckpointRoot):
         docs.append(functools.partial(write_group, store, "", {"ckptd": {"format": FORMAT_VERSION}}))
         for folder in control_groups(step):
             docs.append(functools.partial(write_control_doc, store, folder))
-        await bounded_map(lambda write: write(), docs, limit=METADATA_CONCURRENCY)
+        try:  # zarr writes these through its store: classify their failures like the backend's own
+            await bounded_map(lambda write: write(), docs, limit=METADATA_CONCURRENCY)
+        except CkptdError:
+            raise
+        except Exception as exc:
+            raise self.backend.error(exc) from exc
         final = msgspec.structs.replace(merged, step=step, committed_at=time.time())
         # The marker is the commit: once started, let it finish even if the caller is cancelled.
         await asyncio.shield(self.write_marker(step, encode_json(final)))
