@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.client.paths import client_socket_path, default_socket_path, normalize_root
+from ckptd.client.paths import client_socket_path, default_socket_path
+from ckptd.writer.urls import normalize_root
 from ckptd.client.placement import Placement, tasks_per_node
 from ckptd.testing.launch import launcher_env
 from ckptd.writer.errors import DaemonUnavailableError, PlacementError

@@ -23,7 +23,7 @@ import torch
 from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
-from ckptd.client.paths import client_socket_path, normalize_root
+from ckptd.client.paths import client_socket_path
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
 from ckptd.client.protocol import (
@@ -48,6 +48,7 @@ from ckptd.client.protocol import (
     encode,
     encode_objects,
     frame_length,
+    recv_exactly,
 )
 from ckptd.client.state import Plan, Shard, dtype_name, plan_state
 from ckptd.writer.errors import (
@@ -63,6 +64,7 @@ from ckptd.writer.errors import (
     error_classes,
 )
 from ckptd.writer.format import sidecar_name
+from ckptd.writer.urls import normalize_root
 
 log = logging.getLogger(__name__)
 
@@ -246,16 +248,9 @@ class CheckpointClient:
         return reply
 
     def _recv_exactly(self, n: int) -> bytes:
-        sock = self._sock
-        if sock is None:
+        if self._sock is None:
             raise ConnectionResetError("the connection to the daemon was closed")
-        buf = bytearray()
-        while len(buf) < n:
-            part = sock.recv(n - len(buf))
-            if not part:
-                raise ConnectionResetError("the daemon closed the connection")
-            buf += part
-        return bytes(buf)
+        return recv_exactly(self._sock, n)
 
     def _status(self, step: int, wait_s: float) -> StepStatus:
         return _expect(self._request(StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s)), StepStatus)

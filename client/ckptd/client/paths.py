@@ -5,26 +5,10 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import re
 from collections.abc import Mapping
 
 from ckptd.writer.errors import DaemonUnavailableError
-
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-
-
-def normalize_root(root: str) -> str:
-    """The one spelling of a checkpoint root: an absolute, normalized path, or a URL without a trailing ``/``.
-
-    Client and daemon compare roots (and derive the socket name) from this form, so ``./ck``, ``ck/``
-    and ``/abs/ck`` name the same root.
-    """
-    if root.lower().startswith("file:"):
-        root = root[len("file:"):].removeprefix("//")
-    elif _URL.match(root):
-        scheme, rest = root.split("://", 1)
-        return f"{scheme.lower()}://{rest.rstrip('/')}"
-    return os.path.normpath(os.path.abspath(os.path.expanduser(root)))
+from ckptd.writer.urls import normalize_root
 
 
 def socket_dir(env: Mapping[str, str]) -> str:

@@ -8,6 +8,7 @@ Decoding checks the version before the body, so a peer of another version gets
 
 from __future__ import annotations
 
+import socket
 import struct
 from enum import StrEnum
 from typing import Any
@@ -270,6 +271,17 @@ def decode_request(body: bytes) -> Request:
 
 def decode_reply(body: bytes) -> Reply:
     return _decode(body, _reply_decoder)  # type: ignore[no-any-return]
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from a blocking socket (a frame header or body); :class:`ConnectionResetError` on EOF."""
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionResetError("the daemon closed the connection")
+        buf += part
+    return bytes(buf)
 
 
 def frame_length(header: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> int:

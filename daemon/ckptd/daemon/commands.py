@@ -29,6 +29,7 @@ from ckptd.client.protocol import (
     decode_reply,
     encode,
     frame_length,
+    recv_exactly,
 )
 from ckptd.daemon.sizing import WEIGHT_BYTES, parse_count, plan_arena
 from ckptd.writer.errors import DaemonUnavailableError, ProtocolError
@@ -70,8 +71,8 @@ def request(path: str, msg: _Msg, timeout: float) -> Reply:
         try:
             sock.connect(path)
             sock.sendall(encode(msg))
-            header = _recv(sock, HEADER.size)
-            reply = decode_reply(_recv(sock, frame_length(header)))
+            header = recv_exactly(sock, HEADER.size)
+            reply = decode_reply(recv_exactly(sock, frame_length(header)))
         except (OSError, ProtocolError) as exc:
             raise DaemonUnavailableError(f"no answer from a ckptd daemon at {path}: {exc}") from exc
     if isinstance(reply, ErrorReply):
@@ -79,19 +80,9 @@ def request(path: str, msg: _Msg, timeout: float) -> Reply:
     return reply
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionResetError("the daemon closed the connection")
-        buf += part
-    return bytes(buf)
-
-
 def find_socket(root: str, timeout: float) -> str:
     """The socket of this user's daemon that serves ``root`` (sockets next to the default one)."""
-    from ckptd.writer.backends import normalize_root  # zarr comes with it: only for this lookup
+    from ckptd.writer.urls import normalize_root
 
     want = normalize_root(root)
     base = os.path.dirname(default_socket_path(os.environ))

@@ -246,11 +246,9 @@ async def _load_resharded(
         firsts.setdefault((rec["tp"], rec["pp"]), r)
     saved = [decode_layout(await ckpt.read_sidecar(records[r][LAYOUT_FIELD])) for r in firsts.values()]
     slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout))
-    source = min(records)
-    same_mp = [r for r, rec in sorted(records.items()) if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)
-               and (rec["tp_size"], rec["pp_size"]) == (layout.tp_size, layout.pp_size)]
-    if same_mp:
-        source = next((r for r in same_mp if records[r]["dp"] == layout.dp_rank), same_mp[0])
+    source, same_mp = _same_layout_source(
+        records, layout.tp_rank, layout.pp_rank, layout.tp_size, layout.pp_size, layout.dp_rank
+    )
     rng_tensors = rng_template(commit, source) if rng and same_mp else {}
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(source)][OPTIM_META])]
     await fill_async(ckpt, commit, {**template, **rng_tensors})
@@ -280,10 +278,9 @@ async def _load_model_only(
     loads them. RNG, ``_extra_state`` and ``extra`` come from the saved rank with this rank's coordinates,
     and only when the saved TP/PP equal the live ones (they belong to a rank of the same layout)."""
     ranks = introspect.parallel_ranks()
-    same_mp = {r: rec for r, rec in records.items()
-               if (rec["tp"], rec["pp"], rec["tp_size"], rec["pp_size"]) == (ranks.tp_rank, ranks.pp_rank,
-                                                                               ranks.tp_size, ranks.pp_size)}
-    source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == ranks.dp_rank), min(same_mp or records))
+    source, same_mp = _same_layout_source(
+        records, ranks.tp_rank, ranks.pp_rank, ranks.tp_size, ranks.pp_size, ranks.dp_rank
+    )
     template = model_template(model_chunks)
     plan_reads(commit, template)  # every model key, shape and dtype checked before anything is written
     if strict and ranks.pp_size == 1 and all(rec["pp_size"] == 1 for rec in records.values()):
@@ -306,6 +303,19 @@ async def _load_model_only(
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)
     return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+
+
+def _same_layout_source(
+    records: Mapping[int, Record], tp: int, pp: int, tp_size: int, pp_size: int, dp: int
+) -> tuple[int, bool]:
+    """The saved rank whose per-rank state (RNG, ``_extra_state``, ``extra``) this rank restores: the one
+    with this rank's TP/PP/DP coordinates in a run of the same TP and PP sizes (its DP rank 0 when that DP
+    rank did not exist), and whether there was one at all (else the lowest saved rank, for ``extra`` only)."""
+    same = [r for r, rec in sorted(records.items())
+            if (rec["tp"], rec["pp"], rec["tp_size"], rec["pp_size"]) == (tp, pp, tp_size, pp_size)]
+    if not same:
+        return min(records), False
+    return next((r for r in same if records[r]["dp"] == dp), same[0]), True
 
 
 # --- checks (pure) --------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ the loop that made them) and closed there: ``async with await open_backend(url, 
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -26,6 +25,7 @@ from zarr.abc.store import Store
 from zarr.core.buffer import Buffer, default_buffer_prototype
 
 from ckptd.writer.errors import CkptdError, StorageError
+from ckptd.writer.urls import is_local, normalize_root
 
 if TYPE_CHECKING:
     from ckptd.writer.backends.s3 import S3Options
@@ -208,20 +208,6 @@ class Backend(ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
-
-
-def normalize_root(root: str) -> str:
-    """``/a/b``, ``file:///a/b`` and ``./a`` become absolute local paths; URLs keep their scheme."""
-    scheme = urlparse(root).scheme
-    if scheme in ("", "file"):
-        path = root.removeprefix("file://") if scheme == "file" else root
-        return os.path.abspath(os.path.expanduser(path))
-    return root.rstrip("/")
-
-
-def is_local(root: str) -> bool:
-    """Whether ``root`` names a local directory (no import of any backend)."""
-    return urlparse(normalize_root(root)).scheme == ""
 
 
 async def open_backend(
