@@ -55,6 +55,7 @@ def build_gpt(
     share_embeddings: bool = True,
     initialize_parallel: bool = True,
     data_seed: int | None = None,
+    llama: bool = False,
 ) -> ToyGPT:
     """Build the toy GPT on an already-initialized (gloo) default process group.
 
@@ -67,6 +68,9 @@ def build_gpt(
 
     ``global_microbatches`` must be divisible by DP; with a power of two, gradients are also
     bit-identical across DP sizes (every rescaling is by a power of two).
+
+    ``llama=True`` builds it Llama-shaped (RMSNorm, no linear biases, RoPE, separate output layer): a
+    model Hugging Face's ``LlamaForCausalLM`` and mbridge's LLaMA bridge convert to and from.
     """
     if not torch.cuda.is_available():
         from ckptd.testing.cpu_shim import install_cpu_shim
@@ -118,6 +122,7 @@ def build_gpt(
         gradient_accumulation_fusion=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **({"normalization": "RMSNorm", "add_bias_linear": False} if llama else {}),
     )
     pre = ps.is_pipeline_first_stage()
     post = ps.is_pipeline_last_stage()
@@ -128,7 +133,8 @@ def build_gpt(
         max_sequence_length=seq,
         pre_process=pre,
         post_process=post,
-        share_embeddings_and_output_weights=share_embeddings,
+        share_embeddings_and_output_weights=share_embeddings and not llama,
+        **({"position_embedding_type": "rope"} if llama else {}),
     )
     module: torch.nn.Module = Float16Module(config, gpt) if bf16 else gpt
     ddp_config = DistributedDataParallelConfig(
