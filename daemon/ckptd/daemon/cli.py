@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=int, default=4)
     d.add_argument("--steps", type=int, default=12)
     d.add_argument("--save-every", type=int, default=4)
+    d.add_argument("--trainer", choices=["megatron", "verl"], default="megatron",
+                   help="verl: verl's checkpoint manager through ckptd's hook, save and resume (needs ckptd[verl])")
 
     ls = sub.add_parser("ls", help="list checkpoints under ROOT")
     ls.add_argument("root")
@@ -150,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "demo" and args.trainer == "verl":
+            from ckptd.testing.demo_verl import run_verl_demo
+
+            return run_verl_demo(root=args.root, as_json=args.json)
         if args.command == "demo":
             from ckptd.testing.demo import run_demo
 
