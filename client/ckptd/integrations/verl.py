@@ -132,6 +132,11 @@ class _CkptdMixin:
     tree is built or written, and no optimizer gather happens), and whose ``_dispatch_finalize`` waits for
     the ckptd commit (sync) or defers verl's finalize (async: manifest, tracker, retention) until the
     step committed. ``load_checkpoint`` restores a ckptd step and falls back to verl for its own folders.
+
+    ``save_contents``: ``model`` is what makes a save ckptd's (without it verl's own path runs);
+    ``optimizer`` adds the optimizer and LR scheduler, ``extra`` the RNG state; ``hf_model`` (or ``model``
+    with ``use_dist_checkpointing: False``) stays verl's HF export. ``load_contents``: see
+    :meth:`_ckptd_load_wanted`.
     """
 
     _ckptd_base: type
