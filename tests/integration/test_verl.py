@@ -123,6 +123,9 @@ def _hf_save_job(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> dict[str,
     train(managers, 2, 2)
     mgr.checkpoint_save_contents = ["model", "extra"]
     mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_4", "actor"), None, 4)
+    # Megatron shards for the model slot plus an HF export (use_dist_checkpointing: True, hf_model)
+    mgr.use_dist_checkpointing, mgr.checkpoint_save_contents = True, ["model", "hf_model"]
+    mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_6", "actor"), None, 6)
     return {"snap2": snap2, "snap4": snapshot(mgr)}
 
 
@@ -272,6 +275,10 @@ def test_verl_hf_mode(verl_job: Any, tmp_path: Path) -> None:
     manifest4 = json.loads(Path(ckpt_dir, "global_step_4", "actor", "ckpt_contents.json").read_text())
     assert "optimizer" not in manifest4["contents"] and manifest4["contents"]["model_shards"]["format"] == "ckptd"
     assert (Path(ckpt_dir, "global_step_4", "actor", "model", "huggingface", "model.safetensors")).is_file()
+    contents6 = json.loads(Path(ckpt_dir, "global_step_6", "actor", "ckpt_contents.json").read_text())["contents"]
+    assert {k: v["format"] for k, v in contents6.items()} == {
+        "model": "ckptd", "hf_model": "huggingface", "hf_config": "huggingface", "tokenizer": "huggingface"}
+    assert Path(ckpt_dir, "global_step_6", "actor", "model", "huggingface", "model.safetensors").is_file()
 
     loaded = run_ranks(_hf_load_job, 2, ckpt_dir, hf_dir, env=env, preload=PRELOAD, timeout_s=300)
     for rank, (s, r) in enumerate(zip(saved, loaded, strict=True)):
