@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=12)
     d.add_argument("--save-every", type=int, default=4)
     d.add_argument("--trainer", choices=["megatron", "verl"], default="megatron",
-                   help="verl: verl's checkpoint manager through ckptd's hook, save and resume (needs ckptd[verl])")
+                   help="verl: verl's checkpoint manager through ckptd's hook, save and resume, 2 ranks, actor and "
+                        "critic (needs ckptd[verl]; --ranks/--steps/--save-every are the megatron demo's)")
 
     ls = sub.add_parser("ls", help="list checkpoints under ROOT")
     ls.add_argument("root")
