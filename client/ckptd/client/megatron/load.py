@@ -31,6 +31,7 @@ from ckptd.writer.format import (
     MEGATRON_RECORD,
     MODEL_PREFIX,
     OPTIM_META,
+    OPTIM_PREFIX,
     CommitManifest,
     bucket_states,
 )
@@ -240,10 +241,7 @@ async def _load_resharded(
     template = model_template(model_chunks)
     plan_reads(commit, template)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
-    firsts: dict[tuple[int, int], int] = {}
-    for r, rec in sorted(records.items()):
-        firsts.setdefault((rec["tp"], rec["pp"]), r)
-    saved = [decode_layout(await ckpt.read_sidecar(records[r][LAYOUT_FIELD])) for r in firsts.values()]
+    saved = await _saved_layouts(ckpt, commit, records)
     slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout))
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
     await fill_async(ckpt, commit, {**template, **rank.rng})
@@ -288,6 +286,28 @@ async def _load_model_only(
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)
     return LoadedCheckpoint(commit.step, rank.extra, rank.source)
+
+
+async def _saved_layouts(
+    ckpt: CheckpointRoot, commit: CommitManifest, records: Mapping[int, Record]
+) -> list[MegatronLayout]:
+    """Layout sidecars covering every model-parallel tag the step stores: the first saved rank of each TP/PP
+    rank, then (expert parallelism: the EP rank is not in the record) further distinct sidecars, in rank
+    order, until every stored ``optim/<mp>/`` has one."""
+    stored = {r.name[len(OPTIM_PREFIX) :].split("/", 1)[0] for r in commit.arrays if r.name.startswith(OPTIM_PREFIX)}
+    firsts: dict[tuple[int, int], int] = {}
+    for r, rec in sorted(records.items()):
+        firsts.setdefault((rec["tp"], rec["pp"]), r)
+    names = [records[r][LAYOUT_FIELD] for r in firsts.values()]
+    names += [rec[LAYOUT_FIELD] for _r, rec in sorted(records.items()) if rec[LAYOUT_FIELD] not in names]
+    layouts: list[MegatronLayout] = []
+    covered: set[str] = set()
+    for i, name in enumerate(dict.fromkeys(names)):
+        if i >= len(firsts) and stored <= covered:
+            break
+        layouts.append(decode_layout(await ckpt.read_sidecar(name)))
+        covered |= {buf.mp for buf in layouts[-1].buffers}
+    return layouts
 
 
 def _coords(layout: MegatronLayout) -> tuple[int, int, int, int, int]:
