@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--commit-timeout", dest="commit_timeout_s", type=float, help="seconds to wait for all nodes")
     s.add_argument("--drain-grace", dest="drain_grace_s", type=float, help="seconds to drain on SIGTERM")
     s.add_argument("--no-prefault", dest="prefault", action="store_false", default=None)
+    s.add_argument("--no-retain", dest="retain", action="store_false", default=None,
+                   help="do not keep the newest committed step in the arena for an in-memory restore")
     s.add_argument("--nice", type=int, help="CPU niceness increment of the daemon (default 10: ranks come first)")
     s.add_argument("--exit-when-idle", dest="exit_when_idle_s", type=float,
                    help="exit once no client has been connected and no step in flight for this many seconds")
