@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from ckptd.client.paths import client_socket_path, default_socket_path
-from ckptd.writer.urls import normalize_root
 from ckptd.client.placement import Placement, tasks_per_node
 from ckptd.testing.launch import launcher_env
 from ckptd.writer.errors import DaemonUnavailableError, PlacementError
+from ckptd.writer.urls import normalize_root
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ray", "slurm"])
