@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nice", type=int, help="CPU niceness increment of the daemon (default 10: ranks come first)")
     s.add_argument("--exit-when-idle", dest="exit_when_idle_s", type=float,
                    help="exit once no client has been connected and no step in flight for this many seconds")
+    s.add_argument("--job-id", help="the job this daemon serves: clients of another job refuse it (embedded mode)")
+    s.add_argument("--owner-pid", type=int,
+                   help="drain and exit once this process is gone (embedded mode: the job's launcher)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (opt-in; 0: any free)")
     s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     _storage_flags(s)
