@@ -285,6 +285,7 @@ def load_checkpoint(
 
         get_rerun_state_machine().load_state_dict(record["rerun_state_machine"])
     iteration = int(record.get("iteration", loaded.step))
+    _set_loaded_iteration(iteration)
     logger.info("loaded iteration %d from %s (consumed samples %d)", iteration, load_dir, args.consumed_train_samples)
     return iteration, float(record.get("num_floating_point_operations_so_far", 0.0))
 
@@ -308,6 +309,15 @@ def resolve_load(load_dir: str, ckpt_step: object = None) -> tuple[str, int | st
     if named is not None:
         return root, named
     return root, "latest" if wanted is None else wanted
+
+
+def _set_loaded_iteration(iteration: int) -> None:
+    """As Megatron-LM's load does: ``training.py`` reads it back with ``get_loaded_iteration()``."""
+    try:
+        from megatron.training.checkpointing import set_loaded_iteration
+    except ImportError:  # megatron-core alone (Megatron-LM is not installed)
+        return
+    set_loaded_iteration(iteration)
 
 
 def _update_num_microbatches(consumed_samples: int) -> None:
