@@ -34,7 +34,7 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what step_dir() writes
 # how users name a step: a number, ckptd's stored name, or Megatron-LM's folder name (iter_0000100)
-_STEP_NAME_RE = re.compile(r"(?:step_|iter_)?([0-9]+)")
+_STEP_NAME_RE = re.compile(r"(step_|iter_)?([0-9]+)")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-+=:@,]*$")
 MAX_KEY_LEN = 1024
 
@@ -69,19 +69,14 @@ def parse_step(value: int | str) -> int | Literal["latest"]:
     merge --step``, ``CheckpointRoot.resolve``, the loaders, Megatron-LM's ``--ckpt-step``) goes through
     here. Anything else raises :class:`InvalidKeyError`.
     """
-    if isinstance(value, bool):
-        raise InvalidKeyError(f"a step is a number, 'latest', 'step_N' or 'iter_NNNNNNN', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidKeyError(f"step must be >= 0, got {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
-        text = value.strip()
-        if text == LATEST:
+        if value.strip() == LATEST:
             return "latest"
-        m = _STEP_NAME_RE.fullmatch(text)
+        m = _STEP_NAME_RE.fullmatch(value.strip())
         if m:
-            return int(m.group(1))
+            return int(m.group(2))
     raise InvalidKeyError(f"a step is a number, 'latest', 'step_N' or 'iter_NNNNNNN', got {value!r}")
 
 
@@ -92,12 +87,11 @@ def split_step_path(path: str) -> tuple[str, int | None]:
     ``<root>/step_100``): the last component, when it is such a name, is the step of the root above it.
     Pure: the caller decides whether ``path`` is itself a root (see ``megatron_lm.load_checkpoint``).
     """
-    trimmed = path.rstrip("/")
-    head, sep, last = trimmed.rpartition("/")
-    if not sep or not head or head.endswith(":/") or not re.fullmatch(r"(?:step_|iter_)[0-9]+", last):
+    head, sep, last = path.rstrip("/").rpartition("/")
+    m = _STEP_NAME_RE.fullmatch(last)
+    if not sep or not head or head.endswith(":/") or m is None or m.group(1) is None:
         return path, None
-    step = parse_step(last)
-    return head, step if isinstance(step, int) else None
+    return head, int(m.group(2))
 
 
 def part_name(node: int) -> str:
