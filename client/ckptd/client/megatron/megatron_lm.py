@@ -13,7 +13,9 @@ and (rank 0) ``args`` as a plain dict. The ckptd step number is the iteration. A
 rank 0 writes Megatron-LM's tracker ``<args.save>/latest_checkpointed_iteration.txt``: at once with a
 synchronous save, or from :func:`finalize_async_saves` with ``--async-save`` (Megatron-LM's
 ``maybe_finalize_async_save``). ``args`` is Megatron-LM's ``get_args()`` namespace; pass ``args=`` to
-avoid the global.
+avoid the global. Megatron-LM's step names are read wherever a step is given (``--load
+<root>/iter_0000100``, ``--ckpt-step iter_0000100``: :func:`resolve_load`); storage keeps ckptd's
+``step_100`` (:func:`ckptd.writer.format.parse_step` reads both).
 """
 
 from __future__ import annotations
