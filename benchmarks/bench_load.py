@@ -11,6 +11,11 @@ and with Megatron's ``dist_checkpointing.save`` (``dp_reshardable``, synchronous
 - ``raw_read``: a plain parallel ``readinto`` of ckptd's files of the step (split over the ranks) — the
   bound any loader of those bytes meets.
 
+The row carries every ratio the issue sets a target for and ``targets_met`` (each against its bound):
+same layout vs Megatron (<= 1, cold and warm), vs the raw read (<= 1.25), merge-free other TP vs same
+layout (<= 1.5), cold storage load over in-memory restore (>= 5); ``ratio_other_dp_vs_same`` is reported
+too.
+
 Cold: ``echo 3 > /proc/sys/vm/drop_caches`` where permitted (root outside a container); otherwise every
 file of both checkpoints is evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages only: the
 checkpoints are fsynced), and the row says which (``cold_method``). ``memory_restore``: new ranks load
@@ -206,6 +211,8 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
             row[f"ratio_ckptd_vs_megatron_{temp}"] = round(ck / mg, 3)
         if ck and tp:
             row[f"ratio_other_tp_vs_same_{temp}"] = round(tp / ck, 3)
+        if ck and dp:
+            row[f"ratio_other_dp_vs_same_{temp}"] = round(dp / ck, 3)
     errors = {k: v for r in [*saved, *same, *other_dp, *other_tp] for k, v in r.items() if k.endswith("_error") and v}
     if errors:
         row["errors"] = errors
@@ -213,7 +220,24 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     if cold and row.get("memory_restore_warm_s"):
         row["ratio_cold_storage_over_memory"] = round(cold / row["memory_restore_warm_s"], 2)
     row["memory_restore_bytes"] = sum(r.get("memory_bytes", 0) for r in same)
+    row["targets_met"] = _targets(row)
     return [emit(row)]
+
+
+# issue 10's targets: (ratio, bound, at most or at least)
+TARGETS = [("ratio_ckptd_vs_megatron_cold", 1.0, "max"), ("ratio_ckptd_vs_megatron_warm", 1.0, "max"),
+           ("ratio_ckptd_vs_raw_cold", 1.25, "max"), ("ratio_ckptd_vs_raw_warm", 1.25, "max"),
+           ("ratio_other_tp_vs_same_cold", 1.5, "max"), ("ratio_other_tp_vs_same_warm", 1.5, "max"),
+           ("ratio_cold_storage_over_memory", 5.0, "min")]
+
+
+def _targets(row: dict[str, Any]) -> dict[str, bool | None]:
+    """Each target ratio of the row against its bound (None where the ratio is missing)."""
+    out: dict[str, bool | None] = {}
+    for key, bound, kind in TARGETS:
+        value = row.get(key)
+        out[key] = None if value is None else (value <= bound if kind == "max" else value >= bound)
+    return out
 
 
 BENCHES = {"load": bench_load}

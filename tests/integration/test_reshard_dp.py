@@ -6,7 +6,10 @@ Every case loads twice in one set of ranks: first from a copy of the root that `
 bit-identical model and optimizer state on every rank; then training continues and the losses must match
 the original run's (bit-exact at the same TP; to REL_TOL after a TP change, as in test_reshard.py, whose
 control shows lost optimizer moments move the second loss far outside it; the control here repeats it
-for the merge-free path).
+for the merge-free path). RNG state and ``_extra_state`` follow the rule of
+``ckptd.client.megatron.rank_state`` on both paths: restored from the saved counterpart where the TP/PP
+sizes are unchanged (DP rank 0's where that DP rank did not exist), left as they are with one warning
+otherwise.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,13 +43,44 @@ CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 MULTI = {"overlap_grad_reduce": True, "bucket_size": 6000}
 
 
-def _save(rank: int, world: int, socket: str, build: dict[str, Any]) -> list[float]:
+class FP8Meta(torch.nn.Module):
+    """Stands in for a Transformer Engine module: no params, per-rank extra state (a uint8 tensor, as TE)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.amax = torch.full((4,), value)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.amax.clone().view(torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        self.amax = state.view(torch.float32).clone()
+
+
+def _with_fp8(model: list[torch.nn.Module], value: float) -> FP8Meta:
+    fp8 = FP8Meta(value)
+    model[0].module.decoder.add_module("fp8_meta", fp8)
+    return fp8
+
+
+def _rng_digest() -> str:
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    h.update(repr(random.getstate()).encode() + repr(np.random.get_state(legacy=True)).encode())
+    return h.hexdigest()
+
+
+def _save(rank: int, world: int, socket: str, build: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, train_step = build_gpt(**build)
+    _with_fp8(model, 100.0 + rank)  # each saved rank's own extra state
     client = CheckpointClient(socket)
     for i in range(K):
         train_step(i)
+    torch.manual_seed(500 + rank)  # each saved rank's own generators
+    random.seed(500 + rank)
+    np.random.seed(500 + rank)
+    rng = _rng_digest()
     save_checkpoint(client, K, model, optimizer, extra={"iteration": K}).wait(60)
-    return [train_step(K + i) for i in range(AFTER)]
+    return {"rng": rng, "losses": [train_step(K + i) for i in range(AFTER)]}
 
 
 def _digest(model: list[torch.nn.Module], optimizer: Any) -> str:
@@ -76,11 +112,24 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
     log = logging.getLogger("ckptd.client.megatron.load")
     log.addHandler(Collect())
     log.setLevel(logging.INFO)
+    warned: list[str] = []
+    warn = logging.Handler(logging.WARNING)
+    warn.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptd.client.megatron.rank_state").addHandler(warn)
     model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **build)  # other init, same data
+    fp8 = _with_fp8(model, -1.0)
     merged, plain = roots
-    load_checkpoint(merged, K, model, optimizer)
-    via_merged = _digest(model, optimizer)
-    loaded = load_checkpoint(plain, K, model, optimizer)
+    per_rank = []  # per load: (RNG before, RNG after, amax after)
+    for path in (merged, plain):
+        torch.manual_seed(900 + rank)
+        random.seed(900 + rank)
+        np.random.seed(900 + rank)
+        fp8.amax = torch.full((4,), -1.0)
+        before = _rng_digest()
+        loaded = load_checkpoint(path, K, model, optimizer)
+        per_rank.append((before, _rng_digest(), float(fp8.amax[0])))
+        if path == merged:
+            via_merged = _digest(model, optimizer)
     via_dp = _digest(model, optimizer)
     if drop:  # control: the right params, but the optimizer's moments zeroed
         for opt in optimizer.chained_optimizers:
@@ -89,8 +138,8 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         value.zero_()
     layout = get_layout(model, optimizer)
-    return {"merged": via_merged, "dp": via_dp, "extra": loaded.extra, "paths": paths,
-            "sizes": (layout.tp_size, layout.pp_size, layout.dp_size),
+    return {"merged": via_merged, "dp": via_dp, "extra": loaded.extra, "paths": paths, "rank_state": per_rank,
+            "warned": warned, "dp_rank": layout.dp_rank, "sizes": (layout.tp_size, layout.pp_size, layout.dp_size),
             "losses": [train_step(K + i) for i in range(AFTER)]}
 
 
@@ -99,14 +148,14 @@ def _saved(tmp: Path, name: str, world: int, build: dict[str, Any]) -> dict[str,
     daemon = DaemonProcess(root, f"/tmp/ckd-{os.getpid()}-{name}.sock", "--arena-size", "64MiB", "--no-prefault",
                            log_path=str(tmp / "daemon.log")).wait_ready()
     try:
-        losses = spawn_ranks(_save, world, daemon.socket, build)[0]
+        saved = spawn_ranks(_save, world, daemon.socket, build)
     finally:
         daemon.stop(timeout=20)
     merged = str(tmp / "merged")
     shutil.copytree(root, merged)
     subprocess.run([*CLI, "merge", merged, "--json"], check=True, capture_output=True)
     assert not (Path(root) / "step_3" / "merged").exists()
-    return {"roots": (merged, root), "losses": losses}
+    return {"roots": (merged, root), "losses": saved[0]["losses"], "rng": [r["rng"] for r in saved]}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +195,14 @@ def test_load_without_merge_equals_merged_and_resumes(
     for r in results:
         assert r["dp"] == r["merged"], "merge-free and merged loads differ"
         assert r["extra"] == {"iteration": K}
+        if saved == "tp1dp2" and build["tp"] == 1:  # TP/PP sizes unchanged: the counterpart's RNG and amax
+            source = r["dp_rank"] if r["dp_rank"] < 2 else 0  # saved rank = DP rank; DP rank 0 where none
+            assert [after for _b, after, _a in r["rank_state"]] == [run["rng"][source]] * 2
+            assert [amax for _b, _a, amax in r["rank_state"]] == [100.0 + source] * 2
+            assert r["warned"] == []
+        else:  # TP or PP size changed: no counterpart, left as they were, one warning for both loads
+            assert all(after == before and amax == -1.0 for before, after, amax in r["rank_state"]), r["rank_state"]
+            assert len(r["warned"]) == 1 and "no saved rank is this rank's counterpart" in r["warned"][0]
     losses, original = results[0]["losses"], run["losses"]
     assert losses[0] == pytest.approx(original[0], rel=REL_TOL)
     assert _close(losses, original), (losses, original)

@@ -27,101 +27,44 @@ pytest.importorskip("verl.utils.checkpoint.megatron_checkpoint_manager")
 
 from ckptd.integrations.verl import ckptd_root, placement_from_env, socket_for, step_of
 from ckptd.testing.launch import DaemonProcess, run_ranks
+from ckptd.testing.verl_job import (
+    HOOK,
+    PRELOAD,
+    ROLES,
+    build_managers,
+    committed,
+    hf_files,
+    same,
+    snapshot,
+    train,
+    write_hf_model,
+)
+from ckptd.writer.errors import CkptdError
 
 pytestmark = [pytest.mark.megatron, pytest.mark.verl]
 
-ROLES = {"actor": 1234, "critic": 999}  # role -> model seed (two different models in one job)
-PRELOAD = ["verl.utils.checkpoint.megatron_checkpoint_manager", "verl.workers.engine.megatron.transformer_impl"]
-
 
 # --- what the rank runs (module level: forked rank processes) ----------------------------------------
-def _managers(hook: str, seed_offset: int, async_save: bool) -> dict[str, Any]:
-    """Actor and critic as verl's Megatron engine builds them, after Ray ran the setup hook ``hook``."""
-    from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
-
-    from ckptd.testing.toy_gpt import build_gpt
-
-    error = load_and_execute_setup_hook(hook)  # what a Ray worker does with runtime_env's hook string
-    assert error is None, error
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.utils import unwrap_model
-    from omegaconf import OmegaConf
-    from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.engine.megatron import transformer_impl
-
-    cls = transformer_impl.MegatronCheckpointManager  # the name the engine looks up
-    out = {}
-    for i, (role, seed) in enumerate(ROLES.items()):
-        model, optimizer, train_step = build_gpt(seed=seed + seed_offset, data_seed=seed, initialize_parallel=i == 0)
-        sched = OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=10, lr_decay_steps=20,  # warmup only
-            lr_decay_style="linear", start_wd=0.01, end_wd=0.01, wd_incr_steps=20, wd_incr_style="constant",
-        )
-        tmp_config = OmegaConf.create({"model": {"path": "unused"}, "megatron": {
-            "dist_ckpt_optim_fully_reshardable": False, "distrib_optim_fully_reshardable_mem_efficient": False}})
-        mgr = cls(  # the keyword arguments of verl/workers/engine/megatron/transformer_impl.py
-            config=tmp_config, checkpoint_config=CheckpointConfig(async_save=async_save), model_config=None,
-            transformer_config=unwrap_model(model[0]).config, role=role, model=model, arch="GPTModel",
-            hf_config=None, param_dtype=torch.float32, share_embeddings_and_output_weights=True,
-            processing_class=None, optimizer=optimizer, optimizer_scheduler=sched, use_distributed_optimizer=True,
-            use_checkpoint_opt_param_scheduler=True, use_dist_checkpointing=True, bridge=None, provider=None,
-            peft_cls=None, use_megatron_fsdp=False,
-        )
-        out[role] = (mgr, train_step, sched)
-    return out
-
-
-def _train(managers: dict[str, Any], start: int, n: int, sched_too: bool = True) -> None:
-    for _, train_step, sched in managers.values():
-        for it in range(start, start + n):
-            train_step(it)
-            if sched_too:
-                sched.step(1)
-
-
-def _snapshot(mgr: Any) -> dict[str, Any]:
-    from megatron.core.utils import unwrap_model
-
-    from ckptd.testing.fixtures import megatron_owned_state
-
-    model = {k: v.detach().clone() for k, v in unwrap_model(mgr.model[0]).state_dict().items()
-             if isinstance(v, torch.Tensor)}
-    optim = {e["name"]: (e["range"], {k: t.clone() for k, t in e["tensors"].items()})
-             for e in megatron_owned_state(mgr.optimizer)}
-    return {"model": model, "optim": optim, "sched": mgr.lr_scheduler.state_dict()}
-
-
-def _committed(root: str) -> list[int]:
-    from ckptd.writer.root import open_root
-    from ckptd.writer.sync import run_sync
-
-    async def run() -> list[int]:
-        async with open_root(root) as ckpt:
-            return sorted(await ckpt.committed_steps())
-
-    return run_sync(run())
-
-
 def _save_job(rank: int, world: int, ckpt_dir: str, hook: str) -> dict[str, Any]:
     """A sync-mode job: save actor and critic at steps 2 and 4 with max_ckpt_to_keep=1, as the trainer does."""
-    managers = _managers(hook, 0, async_save=False)
+    managers = build_managers(hook, 0, async_save=False)
     tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
     committed_at_return = {}
     for step in (2, 4):
-        _train(managers, step - 2, 2)
+        train(managers, step - 2, 2)
         for role, (mgr, _, _) in managers.items():
             local = os.path.join(ckpt_dir, f"global_step_{step}", role)
             mgr.save_checkpoint(local, None, step, max_ckpt_to_keep=1)
             # sync mode: when save_checkpoint returns, the trainer writes the tracker at once
-            committed_at_return[(role, step)] = step in _committed(ckptd_root(local, role))
+            committed_at_return[(role, step)] = step in committed(ckptd_root(local, role))
         torch.distributed.barrier()
         if rank == 0:
             with open(tracker, "w") as f:
                 f.write(str(step))
         torch.distributed.barrier()
-    snaps = {role: _snapshot(mgr) for role, (mgr, _, _) in managers.items()}
+    snaps = {role: snapshot(mgr) for role, (mgr, _, _) in managers.items()}
     # step 6 commits, then the job dies before the trainer writes the tracker: resume must take step 4
-    _train(managers, 4, 2)
+    train(managers, 4, 2)
     for role, (mgr, _, _) in managers.items():
         mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_6", role), None, 6, max_ckpt_to_keep=2)
     return {"snaps": snaps, "committed_at_return": committed_at_return,
@@ -133,20 +76,20 @@ def _resume_job(rank: int, world: int, ckpt_dir: str, hook: str) -> dict[str, An
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     folder = find_latest_ckpt_path(ckpt_dir)  # what ray_trainer._load_checkpoint does for resume_mode=auto
-    managers = _managers(hook, 4321, async_save=True)  # another init: the load must replace every value
-    _train(managers, 0, 1, sched_too=False)  # and live optimizer state (Megatron's scheduler load adds up)
+    managers = build_managers(hook, 4321, async_save=True)  # another init: the load must replace every value
+    train(managers, 0, 1, sched_too=False)  # and live optimizer state (Megatron's scheduler load adds up)
     for role, (mgr, _, _) in managers.items():
         mgr.load_checkpoint(os.path.join(folder, role), None, False)
-    snaps = {role: _snapshot(mgr) for role, (mgr, _, _) in managers.items()}
+    snaps = {role: snapshot(mgr) for role, (mgr, _, _) in managers.items()}
 
-    _train(managers, 4, 2)
+    train(managers, 4, 2)
     tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
     finalized: list[tuple[str, bool]] = []  # (role, committed when verl's finalize ran)
     for role, (mgr, _, _) in managers.items():
         # verl's finalize lambda looks the method up when it runs, so this sees every finalize: the one
         # at dispatch (if the step committed that fast) and the ones finalize_pending runs later
         def counted(*a: Any, _inner: Any = mgr._finalize_save, _role: str = role, **kw: Any) -> Any:
-            finalized.append((_role, 6 in _committed(ckptd_root(kw["local_path"], _role))))
+            finalized.append((_role, 6 in committed(ckptd_root(kw["local_path"], _role))))
             return _inner(*a, **kw)
 
         mgr._finalize_save = counted
@@ -160,23 +103,50 @@ def _resume_job(rank: int, world: int, ckpt_dir: str, hook: str) -> dict[str, An
     with open(tracker) as f:
         after_async = f.read()
     return {"folder": folder, "snaps": snaps, "finalized": finalized, "tracker_after_async": after_async,
-            "committed": {role: _committed(ckptd_root(os.path.join(ckpt_dir, "x", role), role)) for role in ROLES}}
+            "committed": {role: committed(ckptd_root(os.path.join(ckpt_dir, "x", role), role)) for role in ROLES}}
 
 
-# --- comparison ----------------------------------------------------------------------------------------
-def _same(a: Any, b: Any, where: str) -> int:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{where} differs"
-        return 1
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: {sorted(a)} vs {sorted(b)}"
-        return sum(_same(a[k], b[k], f"{where}/{k}") for k in a)
-    if isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        return sum(_same(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
-    assert a == b, f"{where}: {a!r} vs {b!r}"
-    return 0
+HF_ROLE = {"actor": 1234}
+
+
+def _hf_save_job(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> dict[str, Any]:
+    """verl's default model mode (HF weights through the bridge): a full save at step 2, then a model-only
+    one (save_contents without the optimizer) at step 4."""
+    if rank == 0:
+        write_hf_model(hf_dir)  # the HF model the run starts from (model.path)
+    torch.distributed.barrier()
+    managers = build_managers(HOOK, 0, async_save=False, roles=HF_ROLE, hf_dir=hf_dir)
+    mgr = managers["actor"].manager
+    train(managers, 0, 2)
+    mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_2", "actor"), None, 2)
+    snap2 = snapshot(mgr)
+    train(managers, 2, 2)
+    mgr.checkpoint_save_contents = ["model", "extra"]
+    mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_4", "actor"), None, 4)
+    # Megatron shards for the model slot plus an HF export (use_dist_checkpointing: True, hf_model)
+    mgr.use_dist_checkpointing, mgr.checkpoint_save_contents = True, ["model", "hf_model"]
+    mgr.save_checkpoint(os.path.join(ckpt_dir, "global_step_6", "actor"), None, 6)
+    return {"snap2": snap2, "snap4": snapshot(mgr)}
+
+
+def _hf_load_job(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> dict[str, Any]:
+    """Fresh processes load what the HF-mode job saved, under several ``load_contents``."""
+    managers = build_managers(HOOK, 4321, async_save=False, roles=HF_ROLE, hf_dir=hf_dir)
+    train(managers, 0, 1, sched_too=False)  # live optimizer state, to be replaced or kept
+    mgr = managers["actor"].manager
+    step2, step4 = (os.path.join(ckpt_dir, f"global_step_{n}", "actor") for n in (2, 4))
+    out: dict[str, Any] = {"errors": []}
+    for name, contents, path in (("hf", ["hf_model"], step2), ("full", ["model", "optimizer", "extra"], step2),
+                                 ("model_only", ["model"], step4), (None, ["optimizer"], step2),
+                                 (None, ["model", "optimizer"], step4)):
+        mgr.checkpoint_load_contents = contents
+        try:
+            mgr.load_checkpoint(path, None, False)
+        except CkptdError as exc:
+            out["errors"].append((contents, type(exc).__name__, str(exc)))
+        if name:
+            out[name] = snapshot(mgr)
+    return out
 
 
 @pytest.fixture
@@ -240,7 +210,7 @@ def test_verl_manager_save_resume(verl_job: Any) -> None:
         written = sorted(str(f.relative_to(step_dir)) for f in step_dir.rglob("*") if f.is_file())
         assert written == ["ckpt_contents.json", "transformer_config.json"], written  # no dist_ckpt files
         assert not Path(ckpt_dir, "global_step_2", role).exists()  # verl's retention (max_ckpt_to_keep=1)
-        assert _committed(ckptd_root(str(step_dir), role)) == [4, 6]  # ckptd's retention, per role root
+        assert committed(ckptd_root(str(step_dir), role)) == [4, 6]  # ckptd's retention, per role root
     assert Path(ckpt_dir, "latest_checkpointed_iteration.txt").read_text() == "4"  # step 6 never got it
     stop_daemons()  # a new job: the first rank per role starts a daemon (the old ones remember step 6)
 
@@ -248,7 +218,7 @@ def test_verl_manager_save_resume(verl_job: Any) -> None:
     for rank, (s, r) in enumerate(zip(saved, resumed, strict=True)):
         assert r["folder"] == os.path.join(ckpt_dir, "global_step_4")
         assert step_of(os.path.join(r["folder"], "actor")) == 4
-        checked = _same(s["snaps"], r["snaps"], f"rank{rank}")
+        checked = same(s["snaps"], r["snaps"], f"rank{rank}")
         assert checked > 20, checked
         # actor and critic are different models: a collision would have loaded one into the other
         assert not torch.equal(s["snaps"]["actor"]["model"]["embedding.word_embeddings.weight"],
@@ -282,3 +252,43 @@ def test_documented_switch_reaches_ray_init() -> None:
     assert runtime_env["worker_process_setup_hook"] == _documented_hook() == "ckptd.integrations.verl.install"
     assert runtime_env["env_vars"]["CKPTD_ROOT"].startswith("s3://")
     assert "TOKENIZERS_PARALLELISM" in runtime_env["env_vars"]  # verl's own defaults survive the merge
+
+
+def test_verl_hf_mode(verl_job: Any, tmp_path: Path) -> None:
+    """verl's default model mode (``use_dist_checkpointing: False``): verl's own code writes the HF weights
+    (mbridge), config and tokenizer; ckptd holds the model shards, optimizer and RNG; ``save_contents``
+    and ``load_contents`` pick what is saved and loaded."""
+    ckpt_dir, env, _ = verl_job
+    hf_dir = str(tmp_path / "hf_init")
+    saved = run_ranks(_hf_save_job, 2, ckpt_dir, hf_dir, env=env, preload=PRELOAD, timeout_s=300)
+    step2 = Path(ckpt_dir, "global_step_2", "actor")
+    hf = hf_files(str(step2 / "model" / "huggingface"))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(hf), hf
+    files = [f for f in hf_files(str(step2)) if not f.startswith("model/huggingface/")]
+    assert files == ["ckpt_contents.json", "transformer_config.json"], files  # nothing in dist_ckpt/
+    manifest = json.loads((step2 / "ckpt_contents.json").read_text())
+    contents = manifest["contents"]
+    assert contents["model"]["format"] == "huggingface" and contents["tokenizer"]["format"] == "huggingface"
+    assert contents["hf_config"]["path"] == "model/huggingface"
+    held = ("model_shards", "optimizer", "lr_scheduler", "rng_state")
+    assert {k: contents[k]["format"] for k in held} == dict.fromkeys(held, "ckptd")
+    manifest4 = json.loads(Path(ckpt_dir, "global_step_4", "actor", "ckpt_contents.json").read_text())
+    assert "optimizer" not in manifest4["contents"] and manifest4["contents"]["model_shards"]["format"] == "ckptd"
+    assert (Path(ckpt_dir, "global_step_4", "actor", "model", "huggingface", "model.safetensors")).is_file()
+    contents6 = json.loads(Path(ckpt_dir, "global_step_6", "actor", "ckpt_contents.json").read_text())["contents"]
+    assert {k: v["format"] for k, v in contents6.items()} == {
+        "model": "ckptd", "hf_model": "huggingface", "hf_config": "huggingface", "tokenizer": "huggingface"}
+    assert Path(ckpt_dir, "global_step_6", "actor", "model", "huggingface", "model.safetensors").is_file()
+
+    loaded = run_ranks(_hf_load_job, 2, ckpt_dir, hf_dir, env=env, preload=PRELOAD, timeout_s=300)
+    for rank, (s, r) in enumerate(zip(saved, loaded, strict=True)):
+        assert same(s["snap2"]["model"], r["hf"]["model"], f"rank{rank}/hf") > 10  # verl's HF weights, exact
+        assert same(s["snap2"], r["full"], f"rank{rank}/full") > 20  # ckptd: shards, optimizer, scheduler
+        assert same(s["snap4"]["model"], r["model_only"]["model"], f"rank{rank}/model_only") > 10
+        # the optimizer was not loaded: its states stay (fp32 main params are views of the loaded weights)
+        moments = [{n: ({k: t for k, t in ts.items() if k != "param"}) for n, (_, ts) in snap["optim"].items()}
+                   for snap in (r["full"], r["model_only"])]
+        assert same(*moments, f"rank{rank}/optimizer kept") > 10
+        assert [(c, t) for c, t, _ in r["errors"]] == [
+            (["optimizer"], "InvalidRequestError"), (["model", "optimizer"], "CheckpointNotFoundError")]
+        assert "add 'model'" in r["errors"][0][2] and "holds no optimizer" in r["errors"][1][2]

@@ -4,8 +4,10 @@ zarr's codec pipeline decodes every chunk into a fresh buffer, which numpy and t
 for the ``raw`` codec (zarr ``bytes`` little-endian + ``crc32c``) the stored object *is* the data
 followed by its checksum. So a chunk whose extent is a contiguous run of the destination is read with
 one ``preadv`` (local roots: :attr:`~ckptd.writer.backends.Backend.local_root`) straight into that run,
-the 4-byte checksum into a small buffer beside it; on object stores one GET per chunk, copied once into
-place. Chunks that only partly overlap the region (a DP slice clipped to another padding, a TP region
+the 4-byte checksum into a small buffer beside it; on object stores ranged GETs (parts of at most
+:data:`PART_BYTES`, at most ``concurrency`` requests in flight) whose bodies are read piece by piece straight
+into that run (:meth:`~ckptd.writer.backends.Backend.read_into`: the one copy left is out of the HTTP
+client's receive buffer). Chunks that only partly overlap the region (a DP slice clipped to another padding, a TP region
 that cuts chunks) go through a scratch buffer of one chunk. Every chunk's crc32c is checked against both
 the stored trailer and the commit manifest's record, in worker threads, before the load returns;
 :class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. Compressed arrays (and
@@ -32,7 +34,7 @@ import torch
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
 from ckptd.writer.arrays import chunk_selection, open_array, read_region
-from ckptd.writer.errors import CorruptCheckpointError
+from ckptd.writer.errors import CorruptCheckpointError, StorageNotFoundError
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
     ArrayRecord,
@@ -45,8 +47,11 @@ from ckptd.writer.format import (
 )
 from ckptd.writer.root import CheckpointRoot
 
-#: chunks in flight at once (each holds a worker thread while it reads and checksums)
+#: chunks in flight at once (each holds a worker thread while it reads and checksums); on object stores
+#: also the bound on ranged GETs in flight
 CHUNK_CONCURRENCY = 8
+#: the largest ranged GET on object stores: a chunk is fetched in parts of this size, concurrently
+PART_BYTES = 8 << 20
 _CRC = 4
 _PIECE = 1 << 20  # read + checksum granularity (fits the CPU cache)
 
@@ -67,7 +72,7 @@ class ChunkReader:
 
     def __init__(
         self, ckpt: CheckpointRoot, commit: CommitManifest, *, concurrency: int = CHUNK_CONCURRENCY,
-        memory: ArenaSource | None = None,
+        memory: ArenaSource | None = None, part_bytes: int = PART_BYTES,
     ) -> None:
         self.ckpt = ckpt
         self.commit = commit
@@ -75,6 +80,8 @@ class ChunkReader:
         self.arrays = {rec.name: rec for rec in commit.arrays}
         self.local_root = ckpt.backend.local_root
         self.concurrency = concurrency
+        self.part_bytes = max(1, part_bytes)
+        self._gets: asyncio.Semaphore | None = None  # ranged GETs in flight (object stores), made in run()
         self.jobs: list[_Job] = []
         self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
@@ -148,6 +155,7 @@ class ChunkReader:
                 memory.rejected.append(key)
                 self.add(key, dst, offset)
             self.memory = memory
+        self._gets = asyncio.Semaphore(self.concurrency)
         await bounded_map(self._one, self.jobs, limit=self.concurrency)
         for key, dst, offset in self.slow:
             arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
@@ -191,10 +199,39 @@ class ChunkReader:
         if self.local_root is not None:
             await asyncio.to_thread(_read_local, os.path.join(self.local_root, job.path), job)
             return
-        data = await self.ckpt.backend.get(job.path)
-        if data is None:
-            raise CorruptCheckpointError(f"{job.path}: chunk missing")
-        await asyncio.to_thread(_place, job, memoryview(data))
+        await self._read_ranged(job)
+
+    async def _read_ranged(self, job: _Job) -> None:
+        """Object stores: the chunk and its trailer in ranged GETs of at most ``part_bytes``, each body read
+        straight into the destination run (or a scratch chunk), then the crc32c in a worker thread."""
+        nbytes, size = job.chunk.nbytes, job.chunk.nbytes + _CRC
+        scratch = job.direct if job.direct is not None else np.empty(nbytes, dtype=np.uint8)
+        body, trailer = scratch.data, bytearray(_CRC)
+        tail = memoryview(trailer)
+        if self._gets is None:
+            self._gets = asyncio.Semaphore(self.concurrency)
+        gets = self._gets
+
+        async def part(lo: int) -> int | None:
+            """Bytes ``[lo, hi)`` of the object: the body's part of it, then the trailer's; the object's size
+            (-1 when it was shorter)."""
+            hi = min(lo + self.part_bytes, size)
+            views = [body[min(lo, nbytes) : min(hi, nbytes)], tail[max(lo - nbytes, 0) : max(hi - nbytes, 0)]]
+            views = [v for v in views if v.nbytes]
+            async with gets:
+                try:
+                    got, total = await self.ckpt.backend.read_into(job.path, lo, views)
+                except StorageNotFoundError:
+                    raise CorruptCheckpointError(f"{job.path}: chunk missing") from None
+            return total if got == hi - lo else -1
+
+        starts = range(0, size, self.part_bytes)
+        sizes = await bounded_map(part, starts, limit=len(starts))  # the bound is ``gets``; first error cancels
+        held = next((n for n in sizes if n is not None and n != size), None)
+        if held is not None:
+            what = "fewer" if held < 0 else str(held)
+            raise CorruptCheckpointError(f"{job.path}: chunk holds {what} bytes, the manifest recorded {nbytes}+{_CRC}")
+        await asyncio.to_thread(_verify, job, body, bytes(trailer))
 
 
 def _contiguous_run(rel: Sequence[slice], shape: Sequence[int]) -> tuple[int, int] | None:
@@ -269,14 +306,9 @@ def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> Non
             bufs[0] = bufs[0][n:]
 
 
-def _place(job: _Job, data: memoryview) -> None:
-    if data.nbytes < _CRC:
-        raise CorruptCheckpointError(f"{job.path}: chunk of {data.nbytes} bytes has no crc32c")
-    body, trailer = data[: data.nbytes - _CRC], bytes(data[data.nbytes - _CRC :])
+def _verify(job: _Job, body: memoryview, trailer: bytes) -> None:
     _check(job, body, trailer)
-    if job.direct is not None:
-        job.direct[:] = np.frombuffer(body, dtype=np.uint8)
-    else:
+    if job.direct is None:
         _scatter(job, body)
 
 

@@ -206,6 +206,7 @@ class StatusReport(_Msg, frozen=True, tag="report_reply"):
     retries: int  # storage requests retried since start (S3)
     last_error: str = ""
     arena_retained_bytes: int = 0  # of the used bytes: the newest committed step kept for an in-memory restore
+    retain: bool = True  # in-memory restore on (off: ``ckptd serve --no-retain``)
 
 
 

@@ -132,6 +132,11 @@ class _CkptdMixin:
     tree is built or written, and no optimizer gather happens), and whose ``_dispatch_finalize`` waits for
     the ckptd commit (sync) or defers verl's finalize (async: manifest, tracker, retention) until the
     step committed. ``load_checkpoint`` restores a ckptd step and falls back to verl for its own folders.
+
+    ``save_contents``: ``model`` is what makes a save ckptd's (without it verl's own path runs);
+    ``optimizer`` adds the optimizer and LR scheduler, ``extra`` the RNG state; ``hf_model`` (or ``model``
+    with ``use_dist_checkpointing: False``) stays verl's HF export. ``load_contents``: see
+    :meth:`_ckptd_load_wanted`.
     """
 
     _ckptd_base: type
@@ -152,10 +157,10 @@ class _CkptdMixin:
             return "Megatron FSDP"
         if v.peft_cls is not None:
             return "PEFT adapters"
-        if not v.use_distributed_optimizer or v.optimizer is None:
+        if not v.should_save_model:
+            return f"save_contents={list(v.checkpoint_save_contents)} has no 'model' (ckptd saves the model shards)"
+        if v.should_save_optimizer and (not v.use_distributed_optimizer or v.optimizer is None):
             return "no distributed optimizer"
-        if not (v.should_save_model and v.should_save_optimizer):
-            return f"save_contents={list(v.checkpoint_save_contents)} (ckptd saves model and optimizer together)"
         return None
 
     def _client(self, root: str) -> CheckpointClient:
@@ -183,12 +188,13 @@ class _CkptdMixin:
         root = ckptd_root(local_path, v.role)
         self._drop_abandoned(root, int(global_step))
         extra: dict[str, Any] = {"global_step": int(global_step), "role": v.role}
-        if v.lr_scheduler is not None:
+        if v.lr_scheduler is not None and v.should_save_optimizer:  # verl keeps it with the optimizer
             extra["lr_scheduler"] = v.lr_scheduler.state_dict()
         from ckptd.client.megatron import save_checkpoint
 
+        optimizer = v.optimizer if v.should_save_optimizer else None  # None: the model alone
         handle = save_checkpoint(
-            self._client(root), int(global_step), v.model, v.optimizer, extra=extra, rng=v.should_save_extra
+            self._client(root), int(global_step), v.model, optimizer, extra=extra, rng=v.should_save_extra
         )
         # verl's own save: HF weights/config/tokenizer, transformer_config.json, then _dispatch_finalize
         self._ckptd_saving, self._ckptd_save_root = handle, root
@@ -278,9 +284,10 @@ class _CkptdMixin:
                 contents["model"] = dict(piece)
             else:
                 contents["model_shards"] = dict(piece, note="bit-exact training weights; loaded instead of HF")
-            contents["optimizer"] = dict(piece)
-            if v.lr_scheduler is not None:
-                contents["lr_scheduler"] = dict(piece, key="extra.lr_scheduler")
+            if v.should_save_optimizer:
+                contents["optimizer"] = dict(piece)
+                if v.lr_scheduler is not None:
+                    contents["lr_scheduler"] = dict(piece, key="extra.lr_scheduler")
             if v.should_save_extra:
                 contents["rng_state"] = dict(piece, key="rng")
             manifest["directories"] = {k: d for k, d in manifest["directories"].items() if "dist_ckpt" not in k}
@@ -300,23 +307,49 @@ class _CkptdMixin:
         step = step_of(local_path)
         if int(held["step"]) != step:
             raise InvalidRequestError(f"{local_path}: its {MANIFEST} names ckptd step {held['step']}, not {step}")
+        if not self._ckptd_load_wanted(local_path, manifest or {}):
+            return  # nothing ckptd holds was asked for (the HF weights, if asked for, are loaded)
         root = ckptd_root(local_path, v.role)
         if not _has_step(root, step) and _has_step(str(held["root"]), step):
             root = str(held["root"])  # CKPTD_ROOT changed since the save: use where it went
-        if not (v.should_load_model and v.should_load_optimizer):
-            raise InvalidRequestError(
-                f"ckptd restores model and optimizer together; load_contents={list(v.checkpoint_load_contents)} "
-                "needs both (or load the HF weights under model/huggingface with verl)"
-            )
         from ckptd.client.megatron import load_checkpoint
 
-        loaded = load_checkpoint(root, step, v.model, v.optimizer, rng=v.should_load_extra)
+        optimizer = v.optimizer if v.should_load_optimizer else None  # None: the model alone
+        loaded = load_checkpoint(root, step, v.model, optimizer, rng=v.should_load_extra)
         extra = loaded.extra if isinstance(loaded.extra, dict) else {}
-        if v.use_checkpoint_opt_param_scheduler and v.lr_scheduler is not None:
+        if v.should_load_optimizer and v.use_checkpoint_opt_param_scheduler and v.lr_scheduler is not None:
             if "lr_scheduler" not in extra:
                 raise CheckpointNotFoundError(f"step {step} of {root} holds no lr_scheduler state")
             v.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         log.info("ckptd: %s: loaded step %d from %s (saved rank %d)", v.role, step, root, loaded.source_rank)
+
+    def _ckptd_load_wanted(self, local_path: str, manifest: Mapping[str, Any]) -> bool:
+        """Check ``load_contents`` against what the ckptd step holds; False when only the HF weights were
+        asked for (loaded here, through verl's bridge). Raises :class:`InvalidRequestError` for what ckptd
+        cannot load apart (optimizer or RNG without the model) and :class:`CheckpointNotFoundError` for a
+        piece the step does not hold."""
+        v: Any = self
+        asked = list(v.checkpoint_load_contents)
+        if not v.should_load_model:
+            if v.should_load_optimizer or v.should_load_extra:
+                raise InvalidRequestError(
+                    f"load_contents={asked}: a ckptd step restores the optimizer and the RNG state together with "
+                    "the model (the optimizer's main params are the model's weights); add 'model'"
+                )
+            if "hf_model" in asked:  # verl's own HF path (weights written by its bridge at save)
+                from verl.utils.megatron_utils import get_hf_model_checkpoint_path
+
+                v._load_model_as_hf_via_bridge(get_hf_model_checkpoint_path(local_path))  # type: ignore[no-untyped-call]
+            return False
+        contents = manifest.get("contents", {})
+        for wanted, piece, name in ((v.should_load_optimizer, "optimizer", "optimizer"),
+                                    (v.should_load_extra, "rng_state", "extra")):
+            if wanted and contents.get(piece, {}).get("format") != FORMAT:
+                raise CheckpointNotFoundError(
+                    f"{local_path}: its ckptd step holds no {piece} (saved with save_contents="
+                    f"{manifest.get('save_contents')}); drop {name!r} from load_contents={asked}"
+                )
+        return True
 
 
 def _finalize_at_exit(ref: weakref.ref[Any]) -> None:

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--commit-timeout", dest="commit_timeout_s", type=float, help="seconds to wait for all nodes")
     s.add_argument("--drain-grace", dest="drain_grace_s", type=float, help="seconds to drain on SIGTERM")
     s.add_argument("--no-prefault", dest="prefault", action="store_false", default=None)
+    s.add_argument("--no-retain", dest="retain", action="store_false", default=None,
+                   help="do not keep the newest committed step in the arena for an in-memory restore")
     s.add_argument("--nice", type=int, help="CPU niceness increment of the daemon (default 10: ranks come first)")
     s.add_argument("--exit-when-idle", dest="exit_when_idle_s", type=float,
                    help="exit once no client has been connected and no step in flight for this many seconds")
@@ -119,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=int, default=4)
     d.add_argument("--steps", type=int, default=12)
     d.add_argument("--save-every", type=int, default=4)
+    d.add_argument("--trainer", choices=["megatron", "verl"], default="megatron",
+                   help="verl: verl's checkpoint manager through ckptd's hook, save and resume, 2 ranks, actor and "
+                        "critic (needs ckptd[verl]; --ranks/--steps/--save-every are the megatron demo's)")
 
     ls = sub.add_parser("ls", help="list checkpoints under ROOT")
     ls.add_argument("root")
@@ -156,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "demo" and args.trainer == "verl":
+            from ckptd.testing.demo_verl import run_verl_demo
+
+            return run_verl_demo(root=args.root, as_json=args.json)
         if args.command == "demo":
             from ckptd.testing.demo import run_demo
 

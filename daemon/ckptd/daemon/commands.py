@@ -117,6 +117,8 @@ def format_report(r: StatusReport, path: str) -> str:
         f"root     {r.root}",
         f"arena    {used / mib:.0f} MiB used / {r.arena_bytes / mib:.0f} MiB  ({r.arena_free_bytes / mib:.0f} MiB "
         f"free, {r.leases} lease(s))",
+        "restore  in-memory restore off (--no-retain)" if not r.retain else
+        f"restore  in-memory restore on, {r.arena_retained_bytes / mib:.0f} MiB of the newest commit kept",
         f"steps    {r.in_flight} in flight, {r.commits} committed, {r.failures} failed since start",
         f"written  {r.bytes_written / mib:.1f} MiB, last step at {r.bytes_per_s / mib:.0f} MiB/s; "
         f"storage retries {r.retries}",

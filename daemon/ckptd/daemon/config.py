@@ -112,6 +112,8 @@ class _Options(BaseSettings):
     max_frame_bytes: Size = Field(default=32 << 20, gt=0)
     read_timeout_s: float = 30.0
     prefault: bool = True
+    # keep the newest committed step's staged bytes for an in-memory restore (ckptd.daemon.restore)
+    retain: bool = True
     nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
     # an embedded daemon ends with its job: no client and no step in flight for this long -> exit
     exit_when_idle_s: float | None = Field(default=None, gt=0)

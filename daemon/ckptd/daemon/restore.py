@@ -42,6 +42,8 @@ class Retention:
         self.evictions = 0
         if enabled:
             arena.on_pressure = self.evict
+        else:
+            log.info("in-memory restore off: staged slots are freed once written; loads read storage")
 
     def keep(self, step: int, meta: ShardMeta, lease: Lease) -> bool:
         """Keep the written shard's slot for a restore; False (caller frees it) when retention is off."""
@@ -79,6 +81,8 @@ class Retention:
         return freed
 
     def reply(self, step: int) -> RestoreReply:
+        """The arena ranges of ``step``'s shards; none ("not held") unless it is the newest commit, kept whole
+        (never with retention off)."""
         kept = self.kept.get(step)
         if kept is None or step != self.committed:
             return RestoreReply(v=PROTOCOL_VERSION, step=step, shards=[])

@@ -335,5 +335,6 @@ class Daemon:
             case ReportRequest():
                 return status_report(service.stats, service.jobs, arena, service.root.backend,
                                      root=self.config.root, draining=service.draining,
-                                     retained=service.retention.retained_bytes)
+                                     retained=service.retention.retained_bytes,
+                                     retain=service.retention.enabled)
         raise ProtocolError(f"unexpected message {type(req).__name__}")

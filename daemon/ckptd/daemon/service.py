@@ -84,7 +84,8 @@ class CheckpointService:
         self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
         self.plans = PlanRegistry()
-        self.retention = Retention(arena)  # in-memory restore of the newest committed step
+        # in-memory restore of the newest committed step, unless turned off (``retain = false``)
+        self.retention = Retention(arena, enabled=config.retain)
         self.writer.retention = self.retention
 
     # --- accepting saves --------------------------------------------------------------------------

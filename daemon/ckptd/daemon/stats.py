@@ -46,6 +46,7 @@ class DaemonStats:
 def status_report(
     stats: DaemonStats, jobs: dict[int, StepJob], arena: Arena, backend: Backend, *, root: str, draining: bool,
     retained: int = 0,
+    retain: bool = True,
 ) -> StatusReport:
     """The reply to ``ckptd status``: every step the daemon holds a record of, newest first."""
     now = time.monotonic()
@@ -63,5 +64,5 @@ def status_report(
         in_flight=sum(1 for j in jobs.values() if not j.final), steps=steps, commits=stats.commits,
         failures=stats.failures, bytes_written=stats.bytes_written, bytes_per_s=stats.bytes_per_s,
         retries=backend.metrics.retries if backend.metrics is not None else 0, last_error=stats.last_error,
-        arena_retained_bytes=retained,
+        arena_retained_bytes=retained, retain=retain,
     )

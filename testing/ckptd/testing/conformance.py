@@ -93,6 +93,17 @@ class BackendConformance:
         await backend.put_body("a/body", body)
         assert await backend.get("a/body") == bytes(body)
 
+    async def test_read_into(self, backend: Backend) -> None:
+        data = np.arange(1000, dtype=np.uint8).tobytes()
+        await backend.put("r/obj", data)
+        head, tail = bytearray(7), bytearray(5)  # a range split over two destinations
+        got, size = await backend.read_into("r/obj", 990, [memoryview(head), memoryview(tail)])
+        assert (got, bytes(head + tail)[:got]) == (10, data[990:]) and size in (None, 1000)  # the object ends first
+        got, size = await backend.read_into("r/obj", 3, [memoryview(head)])
+        assert (got, bytes(head)) == (7, data[3:10]) and size in (None, 1000)
+        with pytest.raises(StorageNotFoundError):
+            await backend.read_into("r/missing", 0, [memoryview(head)])
+
     async def test_list_dir(self, backend: Backend) -> None:
         for key in ("d/x", "d/y", "d/sub/z", "e"):
             await backend.put(key, key.encode())

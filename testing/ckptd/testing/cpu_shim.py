@@ -247,6 +247,24 @@ def _patch_megatron_rng() -> None:
     setattr(mrandom.CudaRNGStatesTracker, "fork", fork)  # noqa: B010
 
 
+def _patch_backward() -> None:
+    """Custom autograd functions' ``backward`` runs without the thread's function modes (the engine does not
+    carry them over), yet megatron allocates there too (``device=torch.cuda.current_device()`` in the
+    all-gather of the MoE token dispatcher's backward): run each ``backward`` under the shim's mode."""
+    from torch.autograd.function import BackwardCFunction
+    from torch.overrides import _get_current_function_mode_stack
+
+    original: Any = BackwardCFunction.apply
+
+    def apply(self: Any, *args: Any) -> Any:
+        if _mode is None or _mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
+            return original(self, *args)
+        with _mode:
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply  # type: ignore[method-assign]
+
+
 def install_cpu_shim() -> None:
     """Make megatron-core run on CPU in this process (and this thread). Idempotent."""
     global _installed, _mode
@@ -255,6 +273,7 @@ def install_cpu_shim() -> None:
             return
         _patch_torch_cuda()
         _patch_megatron_rng()
+        _patch_backward()
         _mode = _CudaToCpuMode()
         _mode.__enter__()  # type: ignore[no-untyped-call]  # stays pushed for the thread's life
         _installed = True

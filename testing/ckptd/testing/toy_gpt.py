@@ -55,6 +55,9 @@ def build_gpt(
     share_embeddings: bool = True,
     initialize_parallel: bool = True,
     data_seed: int | None = None,
+    llama: bool = False,
+    experts: int = 0,
+    ep: int = 1,
 ) -> ToyGPT:
     """Build the toy GPT on an already-initialized (gloo) default process group.
 
@@ -67,6 +70,12 @@ def build_gpt(
 
     ``global_microbatches`` must be divisible by DP; with a power of two, gradients are also
     bit-identical across DP sizes (every rescaling is by a power of two).
+
+    ``llama=True`` builds it Llama-shaped (RMSNorm, no linear biases, RoPE, separate output layer): a
+    model Hugging Face's ``LlamaForCausalLM`` and mbridge's LLaMA bridge convert to and from.
+
+    ``experts`` > 0 makes every MLP a mixture of that many experts (top-2 router, the allgather token
+    dispatcher, which gloo can run; no linear biases), sharded over ``ep`` expert-parallel ranks.
     """
     if not torch.cuda.is_available():
         from ckptd.testing.cpu_shim import install_cpu_shim
@@ -85,9 +94,16 @@ def build_gpt(
     from megatron.core.transformer.module import Float16Module
 
     data_seed = seed if data_seed is None else data_seed
+    if experts:
+        from megatron.core.transformer.moe import moe_utils
+
+        # megatron-core 0.16 names TE's gemm in the router even without TE installed (NameError otherwise)
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
     if initialize_parallel:
         ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
     if global_microbatches % dp:
@@ -118,17 +134,25 @@ def build_gpt(
         gradient_accumulation_fusion=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **({"normalization": "RMSNorm"} if llama else {}),
+        **({"num_moe_experts": experts, "expert_model_parallel_size": ep, "moe_router_topk": 2,
+            "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
+            "moe_aux_loss_coeff": 0.0} if experts else {}),
+        # no linear biases: Llama has none, and at EP1 megatron-core 0.16 adds the expert bias in place
+        # into an autograd view
+        **({"add_bias_linear": False} if llama or experts else {}),
     )
     pre = ps.is_pipeline_first_stage()
     post = ps.is_pipeline_last_stage()
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False),
         vocab_size=vocab,
         max_sequence_length=seq,
         pre_process=pre,
         post_process=post,
-        share_embeddings_and_output_weights=share_embeddings,
+        share_embeddings_and_output_weights=share_embeddings and not llama,
+        **({"position_embedding_type": "rope"} if llama else {}),
     )
     module: torch.nn.Module = Float16Module(config, gpt) if bf16 else gpt
     ddp_config = DistributedDataParallelConfig(

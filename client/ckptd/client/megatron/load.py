@@ -15,25 +15,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptd.client.megatron import introspect
-from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, check_extra_states, restore_extra_states
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
+from ckptd.client.megatron.rank_state import plan_rank_state
 from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices
-from ckptd.client.megatron.rng import restore_rng, rng_template
 from ckptd.client.reader import fill_async, plan_reads, read_flat_async
 from ckptd.client.restore import arena_source
 from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError, InvalidRequestError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
-    EXTRA,
     LAYOUT_FIELD,
     MAIN_PARAM,
     MEGATRON_CHECKPOINT_VERSION,
     MEGATRON_RECORD,
     MODEL_PREFIX,
     OPTIM_META,
-    RNG_RECORD,
+    OPTIM_PREFIX,
     CommitManifest,
     bucket_states,
 )
@@ -84,8 +82,10 @@ def load_checkpoint(
     another global shape or dtype, a param no saved state covers, or (``strict``, same layout) a
     checkpoint key the model lacks raises :class:`StateMismatchError` naming it. Model params come from
     the model arrays; the optimizer's fp32 main params and states from the bucket slices. RNG state
-    (``rng``) and ``extra`` come from the saved rank with this rank's TP/PP/DP coordinates (the same
-    TP/PP and DP rank 0 when that DP rank did not exist); RNG state is not restored across a TP/PP change.
+    (``rng``), ``_extra_state`` and ``extra`` come from this rank's saved counterpart, on every path
+    (:mod:`ckptd.client.megatron.rank_state`): the saved rank with this rank's TP/PP/DP coordinates in a run
+    of the same TP/PP sizes (DP rank 0 of them when that DP rank did not exist); after a TP/PP size change
+    there is none, and RNG and ``_extra_state`` are left as they are (one warning).
     """
     root, opts = _root_of(root_or_client, storage_options)
 
@@ -158,25 +158,21 @@ async def load_checkpoint_async(
         logger.info("step %d: params sit elsewhere than at save time (%s); resharding on read", commit.step, reason)
         manifest = await ckpt.read_merged_manifest(commit.step)
         if manifest is not None:
-            return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout)
+            return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout, rng=rng)
         return await _load_resharded(ckpt, commit, records, model_chunks, optimizer, layout, rng=rng)
 
     regions = _optimizer_regions(commit, layout, optimizer)
-    rng_tensors = rng_template(commit, source) if rng else {}
-    source_objects = commit.objects[str(source)]
-    check_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
+    rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
 
     # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place;
     # what the node's daemon still holds of this step comes from its arena (checked against the manifest)
     memory = arena_source(client, commit.step) if client is not None else None
     slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions, memory=memory))
     slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
-    await fill_async(ckpt, commit, {**template, **rng_tensors}, memory=memory)
+    await fill_async(ckpt, commit, {**template, **rank.rng}, memory=memory)
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
-    restore_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
-    if rng:
-        restore_rng(rng_tensors, source_objects.get(RNG_RECORD))
+    rank.restore(model_chunks, rng=rng)
     logger.info(
         "loaded step %d (tp%d pp%d dp%d/%d, saved at DP %d)",
         commit.step, layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.dp_size, records[source]["dp_size"],
@@ -184,7 +180,7 @@ async def load_checkpoint_async(
     if memory is not None:
         logger.info("step %d: %d bytes restored from the daemon's memory (%d regions fell back to storage)",
                     commit.step, memory.served_bytes, len(memory.rejected))
-    return LoadedCheckpoint(commit.step, source_objects.get(EXTRA), source,
+    return LoadedCheckpoint(commit.step, rank.extra, rank.source,
                             memory.served_bytes if memory is not None else 0)
 
 
@@ -196,30 +192,34 @@ async def _load_merged(
     model_chunks: Sequence[torch.nn.Module],
     optimizer: MegatronOptimizer,
     layout: MegatronLayout,
+    *,
+    rng: bool,
 ) -> LoadedCheckpoint:
-    """Load a step saved with another TP/PP from its merged (fully reshardable) layout.
+    """Load a step saved with another TP/PP or bucket layout from its merged (fully reshardable) layout.
 
     Model tensors are in model space already, so each rank reads its new regions of them; the optimizer
     state of each of this rank's buckets is rebuilt from the per-parameter merged arrays. Plain optimizer
-    data (param groups, scalar state such as Adam's step) comes from saved rank 0. RNG state is not
-    restored: the saved ranks' generators belong to another parallel layout.
+    data (param groups, scalar state such as Adam's step) comes from saved rank 0. RNG state and
+    ``_extra_state`` as on every path (:mod:`~ckptd.client.megatron.rank_state`): from this rank's saved
+    counterpart, which exists when the TP/PP sizes are unchanged.
     """
     template = model_template(model_chunks)
     plan_reads(commit, template)  # every model key and shape checked before anything is written
+    rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout))
-    source = min(records)
-    meta = commit.objects[str(source)][OPTIM_META]
+    meta = commit.objects[str(min(records))][OPTIM_META]
     slices[OPTIM_META] = [_uniform_scalars(meta)]
-    await fill_async(ckpt, commit, template)
+    await fill_async(ckpt, commit, {**template, **rank.rng})
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
-    saved = records[source]
+    rank.restore(model_chunks, rng=rng)
+    saved = records[rank.source]
     logger.info(
         "loaded step %d from its merged layout (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
         commit.step, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank, layout.pp_rank,
         layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
     )
-    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+    return LoadedCheckpoint(commit.step, rank.extra, rank.source)
 
 
 async def _load_resharded(
@@ -236,33 +236,25 @@ async def _load_resharded(
 
     One layout sidecar per saved model-parallel rank says where each saved param's state sits in the
     stored buckets and where its pieces sit in model space (:func:`dp_optimizer_slices`). Plain optimizer
-    data as in :func:`_load_merged`. RNG state is restored only when TP and PP are unchanged (the saved
-    rank with this rank's coordinates).
+    data, RNG state and ``_extra_state`` as in :func:`_load_merged`.
     """
     template = model_template(model_chunks)
     plan_reads(commit, template)
-    firsts: dict[tuple[int, int], int] = {}
-    for r, rec in sorted(records.items()):
-        firsts.setdefault((rec["tp"], rec["pp"]), r)
-    saved = [decode_layout(await ckpt.read_sidecar(records[r][LAYOUT_FIELD])) for r in firsts.values()]
+    rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
+    saved = await _saved_layouts(ckpt, commit, records)
     slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout))
-    source, same_mp = _same_layout_source(
-        records, layout.tp_rank, layout.pp_rank, layout.tp_size, layout.pp_size, layout.dp_rank
-    )
-    rng_tensors = rng_template(commit, source) if rng and same_mp else {}
-    slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(source)][OPTIM_META])]
-    await fill_async(ckpt, commit, {**template, **rng_tensors})
+    slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
+    await fill_async(ckpt, commit, {**template, **rank.rng})
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
-    if rng_tensors:
-        restore_rng(rng_tensors, commit.objects[str(source)].get(RNG_RECORD))
-    saved_rec = records[source]
+    rank.restore(model_chunks, rng=rng)
+    saved_rec = records[rank.source]
     logger.info(
         "loaded step %d from its DP layout without a merge (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of "
         "TP=%d PP=%d DP=%d)", commit.step, saved_rec["tp_size"], saved_rec["pp_size"], saved_rec["dp_size"],
         layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
     )
-    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+    return LoadedCheckpoint(commit.step, rank.extra, rank.source)
 
 
 async def _load_model_only(
@@ -275,12 +267,8 @@ async def _load_model_only(
     rng: bool,
 ) -> LoadedCheckpoint:
     """The model alone (finetune, ``--no-load-optim``): model tensors are in model space, so any TP/PP/DP
-    loads them. RNG, ``_extra_state`` and ``extra`` come from the saved rank with this rank's coordinates,
-    and only when the saved TP/PP equal the live ones (they belong to a rank of the same layout)."""
+    loads them. RNG, ``_extra_state`` and ``extra`` as on every path (:mod:`~ckptd.client.megatron.rank_state`)."""
     ranks = introspect.parallel_ranks()
-    source, same_mp = _same_layout_source(
-        records, ranks.tp_rank, ranks.pp_rank, ranks.tp_size, ranks.pp_size, ranks.dp_rank
-    )
     template = model_template(model_chunks)
     plan_reads(commit, template)  # every model key, shape and dtype checked before anything is written
     if strict and ranks.pp_size == 1 and all(rec["pp_size"] == 1 for rec in records.values()):
@@ -291,31 +279,40 @@ async def _load_model_only(
                 f"{extra[0]}: in checkpoint step {commit.step} but not in the model (and {len(extra) - 1} more); "
                 "pass strict=False to ignore checkpoint keys the model lacks"
             )
-    source_objects = commit.objects[str(source)] if same_mp else {}
-    if same_mp:
-        check_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
-    rng_tensors = rng_template(commit, source) if rng and same_mp else {}
-    await fill_async(ckpt, commit, {**template, **rng_tensors})
-    if same_mp:
-        restore_extra_states(model_chunks, source_objects.get(EXTRA_STATE_RECORD))
-    if rng_tensors:
-        restore_rng(rng_tensors, source_objects.get(RNG_RECORD))
+    coords = (ranks.tp_rank, ranks.pp_rank, ranks.tp_size, ranks.pp_size, ranks.dp_rank)
+    rank = plan_rank_state(commit, records, model_chunks, coords, rng=rng)
+    await fill_async(ckpt, commit, {**template, **rank.rng})
+    rank.restore(model_chunks, rng=rng)
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)
-    return LoadedCheckpoint(commit.step, commit.objects[str(source)].get(EXTRA), source)
+    return LoadedCheckpoint(commit.step, rank.extra, rank.source)
 
 
-def _same_layout_source(
-    records: Mapping[int, Record], tp: int, pp: int, tp_size: int, pp_size: int, dp: int
-) -> tuple[int, bool]:
-    """The saved rank whose per-rank state (RNG, ``_extra_state``, ``extra``) this rank restores: the one
-    with this rank's TP/PP/DP coordinates in a run of the same TP and PP sizes (its DP rank 0 when that DP
-    rank did not exist), and whether there was one at all (else the lowest saved rank, for ``extra`` only)."""
-    same = [r for r, rec in sorted(records.items())
-            if (rec["tp"], rec["pp"], rec["tp_size"], rec["pp_size"]) == (tp, pp, tp_size, pp_size)]
-    if not same:
-        return min(records), False
-    return next((r for r in same if records[r]["dp"] == dp), same[0]), True
+async def _saved_layouts(
+    ckpt: CheckpointRoot, commit: CommitManifest, records: Mapping[int, Record]
+) -> list[MegatronLayout]:
+    """Layout sidecars covering every model-parallel tag the step stores: the first saved rank of each TP/PP
+    rank, then (expert parallelism: the EP rank is not in the record) further distinct sidecars, in rank
+    order, until every stored ``optim/<mp>/`` has one."""
+    stored = {r.name[len(OPTIM_PREFIX) :].split("/", 1)[0] for r in commit.arrays if r.name.startswith(OPTIM_PREFIX)}
+    firsts: dict[tuple[int, int], int] = {}
+    for r, rec in sorted(records.items()):
+        firsts.setdefault((rec["tp"], rec["pp"]), r)
+    names = [records[r][LAYOUT_FIELD] for r in firsts.values()]
+    names += [rec[LAYOUT_FIELD] for _r, rec in sorted(records.items()) if rec[LAYOUT_FIELD] not in names]
+    layouts: list[MegatronLayout] = []
+    covered: set[str] = set()
+    for i, name in enumerate(dict.fromkeys(names)):
+        if i >= len(firsts) and stored <= covered:
+            break
+        layouts.append(decode_layout(await ckpt.read_sidecar(name)))
+        covered |= {buf.mp for buf in layouts[-1].buffers}
+    return layouts
+
+
+def _coords(layout: MegatronLayout) -> tuple[int, int, int, int, int]:
+    """(tp, pp, tp_size, pp_size, dp) of the live rank, as :func:`plan_rank_state` takes them."""
+    return layout.tp_rank, layout.pp_rank, layout.tp_size, layout.pp_size, layout.dp_rank
 
 
 # --- checks (pure) --------------------------------------------------------------------------------------

@@ -156,16 +156,19 @@ async def dp_optimizer_slices(
             touched.append((p, sources))
         plans.append((buf, bucket, touched))
 
-    # 2. read them: one tensor per (saved param range, state), every chunk checksummed
+    # 2. read them: the wanted ranges of each saved bucket merged into spans (params sit back to back, a
+    # padding apart), one tensor per (span, state), so each stored chunk is read once; every chunk checksummed
     reader = ChunkReader(root, commit)
     got: dict[tuple[str, int, int, str], torch.Tensor] = {}
-    for prefix, a, b in wanted:
+    for (prefix, lo, hi), members in _spans(wanted).items():
         for state, dtype in states.items():
             name = prefix + state
             if name not in arrays:
                 raise StateMismatchError(f"{name}: not in checkpoint step {commit.step}")
-            t = got[(prefix, a, b, state)] = torch.empty(b - a, dtype=torch_dtype(dtype))
-            reader.add(name, t, (a,))
+            span = torch.empty(hi - lo, dtype=torch_dtype(dtype))
+            reader.add(name, span, (lo,))
+            for a, b in members:
+                got[(prefix, a, b, state)] = span[a - lo : b - lo]
     await reader.run()
 
     # 3. assemble each param's state in this layout, then this rank's slice of each bucket
@@ -192,6 +195,28 @@ async def dp_optimizer_slices(
                 out[i - lo : j - lo] = value.reshape(-1)[i - a : j - a]
             slices[layout.bucket_key(buf, bucket, state)] = out
     return slices
+
+
+SPAN_GAP = 1 << 18  # elements: wanted ranges closer than this are read as one span
+
+
+def _spans(wanted: Iterable[tuple[str, int, int]]) -> dict[tuple[str, int, int], list[tuple[int, int]]]:
+    """Ranges of one saved bucket merged into spans ``(prefix, lo, hi) -> the ranges inside``: one read per
+    span instead of one per param, so a chunk holding several wanted params is fetched once."""
+    spans: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+    current: tuple[str, int, int] | None = None
+    members: list[tuple[int, int]] = []
+    for prefix, a, b in sorted(wanted):
+        if current is not None and prefix == current[0] and a <= current[2] + SPAN_GAP:
+            current = (prefix, current[1], max(current[2], b))
+            members.append((a, b))
+            continue
+        if current is not None:
+            spans[current] = members
+        current, members = (prefix, a, b), [(a, b)]
+    if current is not None:
+        spans[current] = members
+    return spans
 
 
 def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None:

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from zarr.abc.store import Store
+from zarr.abc.store import RangeByteRequest, Store
 from zarr.core.buffer import Buffer, default_buffer_prototype
 
-from ckptd.writer.errors import CkptdError, StorageError
+from ckptd.writer.errors import CkptdError, StorageError, StorageNotFoundError
 from ckptd.writer.urls import is_local, normalize_root
 
 if TYPE_CHECKING:
@@ -124,6 +124,28 @@ class Backend(ABC):
         except Exception as exc:
             raise self.error(exc) from exc
         return None if buf is None else buf.to_bytes()
+
+    async def read_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> tuple[int, int | None]:
+        """Read bytes ``[start, start + total length of bufs)`` of ``key`` into ``bufs``, in order.
+
+        Returns ``(bytes read, the object's size or None if unknown)``; fewer bytes than asked where the
+        object is shorter. A missing object raises :class:`~ckptd.writer.errors.StorageNotFoundError`.
+        Backends that can stream a ranged read into memory override this (S3); the default reads the range
+        through the zarr store and copies it."""
+        want = sum(b.nbytes for b in bufs)
+        try:
+            buf = await self._store.get(key, default_buffer_prototype(), RangeByteRequest(start, start + want))
+        except Exception as exc:
+            raise self.error(exc) from exc
+        if buf is None:
+            raise StorageNotFoundError(f"{key}: no such object under {self.url}")
+        data = memoryview(buf.to_bytes())
+        pos = 0
+        for b in bufs:
+            n = min(b.nbytes, data.nbytes - pos)
+            b[:n] = data[pos : pos + n]
+            pos += n
+        return pos, None
 
     async def put(self, key: str, data: bytes) -> None:
         """Write (or overwrite) one object."""

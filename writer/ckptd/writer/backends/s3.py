@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 
@@ -50,6 +50,7 @@ from ckptd.writer.backends.s3_errors import (
     split_s3_url,
     treat_429_as_throttling,
 )
+from ckptd.writer.backends.s3_read import read_range_into
 from ckptd.writer.errors import (
     CkptdError,
     ConfigError,
@@ -221,6 +222,10 @@ class S3Backend(Backend):
             await self.fs._pipe_file(f"{self._path}/{key}", body)
         except Exception as exc:
             raise self.error(exc) from exc
+
+    async def read_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> tuple[int, int | None]:
+        """One ranged GET whose body is read straight into ``bufs`` (:func:`~.s3_read.read_range_into`)."""
+        return await read_range_into(self.fs, f"{self._path}/{key}", start, bufs, self.url)
 
     async def delete_prefix(self, prefix: str) -> None:
         """Batch deletes (``DeleteObjects``) where the server has them, else one DELETE per object."""

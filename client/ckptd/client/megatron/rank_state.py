@@ -1,0 +1,112 @@
+"""Per-rank state a load restores besides tensors (RNG, modules' ``_extra_state``), and from which saved rank.
+
+The rule, the same on every load path (same layout, another DP size, other buckets, the merged layout, the
+merge-free reshard, model only):
+
+* A saved rank is this rank's *counterpart* when the saving run had this run's TP and PP sizes and the
+  saved rank had this rank's TP, PP and DP ranks. When DP grew and this DP rank did not exist, DP rank 0 of
+  the same TP/PP rank is the counterpart (Megatron seeds the generators of every DP rank alike unless
+  ``data_parallel_random_init``; TE's amax is reduced over DP): logged once per process.
+* With a counterpart, its RNG state and ``_extra_state`` are restored, whatever else changed (DP size,
+  bucket layout, merged or merge-free read).
+* Without one (the TP or PP size changed), no saved generator belongs to this rank — Megatron derives the
+  tensor-parallel seed from the TP rank and the default one from the PP rank, and TE keeps amax per TP
+  shard — so RNG state and ``_extra_state`` are left as they are, with one warning per process (as
+  Megatron-LM ignores the RNG state when TP/PP changed).
+
+``extra`` (the caller's plain data) comes from the counterpart, else from the lowest saved rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, check_extra_states, restore_extra_states
+from ckptd.client.megatron.rng import restore_rng, rng_template
+from ckptd.client.state import Shard
+from ckptd.writer.format import EXTRA, RNG_RECORD, CommitManifest
+
+logger = logging.getLogger(__name__)
+
+Record = dict[str, Any]  # a saved rank's ``megatron`` record (plain data)
+
+_warned: set[str] = set()  # one warning per process and kind
+
+
+def _once(kind: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        logger.log(level, msg, *args)
+
+
+def counterpart(
+    records: Mapping[int, Record], tp: int, pp: int, tp_size: int, pp_size: int, dp: int
+) -> tuple[int, bool]:
+    """The saved rank whose per-rank state this rank restores (see the module's rule), and whether it is a
+    counterpart at all (else the lowest saved rank, for ``extra`` only)."""
+    same = [r for r, rec in sorted(records.items())
+            if (rec["tp"], rec["pp"], rec["tp_size"], rec["pp_size"]) == (tp, pp, tp_size, pp_size)]
+    if not same:
+        return min(records), False
+    return next((r for r in same if records[r]["dp"] == dp), same[0]), True
+
+
+@dataclass
+class RankState:
+    """What a load restores of one saved rank besides tensors: planned (and checked) before any write, the
+    RNG buffers filled with the model's tensors, then applied by :meth:`restore`."""
+
+    commit: CommitManifest
+    source: int  # the counterpart, else the lowest saved rank (``extra`` only)
+    matched: bool  # ``source`` is this rank's counterpart
+    rng: dict[str, Shard] = field(default_factory=dict)  # buffers for the stored RNG arrays, filled by the load
+
+    @property
+    def objects(self) -> Mapping[str, Any]:
+        objects: Mapping[str, Any] = self.commit.objects[str(self.source)]
+        return objects
+
+    @property
+    def extra(self) -> object:
+        return self.objects.get(EXTRA)
+
+    def restore(self, model_chunks: Sequence[torch.nn.Module], *, rng: bool) -> None:
+        """Set ``_extra_state`` and (``rng``) the generators from the counterpart; nothing without one."""
+        if not self.matched:
+            return
+        restore_extra_states(model_chunks, self.objects.get(EXTRA_STATE_RECORD))
+        if rng:
+            restore_rng(self.rng, self.objects.get(RNG_RECORD))
+
+
+def plan_rank_state(
+    commit: CommitManifest,
+    records: Mapping[int, Record],
+    model_chunks: Sequence[torch.nn.Module],
+    coords: tuple[int, int, int, int, int],
+    *,
+    rng: bool,
+) -> RankState:
+    """Pick the saved rank for ``coords`` = (tp, pp, tp_size, pp_size, dp), check its ``_extra_state`` fits
+    the model (:class:`StateMismatchError` before any write) and allocate the RNG buffers to fill."""
+    tp, pp, tp_size, pp_size, dp = coords
+    source, matched = counterpart(records, tp, pp, tp_size, pp_size, dp)
+    state = RankState(commit, source, matched)
+    if not matched:
+        saved = sorted({(rec["tp_size"], rec["pp_size"]) for rec in records.values()})
+        _once("no-counterpart", "step %d was saved at TP/PP %s, this run is TP=%d PP=%d: no saved rank is this "
+              "rank's counterpart, so RNG state and _extra_state are left as they are (restored only at the saved "
+              "TP/PP sizes)", commit.step, saved, tp_size, pp_size)
+        return state
+    if records[source]["dp"] != dp:
+        _once("dp-fallback", "step %d: DP rank %d did not exist at save time; RNG state and _extra_state come "
+              "from DP rank 0 of the same TP/PP rank", commit.step, dp, level=logging.INFO)
+    check_extra_states(model_chunks, state.objects.get(EXTRA_STATE_RECORD))
+    if rng:
+        state.rng = rng_template(commit, source)
+    return state

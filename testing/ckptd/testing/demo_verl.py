@@ -1,0 +1,195 @@
+"""``ckptd demo --trainer verl``: a verl-managed save and resume, for real, on one machine.
+
+verl's own ``MegatronCheckpointManager`` (verl 0.9, the ``ckptd[verl]`` extra), switched to ckptd by the
+Ray setup hook ``ckptd.integrations.verl.install``, around a real megatron-core GPT and distributed
+optimizer per role (actor and critic) on 2 gloo ranks (CPU shim without a GPU), one ``ckptd serve`` per
+role root:
+
+1. job 1 trains and saves ``global_step_2`` and ``global_step_4`` as verl's trainer does (sync mode:
+   each step committed when ``save_checkpoint`` returns; then the trainer writes its tracker);
+2. job 2, fresh processes with another init: verl's ``find_latest_ckpt_path`` reads the tracker, each
+   role's ``load_checkpoint(global_step_N/<role>)`` restores model, optimizer and LR scheduler, compared bit
+   for bit with job 1's live state at its last save; it trains on and saves ``global_step_6`` in async
+   mode, whose tracker verl's finalize writes once the step committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptd.writer.errors import ConfigError
+
+RANKS = 2
+ARENA = "64MiB"
+SAVES = (2, 4)  # job 1's steps (sync); job 2 saves step 6 (async)
+
+
+def require_verl() -> None:
+    """Raise :class:`ConfigError` naming the extra when verl or megatron-core does not import."""
+    try:  # verl's Megatron manager imports megatron-core itself
+        import verl.utils.checkpoint.megatron_checkpoint_manager  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"`ckptd demo --trainer verl` needs verl 0.9 and megatron-core ({exc}): pip install ckptd[verl]"
+        ) from exc
+
+
+# --- ranks (module level: run in forked rank processes) ----------------------------------------------
+def _quiet(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Swallow what verl prints to stdout (its save prints the whole TransformerConfig)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> dict[str, Any]:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return fn(*args)
+
+    return run
+
+
+@_quiet
+def _first_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    import torch
+
+    from ckptd.integrations.verl import ckptd_root
+    from ckptd.testing.verl_job import HOOK, TRACKER, build_managers, committed, snapshot, train
+
+    managers = build_managers(HOOK, 0, async_save=False)
+    saves = []
+    for step in SAVES:
+        train(managers, step - 2, 2)
+        for role, r in managers.items():
+            local = os.path.join(ckpt_dir, f"global_step_{step}", role)
+            t0 = time.perf_counter()
+            r.manager.save_checkpoint(local, None, step, max_ckpt_to_keep=2)
+            saves.append({"role": role, "step": step, "save_s": time.perf_counter() - t0,
+                          "committed_at_return": step in committed(ckptd_root(local, role))})
+        torch.distributed.barrier()
+        if rank == 0:  # sync mode: verl's trainer writes the tracker right after save_checkpoint returned
+            with open(os.path.join(ckpt_dir, TRACKER), "w") as f:
+                f.write(str(step))
+        torch.distributed.barrier()
+    return {"saves": saves, "snaps": {role: snapshot(r.manager) for role, r in managers.items()},
+            "cls": type(managers["actor"].manager).__name__}
+
+
+@_quiet
+def _second_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    import torch
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    from ckptd.testing.verl_job import HOOK, TRACKER, build_managers, snapshot, train
+
+    folder = find_latest_ckpt_path(ckpt_dir)  # type: ignore[no-untyped-call]  # verl's resume_mode=auto
+    managers = build_managers(HOOK, 4321, async_save=True)  # another init: the load must replace it all
+    train(managers, 0, 1, sched_too=False)  # and live optimizer state
+    t0 = time.perf_counter()
+    for role, r in managers.items():
+        r.manager.load_checkpoint(os.path.join(folder, role), None, False)
+    load_s = time.perf_counter() - t0
+    snaps = {role: snapshot(r.manager) for role, r in managers.items()}
+    step = SAVES[-1] + 2
+    train(managers, SAVES[-1], 2)
+    for role, r in managers.items():
+        r.manager.save_checkpoint(os.path.join(ckpt_dir, f"global_step_{step}", role), None, step, max_ckpt_to_keep=2)
+    for r in managers.values():
+        r.manager.finalize_pending(blocking=True)  # what the next save or process exit would do
+    torch.distributed.barrier()
+    with open(os.path.join(ckpt_dir, TRACKER)) as f:
+        tracker = f.read()
+    return {"folder": folder, "snaps": snaps, "load_s": load_s, "tracker_after_async": tracker}
+
+
+# --- the parent ----------------------------------------------------------------------------------
+def run_verl_demo(root: str | None, as_json: bool) -> int:
+    """Run the verl demo in ``root`` (verl's ``trainer.default_local_dir``); 0 when the resume is bit-exact
+    and every step committed and was tracked in order, 1 otherwise."""
+    require_verl()
+    from ckptd.integrations.verl import ckptd_root, socket_for
+    from ckptd.testing.demo import _prepare_root
+    from ckptd.testing.launch import DaemonProcess, run_ranks
+    from ckptd.testing.verl_job import PRELOAD, ROLES, committed, same
+
+    ckpt_dir = os.path.abspath(root or "ckptd-demo-verl")
+    _prepare_root(ckpt_dir)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron-core's and verl's import-time warnings
+    os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")  # verl's per-rank INFO lines (the forkserver inherits)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ckptd-verl-") as private:
+        os.chmod(private, 0o700)
+        # what the ranks see: roots under the checkpoint dir, daemon sockets in a private directory
+        env = {"CKPTD_ROOT": os.path.join(ckpt_dir, "ckptd"), "XDG_RUNTIME_DIR": private,
+               "CKPTD_DAEMON_ARGS": f"--arena-size {ARENA} --no-prefault"}
+        roots = {role: ckptd_root(os.path.join(ckpt_dir, "global_step_0", role), role, env) for role in ROLES}
+        daemons = [DaemonProcess(r, socket_for(r, env), "--arena-size", ARENA, "--no-prefault",
+                                 log_path=os.path.join(private, f"{role}.log")) for role, r in roots.items()]
+        try:
+            for d in daemons:
+                d.wait_ready(120)
+            first = run_ranks(_first_job, RANKS, ckpt_dir, env=env, preload=PRELOAD, launcher="ray", timeout_s=600)
+            second = run_ranks(_second_job, RANKS, ckpt_dir, env=env, preload=PRELOAD, launcher="ray", timeout_s=600)
+        except BaseException:
+            for d in daemons:
+                print(d.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            for d in daemons:
+                d.stop(60)
+    checked, mismatches = 0, []
+    for rank, (a, b) in enumerate(zip(first, second, strict=True)):
+        try:
+            checked += same(a["snaps"], b["snaps"], f"rank {rank}")
+        except AssertionError as exc:
+            mismatches.append(str(exc))
+    resumed = second[0]["folder"]
+    result = {
+        "checkpoint_dir": ckpt_dir,
+        "ranks": RANKS,
+        "manager": first[0]["cls"],
+        "roles": {role: {"root": r, "committed_steps": committed(r)} for role, r in roots.items()},
+        "saves": [{k: v for k, v in s.items()} for s in first[0]["saves"]],
+        "committed_at_return": all(s["committed_at_return"] for f in first for s in f["saves"]),
+        "resumed_from": os.path.basename(resumed) if resumed else None,
+        "resume": "bit-exact" if checked and not mismatches else "mismatch",
+        "tensors_checked": checked,
+        "mismatches": mismatches,
+        "load_s": max(s["load_s"] for s in second),
+        "tracker_after_async_save": second[0]["tracker_after_async"],
+        "seconds": round(time.perf_counter() - t_start, 2),
+    }
+    ok = (result["resume"] == "bit-exact" and result["committed_at_return"]
+          and result["resumed_from"] == f"global_step_{SAVES[-1]}"
+          and result["tracker_after_async_save"] == str(SAVES[-1] + 2)
+          and all(v["committed_steps"] == [SAVES[-1], SAVES[-1] + 2] for v in result["roles"].values()))
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _print(result)
+    return 0 if ok else 1
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(f"ckptd demo --trainer verl: {r['ranks']} gloo ranks, verl's {r['manager']} (through the Ray setup hook), "
+          "actor and critic, megatron-core GPT + DistributedOptimizer")
+    print(f"checkpoint dir: {r['checkpoint_dir']}")
+    print()
+    print("job 1 (sync saves):")
+    for s in r["saves"]:
+        state = "committed" if s["committed_at_return"] else "NOT committed"
+        print(f"  global_step_{s['step']}/{s['role']:<7} save_checkpoint {s['save_s'] * 1e3:7.1f}ms, {state} on return")
+    print(f"job 2 (fresh processes): find_latest_ckpt_path -> {r['resumed_from']}; load_checkpoint: {r['resume']} "
+          f"({r['tensors_checked']} model/optimizer/scheduler tensors compared, {r['load_s']:.2f}s)")
+    for m in r["mismatches"]:
+        print(f"  differs: {m}")
+    print(f"  async save of global_step_6: tracker now {r['tracker_after_async_save']} (written after the commit)")
+    for role, v in r["roles"].items():
+        print(f"{role:>7} root {v['root']}: committed steps {v['committed_steps']} (max_ckpt_to_keep=2)")
+    print(f"total {r['seconds']:.1f}s")
