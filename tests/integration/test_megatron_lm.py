@@ -12,7 +12,10 @@ data position and extra state equal the uninterrupted run's. Finetune and model-
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +63,10 @@ def _args(root: str, **over: Any) -> argparse.Namespace:
     return args
 
 
-def _setup(seed: int) -> tuple[Any, Any, Any, Any, FP8Meta]:
+def _setup(seed: int, initialize_parallel: bool = True) -> tuple[Any, Any, Any, Any, FP8Meta]:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    model, optimizer, train_step = build_gpt(seed=seed, data_seed=7)
+    model, optimizer, train_step = build_gpt(seed=seed, data_seed=7, initialize_parallel=initialize_parallel)
     fp8 = FP8Meta()
     model[0].module.decoder.add_module("fp8_meta", fp8)
     for group in optimizer.param_groups:  # Megatron-LM's OptimizerConfig sets these from --min-lr/--lr
@@ -114,7 +117,9 @@ def _resume(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
         except StateMismatchError as exc:
             return {"error": str(exc)}
         return {"error": None}
-    args = _args(root, finetune=mode == "finetune", no_load_optim=mode == "no_load_optim")
+    # Megatron-LM's step names: --load <root>/iter_0000003, --ckpt-step iter_0000003 (stored as step_3)
+    named = {"no_load_optim": {"load": f"{root}/iter_{N:07d}"}, "finetune": {"ckpt_step": f"iter_{N:07d}"}}
+    args = _args(root, finetune=mode == "finetune", no_load_optim=mode == "no_load_optim", **named.get(mode, {}))
     iteration, nfp = load_checkpoint(model, optimizer, scheduler, args=args)
     params = [p.detach().clone() for p in model[0].parameters()]
     out = {"iteration": iteration, "nfp": nfp, "consumed_at_load": args.consumed_train_samples,
@@ -178,14 +183,76 @@ def test_model_only_save_loads_without_optimizer_and_refuses_with_one(tmp_path: 
     assert all(torch.equal(a, b) for a, b in zip(ft[1]["params"], ref[1]["params"], strict=True))
 
 
+DOC = Path(__file__).parents[2] / "docs" / "megatron.md"
+
+
+def _doc_examples() -> list[str]:
+    """Every ```python block of docs/megatron.md: [training.py's lines, their replacement, the library API]
+    (a new example must get a test here: the count is checked)."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    assert len(blocks) == 3, "docs/megatron.md has a new example: run it in a test here"
+    return blocks
+
+
+def _bound(code: str) -> set[str]:
+    return {a.asname or a.name for node in ast.parse(code).body if isinstance(node, ast.ImportFrom) for a in node.names}
+
+
 def test_the_documented_training_py_imports_resolve() -> None:
-    """docs/megatron.md's replacement imports for training.py name what this module provides."""
-    doc = (Path(__file__).parents[2] / "docs" / "megatron.md").read_text()
-    section = doc.split("## Megatron-LM: change three imports", 1)[1].split("\n## ", 1)[0]
-    blocks = section.split("```python\n")[1:]
-    lines = [ln for ln in blocks[1].split("```")[0].splitlines() if ln.startswith("from ckptd")]
+    """docs/megatron.md's replacement imports for training.py bind the same names as Megatron-LM's lines
+    they replace, and name what this module provides."""
+    original, replacement, _ = _doc_examples()
+    assert _bound(original) == _bound(replacement) == {
+        "load_checkpoint", "save_checkpoint", "save_grads", "maybe_finalize_async_save"}
+    assert "from megatron.training.checkpointing import save_checkpoint, save_grads" in original  # as in training.py
+    lines = [ln for ln in replacement.splitlines() if ln.startswith("from ckptd")]
     assert len(lines) == 3
     scope: dict[str, Any] = {}
     exec("\n".join(lines), scope)  # our own doc's import lines
     assert scope["save_checkpoint"] is save_checkpoint and scope["load_checkpoint"] is load_checkpoint
     assert scope["maybe_finalize_async_save"] is maybe_finalize_async_save
+
+
+def _library_example(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Runs docs/megatron.md's library example twice: a fresh run (nothing to load; trains and saves),
+    then a restart with other initial weights, which must load the last save and have nothing left to do."""
+    code = compile(_doc_examples()[2].replace('"/ckpt/run1"', repr(root)), str(DOC), "exec")
+    args = argparse.Namespace(train_iters=4, save_interval=2, global_batch_size=GBS)
+    out: dict[str, Any] = {}
+    for run, seed in (("fresh", 1234), ("restart", 99)):
+        model, optimizer, train_step, scheduler, _ = _setup(seed=seed, initialize_parallel=run == "fresh")
+        scope: dict[str, Any] = {"model": model, "optimizer": optimizer, "opt_param_scheduler": scheduler,
+                                 "args": args, "train_step": train_step}
+        exec(code, scope)
+        scope["client"].close()
+        out[run] = {"iteration": scope["iteration"], "loaded": "loaded" in scope,
+                    "params": [p.detach().clone() for p in model[0].parameters()],
+                    "lr": scheduler.get_lr(optimizer.param_groups[0]), "steps": scheduler.num_steps}
+    return out
+
+
+def test_the_library_example_runs(tmp_path: Path, start_daemon) -> None:
+    root = str(tmp_path / "run1")
+    d = start_daemon(root)
+    got = run_ranks(_library_example, 1, root, env={"CKPTD_SOCKET": d.socket})[0]
+    fresh, restart = got["fresh"], got["restart"]
+    assert (fresh["iteration"], fresh["loaded"], restart["iteration"], restart["loaded"]) == (4, False, 4, True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh["params"], restart["params"], strict=True))
+    assert (restart["lr"], restart["steps"]) == (fresh["lr"], fresh["steps"]) and fresh["steps"] == 4 * GBS
+    assert [read_commit(root, s).step for s in (2, "iter_0000004")] == [2, 4]
+
+
+def test_megatron_step_names_on_the_command_line(full_run: tuple[str, list[dict[str, Any]]], capsys) -> None:
+    """``ckptd ls/verify/merge --step iter_0000003`` name the step Megatron-LM calls iteration 3."""
+    from ckptd.daemon.cli import main
+
+    root, _ = full_run
+    name = f"iter_{N:07d}"
+    assert main(["ls", root, "--step", name, "--json"]) == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [N]
+    assert main(["verify", root, "--step", name, "--json"]) == 0
+    assert [(r["step"], r["ok"]) for r in json.loads(capsys.readouterr().out)] == [(N, True)]
+    assert main(["merge", root, "--step", name, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == N
+    assert main(["ls", root, "--step", "iter_0000009"]) == 2  # no such step: a typed error, exit code 2
+    assert "no step 9" in capsys.readouterr().err

@@ -23,6 +23,7 @@ import torch
 from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
+from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
@@ -60,6 +61,7 @@ from ckptd.writer.errors import (
     ProtocolError,
     RootMismatchError,
     SaveTimeoutError,
+    StaleDaemonError,
     StepFailedError,
     error_classes,
 )
@@ -98,6 +100,11 @@ class CheckpointClient:
     ``start_daemon=True`` and a ``root``, the first rank on a node that finds no daemon starts one as a
     separate process (the embedded default); otherwise run ``ckptd serve`` next to the job.
 
+    ``job_id`` (default: :func:`ckptd.client.ownership.job_identity` of the environment) is this client's
+    job: a daemon of another job is refused (:class:`JobMismatchError`), or, with ``start_daemon=True``
+    and that job over (its daemon draining), waited for and replaced; an embedded daemon is started with
+    this job id and exits once the job's owner process is gone (:mod:`ckptd.client.ownership`).
+
     ``on_daemon_lost``: ``"warn"`` (default) fails only the save's handle when the daemon is gone, with one
     warning; ``"raise"`` raises :class:`DaemonUnavailableError` (see :mod:`ckptd.client.daemon_lost`).
     """
@@ -115,6 +122,7 @@ class CheckpointClient:
         daemon_args: Sequence[str] = (),
         storage_options: Mapping[str, object] | None = None,
         on_daemon_lost: DaemonLostPolicy = "warn",
+        job_id: str | None = None,
     ) -> None:
         env = os.environ
         if on_daemon_lost not in DAEMON_LOST_POLICIES:
@@ -129,6 +137,7 @@ class CheckpointClient:
         self._start_daemon = start_daemon
         self._daemon_args = list(daemon_args)
         self._root = root
+        self.job_id = job_id or job_identity(env)
         self._sock: socket.socket | None = None
         self._arena: mmap.mmap | None = None
         self._arena_t: torch.Tensor | None = None
@@ -150,6 +159,11 @@ class CheckpointClient:
 
     def _connect(self) -> None:
         try:
+            self._open_socket()
+        except StaleDaemonError as exc:  # another job's daemon on our socket, on its way out
+            if not self._start_daemon:
+                raise
+            self._spawn_daemon(replacing=exc.daemon_pid)
             self._open_socket()
         except DaemonUnavailableError:
             if not self._start_daemon:
@@ -175,6 +189,12 @@ class CheckpointClient:
                 f"the daemon at {self.socket_path} (pid {welcome.daemon_pid}) writes to root {welcome.root!r}, "
                 f"this client was given root {self._root!r}: start a daemon for this root or use its socket"
             )
+        try:
+            check_daemon_job(self.job_id, welcome.job_id, daemon_pid=welcome.daemon_pid, owner=welcome.owner_pid,
+                             draining=welcome.draining, socket_path=self.socket_path)
+        except CkptdError:
+            self._close_socket()
+            raise
         self._welcome = welcome
         self._map_arena(welcome)
 
@@ -193,11 +213,12 @@ class CheckpointClient:
         self._arena_t = torch.frombuffer(self._arena, dtype=torch.uint8)
         self._pinned = False
 
-    def _spawn_daemon(self) -> None:
+    def _spawn_daemon(self, replacing: int = 0) -> None:
         if not self._root:
             raise DaemonUnavailableError("start_daemon=True needs root= to tell the daemon where to write")
         ensure_daemon(self.socket_path, self._root, self._daemon_args, timeout_s=self.timeout_s,
-                      rank=self.placement.rank)
+                      rank=self.placement.rank, job_id=self.job_id, owner_pid=owner_pid(os.environ),
+                      replacing=replacing)
 
     def _drop_if_dead(self) -> None:
         """Close the connection if the daemon hung up (it died or restarted), so the next request

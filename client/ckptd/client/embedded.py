@@ -2,13 +2,19 @@
 
 The first rank of a node that finds no daemon for its root starts one (the other ranks wait on a lock
 file next to the socket, then connect to it). The daemon runs in its own session, so a Ctrl-C to the
-job does not cut its drain short, and with ``--exit-when-idle`` it ends by itself once no client is
-connected and every step it holds is committed or failed: it never outlives its job by more than the
-idle time.
+job does not cut its drain short. It belongs to the job: it is started with ``--job-id`` and
+``--owner-pid`` (:mod:`ckptd.client.ownership`) and ends by itself when either
+
+- the owner process (the ranks' launcher, or the rank itself without one) is gone: it stops taking
+  saves, drains what is in flight (committed steps stay) and exits; or
+- ``--exit-when-idle``: no client has been connected and every step it holds is committed or failed
+  for that long.
 
 Reuse is safe by construction: the socket is per root (:func:`ckptd.client.paths.default_socket_path`)
-and the client checks the daemon's root on connect, so a live daemon found on the socket serves this
-root and is reused; a socket file left by a dead daemon is removed and a fresh daemon started.
+and the client checks the daemon's root and job on connect, so a live daemon found on the socket serves
+this root and this job and is reused; one of another job that is over is waited for (it drains) and then
+replaced; one of another job still running is refused; a socket file left by a dead daemon is removed
+and a fresh daemon started.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ckptd.client.ownership import pid_alive
 from ckptd.writer.errors import DaemonUnavailableError
 
 log = logging.getLogger(__name__)
@@ -48,24 +55,32 @@ def ensure_daemon(
     idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
     timeout_s: float = 60.0,
     rank: int = 0,
+    job_id: str = "",
+    owner_pid: int = 0,
+    replacing: int = 0,
 ) -> int | None:
     """Make sure a daemon for ``root`` listens on ``socket_path``; start one if none answers.
 
     Returns the pid of the daemon this call started, or None when one already answered. Ranks of one
-    node serialize on ``<socket>.lock``, so exactly one of them starts it. ``idle_exit_s`` is passed as
-    ``--exit-when-idle`` unless ``daemon_args`` already sets it.
+    node serialize on ``<socket>.lock``, so exactly one of them starts it. ``idle_exit_s``, ``job_id``
+    and ``owner_pid`` are passed as ``--exit-when-idle``, ``--job-id`` and ``--owner-pid`` unless
+    ``daemon_args`` already sets them. ``replacing``: the pid of another job's daemon on the socket that
+    is exiting; it is waited for (up to ``timeout_s``) before a new one starts.
     """
-    _STARTED[:] = [p for p in _STARTED if p.poll() is None]
     os.makedirs(os.path.dirname(socket_path) or ".", mode=0o700, exist_ok=True)
     with open(socket_path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per node starts it; the others wait here
+        if replacing:
+            _wait_gone(replacing, timeout_s, rank)
+        _STARTED[:] = [p for p in _STARTED if p.poll() is None]
         if _answers(socket_path):
             return None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)  # a dead daemon's socket: never mistaken for a live one below
         args = list(daemon_args)
-        if not any(a.startswith("--exit-when-idle") for a in args):
-            args += ["--exit-when-idle", str(idle_exit_s)]
+        for flag, value in (("--exit-when-idle", idle_exit_s), ("--job-id", job_id), ("--owner-pid", owner_pid)):
+            if value and not any(a.startswith(flag) for a in args):
+                args += [flag, str(value)]
         cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", root, "--socket", socket_path, *args]
         log.info("rank %d: starting an embedded daemon: %s", rank, " ".join(cmd))
         proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
@@ -79,3 +94,18 @@ def ensure_daemon(
                 raise DaemonUnavailableError(f"the embedded daemon did not start within {timeout_s}s")
             time.sleep(0.05)
         return int(proc.pid)
+
+
+def _wait_gone(pid: int, timeout_s: float, rank: int) -> None:
+    """Wait for another job's exiting daemon to finish its drain (its committed steps stay)."""
+    log.info("rank %d: waiting for the exiting daemon of another job (pid %d) to finish", rank, pid)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _STARTED[:] = [p for p in _STARTED if p.poll() is None]  # reap it if this process started it
+        if not pid_alive(pid):
+            return
+        if time.monotonic() > deadline:
+            raise DaemonUnavailableError(
+                f"the daemon of another job (pid {pid}) on this root's socket is still draining after {timeout_s}s"
+            )
+        time.sleep(0.1)

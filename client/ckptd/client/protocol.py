@@ -113,6 +113,11 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     arena_path: str
     arena_bytes: int
     root: str
+    # Ownership (ckptd.client.ownership): the job an embedded daemon serves ("" = any job, e.g. an
+    # operator's ``ckptd serve``), the process whose end ends it (0 = none), and whether it is shutting down.
+    job_id: str = ""
+    owner_pid: int = 0
+    draining: bool = False
 
 
 class LeaseGranted(_Msg, frozen=True, tag="granted"):

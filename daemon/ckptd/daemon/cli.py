@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ckptd.daemon.commands import COMMANDS, add_commands, run_command
-from ckptd.writer.errors import CkptdError, ConfigError
+from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, ConfigError
 
 if TYPE_CHECKING:
     from ckptd.writer.root import CheckpointRoot
@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nice", type=int, help="CPU niceness increment of the daemon (default 10: ranks come first)")
     s.add_argument("--exit-when-idle", dest="exit_when_idle_s", type=float,
                    help="exit once no client has been connected and no step in flight for this many seconds")
+    s.add_argument("--job-id", help="the job this daemon serves: clients of another job refuse it (embedded mode)")
+    s.add_argument("--owner-pid", type=int,
+                   help="drain and exit once this process is gone (embedded mode: the job's launcher)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (opt-in; 0: any free)")
     s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     _storage_flags(s)
@@ -124,18 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", help="list checkpoints under ROOT")
     ls.add_argument("root")
+    ls.add_argument("--step", default=None, help="only this step: N, 'latest', step_N or Megatron-LM's iter_NNNNNNN")
     ls.add_argument("--json", action="store_true")
     _storage_flags(ls, config=True)
 
     v = sub.add_parser("verify", help="re-read committed steps and check every chunk against its checksums")
     v.add_argument("root")
-    v.add_argument("--step", default=None, help="a step number or 'latest' (default: every committed step)")
+    v.add_argument("--step", default=None,
+                   help="a step: N, 'latest', step_N or Megatron-LM's iter_NNNNNNN (default: every committed step)")
     v.add_argument("--json", action="store_true")
     _storage_flags(v, config=True)
 
     m = sub.add_parser("merge", help="build the fully-reshardable layout of a committed step (offline)")
     m.add_argument("root")
-    m.add_argument("--step", default="latest", help="a step number or 'latest' (default)")
+    m.add_argument("--step", default="latest",
+                   help="a step: N, step_N, Megatron-LM's iter_NNNNNNN, or 'latest' (default)")
     m.add_argument("--workers", type=int, default=2, help="buckets merged at once (memory: ~1 bucket each)")
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
     _storage_flags(m, config=True)
@@ -194,7 +200,7 @@ async def _offline(args: argparse.Namespace) -> int:
     options = _storage_options(args)
     async with open_root(args.root, options, create=False) as root:
         if args.command == "ls":
-            return await _ls(root, args.json)
+            return await _ls(root, args.json, args.step)
         if args.command == "verify":
             return await _verify(root, args.step, args.json)
         if args.command == "gc":
@@ -204,10 +210,16 @@ async def _offline(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown command {args.command!r}")
 
 
-async def _ls(root: CheckpointRoot, as_json: bool) -> int:
+async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> int:
     rows = []
     committed = set(await root.committed_steps())
-    for step in await root.steps():
+    steps = await root.steps()
+    if which is not None:
+        wanted = await root.resolve(which)  # a number, 'latest', step_N or Megatron-LM's iter_NNNNNNN
+        steps = [s for s in steps if s == wanted]
+        if not steps:
+            raise CheckpointNotFoundError(f"no step {wanted} under {root.url}")
+    for step in steps:
         row: dict[str, Any] = {"step": step, "committed": step in committed, "merged": False}
         if step in committed:
             row["merged"] = await root.read_merged_manifest(step) is not None
@@ -235,7 +247,7 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
     if which is None:
         steps = await root.committed_steps()
     else:
-        steps = [await root.resolve(which if which == "latest" else int(which))]
+        steps = [await root.resolve(which)]  # a number, 'latest', step_N or Megatron-LM's iter_NNNNNNN
     if not steps:
         print("no committed steps to verify", file=sys.stderr)
         return 1
@@ -269,8 +281,7 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
 async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) -> int:
     from ckptd.writer.merge import run_merge
 
-    step: int | str = which if which == "latest" else int(which)
-    summary = await run_merge(root, step, workers=workers, progress=not as_json)
+    summary = await run_merge(root, which, workers=workers, progress=not as_json)
     if as_json:
         print(json.dumps(msgspec.to_builtins(summary)))
     elif summary.already_merged:

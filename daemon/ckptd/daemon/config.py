@@ -117,6 +117,10 @@ class _Options(BaseSettings):
     nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
     # an embedded daemon ends with its job: no client and no step in flight for this long -> exit
     exit_when_idle_s: float | None = Field(default=None, gt=0)
+    # the job an embedded daemon belongs to (clients of other jobs refuse it) and the process whose end
+    # ends it: drain, keep what committed, exit (ckptd.client.ownership)
+    job_id: str | None = None
+    owner_pid: int | None = Field(default=None, gt=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)  # opt-in Prometheus endpoint; 0: any free port
     metrics_host: str = "127.0.0.1"
     storage: StorageOptions = Field(default_factory=StorageOptions)

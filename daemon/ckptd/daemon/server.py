@@ -143,6 +143,8 @@ class Daemon:
                     ready.set()
                 if cfg.exit_when_idle_s is not None:
                     self._spawn(self._exit_when_idle(cfg.exit_when_idle_s), "idle-exit")
+                if cfg.owner_pid is not None:
+                    self._spawn(self._exit_with_owner(cfg.owner_pid), "owner-exit")
                 code = await self._serve_until_stopped(server)
                 server.close()
                 # What is left (idle connections, steps cut off by the grace period) ends now.
@@ -192,6 +194,15 @@ class Daemon:
             elif loop.time() - idle_since >= idle_s:
                 log.info("no client and no step in flight for %.1fs: exiting (--exit-when-idle)", idle_s)
                 self._stop.set()
+
+    async def _exit_with_owner(self, pid: int) -> None:
+        """Stop once the owner process is gone (``--owner-pid``): its job is over; drain, then exit."""
+        from ckptd.daemon.owner import wait_for_exit
+
+        await wait_for_exit(pid)
+        if not self._stop.is_set():
+            log.info("owner process %d is gone: draining and exiting (job %s)", pid, self.config.job_id or "-")
+            self._stop.set()
 
     def _stats(self, backend: Backend) -> DaemonStats:
         """The counters; with ``metrics_port`` they also feed a Prometheus endpoint (metrics.py)."""
@@ -292,7 +303,8 @@ class Daemon:
             case Hello():
                 return Welcome(
                     v=v, daemon_pid=os.getpid(), arena_path=arena.path, arena_bytes=arena.size,
-                    root=self.config.root,
+                    root=self.config.root, job_id=self.config.job_id or "", owner_pid=self.config.owner_pid or 0,
+                    draining=service.draining or self._stop.is_set(),
                 )
             case LeaseRequest():
                 if service.draining:

@@ -92,6 +92,20 @@ class RootMismatchError(CkptdError, ValueError):
     """The daemon on the socket writes to another checkpoint root than the one this client was given."""
 
 
+class JobMismatchError(CkptdError, ValueError):
+    """The daemon on the socket belongs to another, still running job (the message names both jobs)."""
+
+
+class StaleDaemonError(JobMismatchError):
+    """The daemon on the socket belongs to another job that is over; it is draining and about to exit.
+
+    A client with ``start_daemon=True`` waits for it to exit and starts its own; ``daemon_pid`` is its pid."""
+
+    def __init__(self, message: str, daemon_pid: int = 0) -> None:
+        super().__init__(message)
+        self.daemon_pid = daemon_pid
+
+
 class StepFailedError(CkptdError, RuntimeError):
     """A save was accepted but the step did not commit; the message carries the cause."""
 

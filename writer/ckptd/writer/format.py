@@ -10,7 +10,7 @@ import hashlib
 import math
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -33,6 +33,8 @@ ARRAY_ATTR = "ckptd"
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what step_dir() writes
+# how users name a step: a number, ckptd's stored name, or Megatron-LM's folder name (iter_0000100)
+_STEP_NAME_RE = re.compile(r"(step_|iter_)?([0-9]+)")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-+=:@,]*$")
 MAX_KEY_LEN = 1024
 
@@ -47,6 +49,49 @@ def step_dir(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def megatron_iter_name(step: int) -> str:
+    """Megatron-LM's name for the checkpoint of iteration ``step``: ``iter_0000100`` (7 digits, zero-padded).
+
+    Only a spelling users meet (``--load``, ``--step``, Megatron-LM's logs): ckptd stores the step as
+    :func:`step_dir`."""
+    if step < 0:
+        raise InvalidKeyError(f"step must be >= 0, got {step}")
+    return f"iter_{step:07d}"
+
+
+def parse_step(value: int | str) -> int | Literal["latest"]:
+    """A step as a user names it: its number, or ``"latest"``.
+
+    Accepts an int, ``"latest"``, ``"100"``, ckptd's stored name ``"step_100"`` and Megatron-LM's
+    ``"iter_0000100"`` (any zero padding). Everything that takes a step from a user (``ckptd ls/verify/
+    merge --step``, ``CheckpointRoot.resolve``, the loaders, Megatron-LM's ``--ckpt-step``) goes through
+    here. Anything else raises :class:`InvalidKeyError`.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        if value.strip() == LATEST:
+            return "latest"
+        m = _STEP_NAME_RE.fullmatch(value.strip())
+        if m:
+            return int(m.group(2))
+    raise InvalidKeyError(f"a step is a number, 'latest', 'step_N' or 'iter_NNNNNNN', got {value!r}")
+
+
+def split_step_path(path: str) -> tuple[str, int | None]:
+    """``(root, step)`` for a path that names one step's folder, else ``(path, None)``.
+
+    Megatron-LM users point ``--load`` at ``<root>/iter_0000100`` (and ckptd's own folders are
+    ``<root>/step_100``): the last component, when it is such a name, is the step of the root above it.
+    Pure: the caller decides whether ``path`` is itself a root (see ``megatron_lm.load_checkpoint``).
+    """
+    head, sep, last = path.rstrip("/").rpartition("/")
+    m = _STEP_NAME_RE.fullmatch(last)
+    if not sep or not head or head.endswith(":/") or m is None or m.group(1) is None:
+        return path, None
+    return head, int(m.group(2))
 
 
 def part_name(node: int) -> str:

@@ -21,6 +21,7 @@ from ckptd.writer.errors import (
     CheckpointNotFoundError,
     CkptdError,
     CorruptCheckpointError,
+    InvalidKeyError,
     UncommittedStepError,
 )
 from ckptd.writer.fanout import bounded_map
@@ -37,6 +38,7 @@ from ckptd.writer.format import (
     failed_marker,
     latest_key,
     merged_marker,
+    parse_step,
     parse_step_dir,
     parts_dir,
     sidecar_key,
@@ -106,7 +108,12 @@ class CheckpointRoot:
             return None
 
     async def resolve(self, step: int | str) -> int:
-        """``"latest"`` -> the newest committed step; an int stays as it is."""
+        """``"latest"`` -> the newest committed step; a number stays as it is. Strings are read by
+        :func:`~ckptd.writer.format.parse_step` (``"100"``, ``"step_100"``, ``"iter_0000100"``)."""
+        try:
+            step = parse_step(step)
+        except InvalidKeyError as exc:
+            raise CheckpointNotFoundError(str(exc)) from exc
         if step == "latest":
             found = await self.latest()
             if found is None:

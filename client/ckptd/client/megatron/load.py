@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,12 +70,13 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Restore model, optimizer and RNG state saved by ``save_checkpoint``, in place, on every rank.
 
-    ``root_or_client`` is the checkpoint root (path or URL) or a ``CheckpointClient``; ``step`` an int
-    or ``"latest"``. Any TP/PP/DP and any grad-buffer bucket layout loads: with the saving run's TP/PP and
-    buckets each rank reads its own slice of every stored bucket (clipped to the stored padding when DP
-    changed); otherwise each param's optimizer state is read from the merged layout when ``ckptd merge``
-    built one, else straight from the stored DP bucket slices through the saved layout sidecars (no merge
-    needed). No collective. The store is opened once for the whole load and closed before returning.
+    ``root_or_client`` is the checkpoint root (path or URL) or a ``CheckpointClient``; ``step`` an int,
+    ``"latest"``, or a step's name (``"step_100"``, Megatron-LM's ``"iter_0000100"``). Any TP/PP/DP and
+    any grad-buffer bucket layout loads: with the saving run's TP/PP and buckets each rank reads its own
+    slice of every stored bucket (clipped to the stored padding when DP changed); otherwise each param's
+    optimizer state is read from the merged layout when ``ckptd merge`` built one, else straight from the
+    stored DP bucket slices through the saved layout sidecars (no merge needed). No collective. The store
+    is opened once for the whole load and closed before returning.
 
     Everything is checked before any live tensor is written: a model key missing from the checkpoint,
     another global shape or dtype, a param no saved state covers, or (``strict``, same layout) a
@@ -120,8 +121,7 @@ async def load_checkpoint_async(
 
     With ``client``, a same-layout load first asks its daemon for the step's shards kept in memory
     (in-memory restore, :mod:`ckptd.client.restore`) and reads the rest from storage."""
-    which: int | Literal["latest"] = "latest" if step == "latest" else int(step)
-    commit = await ckpt.read_commit(await ckpt.resolve(which))
+    commit = await ckpt.read_commit(await ckpt.resolve(step))  # N, "latest", "step_N" or "iter_NNNNNNN"
     records = _saved_records(commit)
     if optimizer is None:
         return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng)

@@ -13,7 +13,9 @@ and (rank 0) ``args`` as a plain dict. The ckptd step number is the iteration. A
 rank 0 writes Megatron-LM's tracker ``<args.save>/latest_checkpointed_iteration.txt``: at once with a
 synchronous save, or from :func:`finalize_async_saves` with ``--async-save`` (Megatron-LM's
 ``maybe_finalize_async_save``). ``args`` is Megatron-LM's ``get_args()`` namespace; pass ``args=`` to
-avoid the global.
+avoid the global. Megatron-LM's step names are read wherever a step is given (``--load
+<root>/iter_0000100``, ``--ckpt-step iter_0000100``: :func:`resolve_load`); storage keeps ckptd's
+``step_100`` (:func:`ckptd.writer.format.parse_step` reads both).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptd.writer.errors import CheckpointNotFoundError, CkptdError
+from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, ConfigError
+from ckptd.writer.format import CONTROL_DIR, parse_step, split_step_path
 
 if TYPE_CHECKING:
     import torch
@@ -239,13 +242,13 @@ def load_checkpoint(
 ) -> tuple[int, float]:
     """Megatron-LM's ``load_checkpoint``: returns ``(iteration, num_floating_point_operations_so_far)``.
 
-    Loads the newest committed step of ``getattr(args, load_arg)`` (or ``args.ckpt_step``); ``(0, 0)``
-    when there is none (an error with ``args.exit_on_missing_checkpoint``). Sets
-    ``args.consumed_train_samples``, ``skipped_train_samples`` and ``consumed_valid_samples`` and the
-    scheduler's state. ``args.finetune`` loads the model alone and starts at iteration 0 with the data
-    position at 0; ``args.no_load_optim`` skips optimizer and scheduler; ``args.no_load_rng`` (or
-    finetune) skips RNG. The optimizer's main params are re-copied from the model when its state is not
-    loaded (Megatron-LM's ``reload_model_params``).
+    Loads the newest committed step of ``getattr(args, load_arg)``, or ``args.ckpt_step``, or the step
+    the path names (``<root>/iter_0000100``, see :func:`resolve_load`); ``(0, 0)`` when there is none
+    (an error with ``args.exit_on_missing_checkpoint``). Sets ``args.consumed_train_samples``,
+    ``skipped_train_samples`` and ``consumed_valid_samples`` and the scheduler's state. ``args.finetune``
+    loads the model alone and starts at iteration 0 with the data position at 0; ``args.no_load_optim``
+    skips optimizer and scheduler; ``args.no_load_rng`` (or finetune) skips RNG. The optimizer's
+    main params are re-copied from the model when its state is not loaded (``reload_model_params``).
     """
     from ckptd.client.megatron.load import load_checkpoint as ckptd_load
 
@@ -255,10 +258,10 @@ def load_checkpoint(
         return 0, 0.0
     finetune = _flag(args, "finetune")
     load_optim = optimizer is not None and not finetune and not _flag(args, "no_load_optim")
-    step = getattr(args, "ckpt_step", None) or "latest"
+    load_dir, step = resolve_load(str(load_dir), getattr(args, "ckpt_step", None))
     try:
         loaded = ckptd_load(
-            str(load_dir), step, list(model), optimizer if load_optim else None, strict=strict,
+            load_dir, step, list(model), optimizer if load_optim else None, strict=strict,
             rng=not (finetune or _flag(args, "no_load_rng")), storage_options=storage_options,
         )
     except CheckpointNotFoundError:
@@ -284,8 +287,39 @@ def load_checkpoint(
 
         get_rerun_state_machine().load_state_dict(record["rerun_state_machine"])
     iteration = int(record.get("iteration", loaded.step))
+    _set_loaded_iteration(iteration)
     logger.info("loaded iteration %d from %s (consumed samples %d)", iteration, load_dir, args.consumed_train_samples)
     return iteration, float(record.get("num_floating_point_operations_so_far", 0.0))
+
+
+def resolve_load(load_dir: str, ckpt_step: object = None) -> tuple[str, int | str]:
+    """Where Megatron-LM's ``--load`` and ``--ckpt-step`` point: ``(root, step)``.
+
+    ``--load <root>`` loads ``ckpt_step`` if given, else the newest committed step (``"latest"``);
+    ``--load <root>/iter_0000100`` (Megatron-LM's folder of one iteration; ``step_100`` too) loads step 100
+    of ``<root>``, unless ``<root>/iter_0000100`` is itself a ckptd root on a local disk. ``ckpt_step`` is
+    a number or a name (``"iter_0000100"``); one that contradicts the step in the path is a
+    :class:`ConfigError`.
+    """
+    root, named = split_step_path(load_dir)
+    local = load_dir.removeprefix("file://")
+    if named is not None and "://" not in local and os.path.exists(os.path.join(local, CONTROL_DIR)):
+        root, named = load_dir, None  # a root that happens to be called iter_N
+    wanted = None if ckpt_step is None or ckpt_step == "" else parse_step(str(ckpt_step))
+    if named is not None and wanted is not None and wanted != named:
+        raise ConfigError(f"--load {load_dir} names step {named} but --ckpt-step is {ckpt_step}")
+    if named is not None:
+        return root, named
+    return root, "latest" if wanted is None else wanted
+
+
+def _set_loaded_iteration(iteration: int) -> None:
+    """As Megatron-LM's load does: ``training.py`` reads it back with ``get_loaded_iteration()``."""
+    try:
+        from megatron.training.checkpointing import set_loaded_iteration
+    except ImportError:  # megatron-core alone (Megatron-LM is not installed)
+        return
+    set_loaded_iteration(iteration)
 
 
 def _update_num_microbatches(consumed_samples: int) -> None:
@@ -300,10 +334,12 @@ def _update_num_microbatches(consumed_samples: int) -> None:
 
 def checkpoint_args(root: str, step: int | str = "latest", storage_options: Mapping[str, object] | None = None
                     ) -> dict[str, Any]:
-    """The saving run's ``args`` (plain dict, from rank 0), e.g. for Megatron-LM's ``--use-checkpoint-args``."""
+    """The saving run's ``args`` (plain dict, from rank 0), e.g. for Megatron-LM's ``--use-checkpoint-args``.
+
+    ``root`` and ``step`` as :func:`resolve_load` reads them (``step``: a number, ``"iter_0000100"``...)."""
     from ckptd.client.reader import read_commit
 
-    which: Any = step if step == "latest" else int(step)
-    commit = read_commit(root, which, storage_options=storage_options)
+    root, which = resolve_load(root, None if step == "latest" else step)  # <root>/iter_0000100 works too
+    commit = read_commit(root, parse_step(which), storage_options=storage_options)
     extra = commit.objects.get("0", {}).get("extra") or {}
     return dict((extra.get(RECORD) or {}).get("args") or {})
