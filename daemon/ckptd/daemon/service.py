@@ -23,6 +23,7 @@ from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
+from ckptd.daemon.journal import StepJournal
 from ckptd.daemon.plans import PlanRegistry
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
@@ -86,6 +87,7 @@ class CheckpointService:
         self.plans = PlanRegistry()
         self.retention = Retention(arena)  # in-memory restore of the newest committed step
         self.writer.retention = self.retention
+        self.journal: StepJournal | None = None  # set by the server: steps in flight, for a successor
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -179,6 +181,9 @@ class CheckpointService:
                 self.jobs[req.step] = job
                 self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
+                if self.journal is not None:
+                    self.journal.started(req.step, req.node, req.num_nodes)
+                    self._spawn(self._journal_until_final(job, self.journal), f"journal step={req.step}")
             w = job.where
             if NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size) != w:
                 raise InvalidRequestError(
@@ -187,6 +192,11 @@ class CheckpointService:
                     f"{w.node}/{w.num_nodes}, world {w.world_size}, local world {w.local_world_size}"
                 )
             return job
+
+    @staticmethod
+    async def _journal_until_final(job: StepJob, journal: StepJournal) -> None:
+        await job.finished.wait()
+        journal.ended(job.step)
 
     def _forget_old_jobs(self) -> None:
         """Keep the records of the newest finished steps only (status of older ones comes from storage)."""
