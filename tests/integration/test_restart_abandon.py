@@ -37,7 +37,7 @@ def _state(step: int, rank: int = 0, big: bool = False) -> dict[str, torch.Tenso
     return {f"r{rank}/w": torch.randn(n, generator=g)}
 
 
-def _wait_for(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+def _wait_for(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
