@@ -260,7 +260,7 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
             for e in errors:
                 print(f"  {e}")
     if as_json:
-        print(json.dumps(results))
+        print(json.dumps(sorted(results, key=lambda r: int(r["step"]))))
     return 1 if failures else 0
 
 

@@ -296,6 +296,12 @@ class CheckpointService:
             if job.node == 0:
                 await self._note_failure(job, err)
             self._log_step(job)
+        elif job.state is StepState.FAILED and not job.all_staged.is_set():
+            # A write failed before the node's last rank arrived (later ones are refused): _finish_node
+            # never runs for this step, so its failure is recorded (and told to the other nodes) here.
+            if job.node == 0 and job.error is not None:
+                await self._note_failure(job, job.error)
+            self._log_step(job)
 
     # --- status -----------------------------------------------------------------------------------
     async def status(self, step: int, wait_s: float) -> tuple[StepState, CkptdError | None]:
