@@ -82,12 +82,15 @@ class StepJournal:
             return None
         return doc
 
-    def started(self, step: int, node: int, num_nodes: int) -> None:
-        self._steps[step] = JournalEntry(step, node, num_nodes, time.time())
+    def started(self, step: int, node: int, num_nodes: int) -> JournalEntry:
+        entry = self._steps[step] = JournalEntry(step, node, num_nodes, time.time())
         self._write()
+        return entry
 
-    def ended(self, step: int) -> None:
-        if self._steps.pop(step, None) is not None:
+    def ended(self, entry: JournalEntry) -> None:
+        """``entry``'s attempt is final (a newer attempt of the same step keeps its own entry)."""
+        if self._steps.get(entry.step) is entry:
+            del self._steps[entry.step]
             self._write()
 
     def _write(self) -> None:

@@ -23,7 +23,7 @@ from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
-from ckptd.daemon.journal import StepJournal
+from ckptd.daemon.journal import JournalEntry, StepJournal
 from ckptd.daemon.plans import PlanRegistry
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
@@ -182,8 +182,8 @@ class CheckpointService:
                 self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
                 if self.journal is not None:
-                    self.journal.started(req.step, req.node, req.num_nodes)
-                    self._spawn(self._journal_until_final(job, self.journal), f"journal step={req.step}")
+                    entry = self.journal.started(req.step, req.node, req.num_nodes)
+                    self._spawn(self._journal_until_final(job, self.journal, entry), f"journal step={req.step}")
             w = job.where
             if NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size) != w:
                 raise InvalidRequestError(
@@ -194,9 +194,9 @@ class CheckpointService:
             return job
 
     @staticmethod
-    async def _journal_until_final(job: StepJob, journal: StepJournal) -> None:
+    async def _journal_until_final(job: StepJob, journal: StepJournal, entry: JournalEntry) -> None:
         await job.finished.wait()
-        journal.ended(job.step)
+        journal.ended(entry)
 
     def _forget_old_jobs(self) -> None:
         """Keep the records of the newest finished steps only (status of older ones comes from storage)."""

@@ -110,7 +110,9 @@ class FaultConfig:
     throttle_code: str = "Throttling"
     error_status: int = 507
     error_code: str = "XMinioStorageFull"
-    error_message: str = "Storage backend has reached its minimum free drive threshold. Please delete a few objects to proceed."
+    error_message: str = (
+        "Storage backend has reached its minimum free drive threshold. Please delete a few objects to proceed."
+    )
     seed: int | None = None
 
     def __post_init__(self) -> None:
