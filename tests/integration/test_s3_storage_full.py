@@ -30,16 +30,22 @@ MiB = 1 << 20
 MULTIPART = 100 * MiB  # s3fs uploads an object of >= 2 x 50 MiB as a multipart upload
 
 
+def _numel(rank: int, numel: int) -> int:
+    return numel if rank == 0 else 1024  # rank 0 holds the big array; both ranks are in the step
+
+
 def _state(rank: int, step: int, numel: int) -> dict[str, Shard]:
     g = torch.Generator().manual_seed(100 * step + rank)
-    return {"w": Shard("w", torch.randn(numel, generator=g), (2 * numel,), (rank * numel,))}
+    n = _numel(rank, numel)
+    return {f"w{rank}": Shard(f"w{rank}", torch.randn(n, generator=g), (n,), (0,))}
 
 
 def _loads(root: str, step: int, numel: int, endpoint: str) -> None:
     for rank in range(2):
-        template = {"w": Shard("w", torch.zeros(numel), (2 * numel,), (rank * numel,))}
+        n = _numel(rank, numel)
+        template = {f"w{rank}": Shard(f"w{rank}", torch.zeros(n), (n,), (0,))}
         load(root, step, template, storage_options=options(endpoint))
-        assert torch.equal(template["w"].data, _state(rank, step, numel)["w"].data), (step, rank)
+        assert torch.equal(template[f"w{rank}"].data, _state(rank, step, numel)[f"w{rank}"].data), (step, rank)
 
 
 def _report_after_failure(socket_path: str) -> StatusReport:
@@ -54,10 +60,10 @@ def _report_after_failure(socket_path: str) -> StatusReport:
 
 CASES = {
     # MinIO below its free-drive threshold: every object PUT of the step's data
-    "minio-507-put": dict(path_regex=r"/step_2/w/c/", error_status=507, error_code="XMinioStorageFull",
+    "minio-507-put": dict(path_regex=r"/step_2/w0/c/", error_status=507, error_code="XMinioStorageFull",
                           numel=(1 * MiB) // 4, chunk="64KiB"),
-    # Ceph RGW over the user's quota: the parts of a multipart upload (one 100 MiB chunk per rank)
-    "ceph-quota-uploadpart": dict(path_regex=r"/step_2/w/c/.*partNumber=", error_status=403,
+    # Ceph RGW over the user's quota: the parts of a multipart upload (rank 0's one 100 MiB chunk)
+    "ceph-quota-uploadpart": dict(path_regex=r"/step_2/w0/c/.*partNumber=", error_status=403,
                                   error_code="QuotaExceeded", numel=MULTIPART // 4, chunk="100MiB"),
 }
 
@@ -68,7 +74,7 @@ def test_s3_full_or_quota_fails_typed_and_the_next_step_commits(case: str, s3: S
     c = CASES[case]
     numel, small = int(c["numel"]), 1024
     root = f"s3://{BUCKET}/full-{case}"
-    arena = 2 * numel * 4 + 32 * MiB  # step 3 fits only if step 2's space came back
+    arena = numel * 4 + 32 * MiB  # with 100 MiB: step 3 fits only if step 2's space came back
     d = start_daemon(root, "d0", *s3_flags(proxy.url), "--chunk-bytes", str(c["chunk"]), "--stage-grace", "0",
                      arena=f"{arena >> 20}MiB", env=aws_env(s3))
     clients = [CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0), lease_timeout_s=20) for r in range(2)]
