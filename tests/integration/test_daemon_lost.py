@@ -1,23 +1,58 @@
 """Training survives its checkpointer: a lost daemon fails the save's handle (typed, with a warning) instead
 of raising into the training loop; the embedded mode starts a new daemon on the next save; a restarted
-daemon never commits its predecessor's unfinished step, and nothing committed is touched."""
+daemon never commits its predecessor's unfinished step, and nothing committed is touched.
+
+No sleep stands for synchronisation: the kill waits until the step's first chunks are on disk (so it lands
+mid-write however loaded the machine), the embedded restart until the dead daemon's socket refuses
+connections, and client timeouts are generous (a daemon at nice 10 on a busy 2-core runner is slow to
+start and to answer).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from ckptd.client import CheckpointClient, DaemonUnavailableError, Placement, StepState
 from ckptd.client.reader import load
+from ckptd.writer.format import commit_marker, failed_marker
 
 pytestmark = pytest.mark.timeout(120)
 SLOW = ("--chunk-bytes", "128KiB", "--write-concurrency", "1")
 BIG = 24 << 18  # 24 MiB of float32 in ~190 chunks: the kill lands mid-write
+
+
+TIMEOUT_S = 60.0  # client request timeouts, and the embedded daemon's start: generous on a loaded runner
+
+
+def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def _writing(root: Path, step: int) -> Callable[[], bool]:
+    """True once the daemon wrote some chunks of ``step``'s big array (and so has not finished it)."""
+    return lambda: any((root / f"step_{step}" / "big" / "c").glob("*"))
+
+
+def _refuses(sock: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(sock)
+        except OSError:
+            return True
+    return False
 
 
 def _loads(root: str, step: int, state: dict[str, torch.Tensor]) -> None:
@@ -30,15 +65,15 @@ def _loads(root: str, step: int, state: dict[str, torch.Tensor]) -> None:
 def test_lost_daemon_fails_the_handle_not_the_training_loop(start_daemon, tmp_path, caplog):
     root = str(tmp_path / "ckpt")
     d = start_daemon(root, "d0", *SLOW, arena="128MiB")
-    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=5)
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=TIMEOUT_S)
     first = {"x": torch.arange(10.0)}
-    client.save(1, first).wait(30)
+    client.save(1, first).wait(60)
 
     pending = client.save(2, {"x": torch.arange(10.0) + 2, "big": torch.randn(BIG)})
-    time.sleep(0.1)
+    _wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
     d.kill()  # kill -9 mid-write
     with caplog.at_level(logging.WARNING, logger="ckptd.client.client"):
-        assert pending.wait(10) is pending  # no raise under the default on_daemon_lost="warn"
+        assert pending.wait(60) is pending  # no raise under the default on_daemon_lost="warn"
         assert pending.state is StepState.FAILED and isinstance(pending.exception(), DaemonUnavailableError)
         lost = client.save(3, {"x": torch.arange(10.0) + 3})  # no daemon at all: still no raise
         assert lost.state is StepState.FAILED and isinstance(lost.exception(), DaemonUnavailableError)
@@ -49,8 +84,9 @@ def test_lost_daemon_fails_the_handle_not_the_training_loop(start_daemon, tmp_pa
     # an operator restarts the daemon: the same client saves again, the killed step never commits
     start_daemon(root, "d0", arena="128MiB")
     fourth = {"x": torch.arange(10.0) + 4}
-    client.save(4, fourth).wait(30)
-    assert not (tmp_path / "ckpt" / "step_2" / "COMMITTED").exists()
+    client.save(4, fourth).wait(60)
+    assert not (tmp_path / "ckpt" / commit_marker(2)).exists()
+    assert (tmp_path / "ckpt" / failed_marker(2)).exists()  # abandoned by the restarted daemon
     _loads(root, 1, first)
     _loads(root, 4, fourth)
     client.close()
@@ -58,8 +94,8 @@ def test_lost_daemon_fails_the_handle_not_the_training_loop(start_daemon, tmp_pa
 
 def test_strict_policy_raises(start_daemon, tmp_path):
     d = start_daemon(str(tmp_path / "ckpt"), "d0")
-    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=5, on_daemon_lost="raise")
-    client.save(1, {"x": torch.zeros(4)}).wait(30)
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=TIMEOUT_S, on_daemon_lost="raise")
+    client.save(1, {"x": torch.zeros(4)}).wait(60)
     d.kill()
     with pytest.raises(DaemonUnavailableError):
         client.save(2, {"x": torch.ones(4)})
@@ -70,27 +106,28 @@ def test_embedded_daemon_restarts_on_the_next_save(tmp_path, sockdir):
     root = str(tmp_path / "ckpt")
     sock = os.path.join(sockdir, "emb.sock")
     args = ["--arena-size", "128MiB", "--no-prefault", *SLOW]
-    client = CheckpointClient(sock, root=root, start_daemon=True, placement=Placement(0, 1, 1, 0), timeout_s=10,
-                              daemon_args=args)
+    client = CheckpointClient(sock, root=root, start_daemon=True, placement=Placement(0, 1, 1, 0),
+                              timeout_s=TIMEOUT_S, daemon_args=args)
     pids = []
     try:
         first = {"x": torch.arange(10.0)}
-        client.save(1, first).wait(30)
+        client.save(1, first).wait(60)
         assert client._welcome is not None
         pids.append(client._welcome.daemon_pid)
         pending = client.save(2, {"x": torch.arange(10.0) + 2, "big": torch.randn(BIG)})
-        time.sleep(0.1)
+        _wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
         os.kill(pids[0], signal.SIGKILL)
-        time.sleep(0.2)
+        _wait_for(lambda: _refuses(sock), "the killed daemon's socket to refuse connections")
         third = {"x": torch.arange(10.0) + 3}
         handle = client.save(3, third)  # a new daemon starts here; the training loop never sees an error
         pids.append(client._welcome.daemon_pid)
-        handle.wait(30)
+        assert handle.wait(60).state is StepState.COMMITTED
         assert pids[1] != pids[0]
-        # the new daemon has no record of step 2: lost, never committed
-        assert pending.wait(5).state is StepState.FAILED
+        # the new daemon has no record of step 2: lost, never committed, abandoned
+        assert pending.wait(60).state is StepState.FAILED
         assert isinstance(pending.exception(), DaemonUnavailableError)
-        assert not (tmp_path / "ckpt" / "step_2" / "COMMITTED").exists()
+        assert not (tmp_path / "ckpt" / commit_marker(2)).exists()
+        assert (tmp_path / "ckpt" / failed_marker(2)).exists()
         _loads(root, 1, first)
         _loads(root, 3, third)
     finally:

@@ -226,6 +226,10 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
             c = await root.read_commit(step)
             row.update(bytes=c.nbytes, arrays=len(c.arrays), nodes=c.num_nodes, world_size=c.world_size,
                        committed_at=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)))
+        else:  # a failure note: the step failed (or its daemon died and a successor abandoned it)
+            failed = await root.read_failed(step)
+            if failed is not None:
+                row["failed"] = f"{failed.get('code')}: {failed.get('message')}"
         rows.append(row)
     if as_json:
         print(json.dumps(rows))
@@ -233,9 +237,11 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
     print(f"{'step':>8}  {'state':<17} {'size':>10} {'arrays':>7} {'nodes':>5} {'world':>5}  committed at")
     for r in rows:
         state = ("committed+merged" if r["merged"] else "committed") if r["committed"] else "incomplete"
+        if "failed" in r:
+            state = "failed"
         size = f"{r['bytes'] / 2**20:.1f}MiB" if "bytes" in r else "-"
         print(f"{r['step']:>8}  {state:<17} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
-              f"{r.get('world_size', '-'):>5}  {r.get('committed_at', '-')}")
+              f"{r.get('world_size', '-'):>5}  {r.get('committed_at', '-') if r['committed'] else r.get('failed', '')}")
     return 0
 
 
@@ -244,15 +250,16 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
     from ckptd.writer.errors import CorruptCheckpointError
     from ckptd.writer.format import step_dir
 
+    results: list[dict[str, Any]] = []
     if which is None:
         steps = await root.committed_steps()
+        results = await _failed_steps(root, set(steps), as_json)
     else:
         steps = [await root.resolve(which)]  # a number, 'latest', step_N or Megatron-LM's iter_NNNNNNN
     if not steps:
         print("no committed steps to verify", file=sys.stderr)
         return 1
     failures = 0
-    results = []
     for step in steps:
         commit = await root.read_commit(step)
         merged = await root.read_merged_manifest(step)
@@ -274,8 +281,22 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
             for e in errors:
                 print(f"  {e}")
     if as_json:
-        print(json.dumps(results))
+        print(json.dumps(sorted(results, key=lambda r: int(r["step"]))))
     return 1 if failures else 0
+
+
+async def _failed_steps(root: CheckpointRoot, committed: set[int], as_json: bool) -> list[dict[str, Any]]:
+    """Uncommitted steps with a failure note: reported (not checkpoints, nothing to verify), not errors."""
+    rows = []
+    for step in await root.steps():
+        failed = None if step in committed else await root.read_failed(step)
+        if failed is not None:
+            why = f"{failed.get('code')}: {failed.get('message')}"
+            rows.append({"step": step, "ok": True, "committed": False, "failed": why})
+            if not as_json:
+                print(f"step {step}: FAILED, not a checkpoint (`ckptd gc` removes it once a newer step "
+                      f"committed): {why}")
+    return rows
 
 
 async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) -> int:

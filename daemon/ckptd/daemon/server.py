@@ -47,6 +47,7 @@ from ckptd.client.protocol import (
 )
 from ckptd.daemon.arena import Arena, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.journal import StepJournal, abandon_predecessor_steps, journal_path
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.stats import DaemonStats, status_report
 from ckptd.writer.backends import Backend, open_backend
@@ -132,6 +133,9 @@ class Daemon:
                 self._tasks = tasks
                 stats = self._stats(backend)
                 self.service = CheckpointService(cfg, self.arena, backend, spawn=self._spawn, stats=stats)
+                journal = StepJournal(journal_path(cfg.socket), cfg.root)
+                await abandon_predecessor_steps(journal, self.service.root)  # before serving: see journal.py
+                self.service.journal = journal
                 server = await self._listen()
                 for sig in signals:
                     loop.add_signal_handler(sig, self._stop.set)
@@ -157,6 +161,8 @@ class Daemon:
             self._tasks = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(cfg.socket)
+            if self.service is not None and self.service.journal is not None:
+                self.service.journal.remove()  # only when nothing is left in flight
             self.arena.close()
         log.info("ckptd stopped")
         return code

@@ -23,6 +23,7 @@ from ckptd.client.protocol import SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
+from ckptd.daemon.journal import JournalEntry, StepJournal
 from ckptd.daemon.plans import PlanRegistry
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
@@ -87,6 +88,7 @@ class CheckpointService:
         # in-memory restore of the newest committed step, unless turned off (``retain = false``)
         self.retention = Retention(arena, enabled=config.retain)
         self.writer.retention = self.retention
+        self.journal: StepJournal | None = None  # set by the server: steps in flight, for a successor
 
     # --- accepting saves --------------------------------------------------------------------------
     async def accept(self, req: SaveRequest, owner: int) -> int:
@@ -180,6 +182,9 @@ class CheckpointService:
                 self.jobs[req.step] = job
                 self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
+                if self.journal is not None:
+                    entry = self.journal.started(req.step, req.node, req.num_nodes)
+                    self._spawn(self._journal_until_final(job, self.journal, entry), f"journal step={req.step}")
             w = job.where
             if NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size) != w:
                 raise InvalidRequestError(
@@ -188,6 +193,11 @@ class CheckpointService:
                     f"{w.node}/{w.num_nodes}, world {w.world_size}, local world {w.local_world_size}"
                 )
             return job
+
+    @staticmethod
+    async def _journal_until_final(job: StepJob, journal: StepJournal, entry: JournalEntry) -> None:
+        await job.finished.wait()
+        journal.ended(entry)
 
     def _forget_old_jobs(self) -> None:
         """Keep the records of the newest finished steps only (status of older ones comes from storage)."""
@@ -286,6 +296,12 @@ class CheckpointService:
                 task.cancel()
             if job.node == 0:
                 await self._note_failure(job, err)
+            self._log_step(job)
+        elif job.state is StepState.FAILED and not job.all_staged.is_set():
+            # A write failed before the node's last rank arrived (later ones are refused): _finish_node
+            # never runs for this step, so its failure is recorded (and told to the other nodes) here.
+            if job.node == 0 and job.error is not None:
+                await self._note_failure(job, job.error)
             self._log_step(job)
 
     # --- status -----------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ sides) or hit by one fault, drawn per request from the configured fractions:
 ``reset_mid_request``  connection reset after half of the request body (or right after the headers)
 ``reset_mid_response`` request forwarded (so upstream applies it!), response cut after half its body
 ``stall``              request read, nothing answered for ``stall_s`` seconds, then a reset
+``error``              any S3 error reply: ``error_status`` with ``error_code``/``error_message``
+                       (default: MinIO's 507 ``XMinioStorageFull``; e.g. 403 ``QuotaExceeded``)
 =====================  =======================================================================
 
 ``latency_s`` (+ uniform ``latency_jitter_s``) delays every eligible request before anything else.
@@ -76,6 +78,7 @@ class Fault(enum.StrEnum):
     RESET_MID_REQUEST = "reset_mid_request"
     RESET_MID_RESPONSE = "reset_mid_response"
     STALL = "stall"
+    ERROR = "error"
 
 
 _ERROR_REPLIES: dict[Fault, tuple[int, str, str, str]] = {
@@ -96,6 +99,7 @@ class FaultConfig:
     reset_mid_request: float = 0.0
     reset_mid_response: float = 0.0
     stall: float = 0.0
+    error: float = 0.0
     fail_all: Fault | None = None
     max_faults: int | None = None
     methods: frozenset[str] | None = None
@@ -104,6 +108,11 @@ class FaultConfig:
     latency_jitter_s: float = 0.0
     stall_s: float = 30.0
     throttle_code: str = "Throttling"
+    error_status: int = 507
+    error_code: str = "XMinioStorageFull"
+    error_message: str = (
+        "Storage backend has reached its minimum free drive threshold. Please delete a few objects to proceed."
+    )
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -451,7 +460,7 @@ class FaultProxy:
         framing, length = _framing(req.headers)
         expects = (req.header("expect") or "").lower() == "100-continue"
 
-        if fault in _ERROR_REPLIES:
+        if fault in _ERROR_REPLIES or fault is Fault.ERROR:
             if expects:  # refuse before the body is sent, as S3 does, and drop the connection
                 await self._reply(cwriter, req.method, *self._error(cfg, fault, req), keep_alive=False)
                 await self._linger(creader, cwriter)
@@ -618,7 +627,10 @@ class FaultProxy:
         return total
 
     def _error(self, cfg: FaultConfig, fault: Fault, req: _Request) -> tuple[int, str, bytes]:
-        status, reason, code, message = _ERROR_REPLIES[fault]
+        if fault is Fault.ERROR:
+            status, reason, code, message = cfg.error_status, "Error", cfg.error_code, cfg.error_message
+        else:
+            status, reason, code, message = _ERROR_REPLIES[fault]
         if fault is Fault.THROTTLE:
             code = cfg.throttle_code
         resource = req.target.split("?", 1)[0]

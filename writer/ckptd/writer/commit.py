@@ -29,6 +29,7 @@ from ckptd.writer.arrays import array_metadata, write_control_doc, write_group, 
 from ckptd.writer.errors import (
     CkptdError,
     SaveTimeoutError,
+    StepAbandonedError,
     StepCommittedError,
     StepFailedError,
     error_classes,
@@ -97,6 +98,8 @@ class CheckpointWriter(CheckpointRoot):
         deadline = time.monotonic() + timeout
         while True:
             parts = await self.read_parts(step)
+            if len(parts) < num_nodes:  # a node whose daemon died mid-step says so (journal.py): stop waiting
+                await self._raise_if_abandoned(step)
             if len(parts) >= num_nodes:
                 missing = sorted(set(range(num_nodes)) - set(parts))
                 if not missing:
@@ -149,10 +152,16 @@ class CheckpointWriter(CheckpointRoot):
         if current is None or step >= current:
             await self.backend.put(latest_key(), str(step).encode())
 
-    async def mark_failed(self, step: int, error: BaseException) -> None:
-        """Tell the other nodes' daemons at once that this step will never commit (they stop waiting)."""
-        doc = {"step": step, "code": type(error).__name__, "message": str(error), "at": time.time()}
+    async def mark_failed(self, step: int, error: BaseException, **extra: object) -> None:
+        """Tell the other nodes' daemons at once that this step will never commit (they stop waiting);
+        ``ckptd ls`` shows the note. ``extra`` fields go into the note as they are."""
+        doc = {**extra, "step": step, "code": type(error).__name__, "message": str(error), "at": time.time()}
         await self.backend.put(failed_marker(step), encode_json(doc))
+
+    async def _raise_if_abandoned(self, step: int) -> None:
+        failed = await self.read_failed(step)
+        if failed is not None and failed.get("abandoned"):
+            raise StepAbandonedError(f"step {step}: not committed: {failed.get('message')}")
 
     async def clear_failed(self, step: int) -> None:
         """The coordinator starts the step again: drop the failure note of an earlier attempt."""

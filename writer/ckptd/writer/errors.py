@@ -110,6 +110,10 @@ class StepFailedError(CkptdError, RuntimeError):
     """A save was accepted but the step did not commit; the message carries the cause."""
 
 
+class StepAbandonedError(StepFailedError):
+    """The daemon writing the step died; its successor marked the step failed: it will never commit."""
+
+
 class StepStateError(CkptdError, RuntimeError):
     """A step job was asked for a transition its state machine forbids (a daemon bug, never bad input)."""
 

@@ -160,9 +160,18 @@ class CheckpointRoot:
         return text
 
     async def read_failed(self, step: int) -> dict[str, Any] | None:
-        """The coordinator's failure note for ``step`` (``None`` if there is none)."""
+        """The coordinator's failure note for ``step`` (``None`` if there is none).
+
+        A note that cannot be decoded (cut short on a full local disk) still says the step failed; its time
+        is unknown (``at`` 0: waiters do not take it for a failure of their attempt)."""
         data = await self.backend.get(failed_marker(step))
-        return None if data is None else dict(msgspec.json.decode(data))
+        if data is None:
+            return None
+        try:
+            return dict(msgspec.json.decode(data))
+        except (msgspec.DecodeError, TypeError, ValueError):
+            return {"step": step, "code": "StepFailedError", "at": 0.0,
+                    "message": f"the step failed; its failure note is unreadable ({len(data)} bytes)"}
 
     async def read_merged_manifest(self, step: int) -> CommitManifest | None:
         """The merge manifest of ``step`` (``ckptd merge``), or ``None`` if it was never merged."""

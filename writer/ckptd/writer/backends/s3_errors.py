@@ -19,6 +19,7 @@ from ckptd.writer.errors import (
     CkptdError,
     InvalidRequestError,
     StorageError,
+    StorageFullError,
     StorageNotFoundError,
     StoragePermissionError,
 )
@@ -43,6 +44,15 @@ _PERMISSION_CODES = frozenset(
         "InvalidSecurity",
     }
 )
+# A full store or a spent quota, as S3-compatible servers say it: Ceph RGW answers 403 QuotaExceeded, MinIO
+# 507 XMinioStorageFull (500 in old releases, "StorageFull" in forks) and XMinioAdminBucketQuotaExceeded for
+# a bucket quota; HTTP 507 is "Insufficient Storage" whatever the code. Checked before 403 (permission).
+# EntityTooLarge (one object over the size limit) is not about space: it stays a plain StorageError.
+_FULL_CODES = frozenset(
+    {"QuotaExceeded", "XMinioStorageFull", "StorageFull", "XMinioAdminBucketQuotaExceeded", "InsufficientStorage"}
+)
+_FULL_STATUS = 507
+_FULL_MESSAGE = re.compile(r"(?i)minimum free (?:drive|disk) threshold|no space left|storage cap exceeded")
 # exception class names from botocore's credential chain (matched by name: several are optional there)
 _CREDENTIAL_ERRORS = frozenset(
     {
@@ -95,7 +105,8 @@ def split_s3_url(url: str) -> tuple[str, str]:
 def classify_error(exc: BaseException, url: str) -> CkptdError:
     """Map an exception from botocore/aiobotocore/s3fs to ckptd's typed storage errors.
 
-    :class:`StorageNotFoundError` for a missing bucket/object, :class:`StoragePermissionError` for
+    :class:`StorageFullError` for a full store or a spent quota (``QuotaExceeded``, ``XMinioStorageFull``,
+    HTTP 507), :class:`StorageNotFoundError` for a missing bucket/object, :class:`StoragePermissionError` for
     denied access, unknown or wrong keys and missing credentials, :class:`StorageError` for the rest
     (including transient faults that outlived their retries). The message names the bucket and
     prefix, the S3 error code and HTTP status, never a credential. Already-typed errors pass through.
@@ -116,6 +127,8 @@ def classify_error(exc: BaseException, url: str) -> CkptdError:
             message = scrub(str(response["Error"].get("Message") or ""))
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             detail = f"{code or 'error'}, HTTP {status}" + (f": {message}" if message else "")
+            if code in _FULL_CODES or status == _FULL_STATUS or _FULL_MESSAGE.search(message):
+                return StorageFullError(f"no space left for {place} ({detail})")
             if code in _NOT_FOUND_CODES or status == 404:
                 what = "bucket does not exist" if code == "NoSuchBucket" else "not found"
                 return StorageNotFoundError(f"{what}: {place} ({detail})")
