@@ -111,9 +111,48 @@ def test_looked_up_sources_follow_the_optimizer_and_a_changed_one_is_refused() -
     opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].float()
     with pytest.raises(StalePlanError):
         plan.sources([rng[:-1]])
+    # the planned element count in another shape: passes the lookup, refused by the copy (no bytes land)
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].view(2, 5)
+    with pytest.raises(StalePlanError):
+        plan.stage(arena, 0, plan.sources([rng]))
+    opt.state[p]["exp_avg"] = "not a tensor"
+    with pytest.raises(StalePlanError):
+        plan.sources([rng])
     del opt.state[p]["exp_avg"]
     with pytest.raises(StalePlanError):
         plan.sources([rng])
+    del opt.state[p]
+    with pytest.raises(StalePlanError):
+        plan.sources([rng])
+
+
+def test_lookups_of_several_params_and_states_land_in_their_own_slots() -> None:
+    # two optimizers, params with different state sets, pieces listed out of order: the copy program
+    # groups lookups per (optimizer, state name); every state must still land at its own offset
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 5, 4)]
+    opts = [torch.optim.Adam(ps[:2]), torch.optim.Adam(ps[2:])]
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    for o in opts:
+        o.step()
+    opts[0].state[ps[1]]["extra"] = torch.randn(5)  # a state only one param keeps
+    wanted = [(1, "exp_avg_sq"), (0, "exp_avg"), (2, "exp_avg"), (1, "extra"), (1, "exp_avg"), (0, "exp_avg_sq")]
+    pieces, lo = [], 0
+    for i, name in wanted:
+        pieces.append(Piece(lo, fetch=Fetch(opts[0] if i < 2 else opts[1], ps[i], name)))
+        lo += ps[i].numel() * 4
+    shard = _Sliced("s", torch.empty(lo // 4), (lo // 4,), (0,))
+    object.__setattr__(shard, "pieces", pieces)
+    plan = build_stage_plan([shard])
+    arena = torch.zeros(plan.span, dtype=torch.uint8)
+    plan.stage(arena, 0, plan.sources([]))
+    got = _slot(arena, 0, plan, 0)
+    at = 0
+    for i, name in wanted:
+        n = ps[i].numel()
+        st = (opts[0] if i < 2 else opts[1]).state[ps[i]][name]
+        assert torch.equal(got[at : at + n], st), (i, name)
+        at += n
 
 
 def test_fingerprints_catch_every_structure_change_and_ignore_values() -> None:

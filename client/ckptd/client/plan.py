@@ -227,15 +227,19 @@ class StagePlan:
                 index[id(f.key)] = len(keys)
                 keys.append(f.key)
             cols.setdefault((id(f.owner), f.name), []).append(e)
-        self._fetched = [e for entries in cols.values() for e in entries]
         groups: _Groups = []
+        fetched: list[tuple[Fetch, _Dst, _Dst]] = []  # in the order sources() returns them
         for oid, (owner, index, keys) in owners.items():
-            columns = [
-                _Column(name, [index[id(f.key)] for f, _, _ in entries], [d.dtype for _, d, _ in entries],
-                        [_numel(d.shape) for _, d, _ in entries])
-                for (o, name), entries in cols.items() if o == oid
-            ]
+            columns = []
+            for (o, name), entries in cols.items():
+                if o == oid:
+                    columns.append(_Column(
+                        name, [index[id(f.key)] for f, _, _ in entries], [d.dtype for _, d, _ in entries],
+                        [_numel(d.shape) for _, d, _ in entries],
+                    ))
+                    fetched += entries
             groups.append((owner, keys, columns))
+        self._fetched = fetched
         self._groups = groups
 
     def _dst_views(self, arena: torch.Tensor, base: int) -> tuple[list[torch.Tensor], ...]:
@@ -265,7 +269,10 @@ class StagePlan:
         if static_dst:
             torch._foreach_copy_(static_dst, [s for s, _ in self._static], non_blocking=cuda)
         if fetched_dst:
-            torch._foreach_copy_(fetched_dst, sources, non_blocking=cuda)
+            try:
+                torch._foreach_copy_(fetched_dst, sources, non_blocking=cuda)
+            except RuntimeError as exc:  # the planned element count in another shape: copy_ refuses it
+                raise StalePlanError(f"a looked-up source no longer fits its slot: {exc}") from exc
         if zero_dst:
             torch._foreach_zero_(zero_dst)
         if cuda:
