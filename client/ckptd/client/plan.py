@@ -164,6 +164,12 @@ class StagePlan:
     _zeros: list[_Dst] = field(default_factory=list)
     _views: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=OrderedDict)
     _groups: _Groups | None = None
+    # the copy program (compile_copies): runs of 1-D sources whose slots lie back to back, each one torch.cat
+    # (static: the source tensors; looked up: [lo, hi) of the per-save sources), and the rest by index
+    _static_cat: list[tuple[list[torch.Tensor], _Dst]] = field(default_factory=list)
+    _static_rest: list[int] = field(default_factory=list)
+    _looked_cat: list[tuple[int, int, _Dst]] = field(default_factory=list)
+    _looked_rest: list[int] = field(default_factory=list)
     registered: tuple[Welcome, int] | None = None  # (the daemon's Welcome, plan id) it is registered under
     cuda: bool = False
 
@@ -173,8 +179,23 @@ class StagePlan:
 
     @property
     def copies(self) -> int:
-        """Copies one save makes (merged runs count once), zero fills included."""
-        return len(self._static) + len(self._fetched) + len(self._dynamic) + len(self._zeros)
+        """Copies one save makes (merged runs and concatenated runs count once), zero fills included."""
+        cats = len(self._static_cat) + len(self._looked_cat)
+        return cats + len(self._static_rest) + len(self._looked_rest) + len(self._zeros)
+
+    def compile_copies(self) -> None:
+        """Group the copies: on CPU, runs of 1-D sources of the slot's dtype whose slots lie back to back
+        (a bucket slice's per-param states, separate fp32 main params) become one ``torch.cat`` each
+        (~0.1 µs a tensor against ~0.35 µs in ``_foreach_copy_``); the rest stay in the batched copy. On
+        a GPU every copy is a D2H transfer into the pinned arena: one ``_foreach_copy_``."""
+        static_dst = [d for _, d in self._static]
+        looked = [(src, d) for _, src, d in self._fetched] + self._dynamic
+        if self.cuda:
+            self._static_rest, self._looked_rest = list(range(len(static_dst))), list(range(len(looked)))
+            return
+        runs, self._static_rest = _cat_runs([_Dst(0, t.dtype, tuple(t.shape)) for t, _ in self._static], static_dst)
+        self._static_cat = [([t for t, _ in self._static[lo:hi]], d) for lo, hi, d in runs]
+        self._looked_cat, self._looked_rest = _cat_runs([src for src, _ in looked], [d for _, d in looked])
 
     def register_message(self, rank: int) -> RegisterPlan:
         return RegisterPlan(
@@ -250,10 +271,13 @@ class StagePlan:
                 n = d.dtype.itemsize * _numel(d.shape)
                 return arena[base + d.rel : base + d.rel + n].view(d.dtype).view(d.shape)
 
+            looked = [d for _, _, d in self._fetched] + [d for _, d in self._dynamic]
             views = (
-                [view(d) for _, d in self._static],
-                [view(d) for _, _, d in self._fetched] + [view(d) for _, d in self._dynamic],
+                [view(self._static[i][1]) for i in self._static_rest],
+                [view(looked[i]) for i in self._looked_rest],
                 [view(d) for d in self._zeros],
+                [view(d) for _, d in self._static_cat],
+                [view(d) for _, _, d in self._looked_cat],
             )
             self._views[key] = views
             while len(self._views) > MAX_BASES:
@@ -262,21 +286,59 @@ class StagePlan:
 
     def stage(self, arena: torch.Tensor, base: int, sources: list[torch.Tensor]) -> None:
         """Copy everything into the span at byte ``base`` of ``arena`` (uint8): batched, then one sync."""
-        static_dst, fetched_dst, zero_dst = self._dst_views(arena, base)
+        static_dst, looked_dst, zero_dst, static_cat_dst, looked_cat_dst = self._dst_views(arena, base)
         # the plan's device, not a walk over this save's sources: a looked-up source that moved to the GPU
         # since is copied blocking (non_blocking=False), which is correct, only slower
         cuda = self.cuda
-        if static_dst:
-            torch._foreach_copy_(static_dst, [s for s, _ in self._static], non_blocking=cuda)
-        if fetched_dst:
+        with torch.no_grad():  # sources may require grad (a plain save of params); torch.cat(out=) refuses those
+            for (srcs, _), dst in zip(self._static_cat, static_cat_dst, strict=True):
+                torch.cat(srcs, out=dst)
+            if static_dst:
+                torch._foreach_copy_(
+                    static_dst, [self._static[i][0] for i in self._static_rest], non_blocking=cuda
+                )
             try:
-                torch._foreach_copy_(fetched_dst, sources, non_blocking=cuda)
-            except RuntimeError as exc:  # the planned element count in another shape: copy_ refuses it
+                # the element counts were checked (sources()), so a concatenation never outgrows its run
+                for (lo, hi, _), dst in zip(self._looked_cat, looked_cat_dst, strict=True):
+                    torch.cat(sources[lo:hi], out=dst)
+                if looked_dst:
+                    every = len(looked_dst) == len(sources)
+                    rest = sources if every else list(map(sources.__getitem__, self._looked_rest))
+                    torch._foreach_copy_(looked_dst, rest, non_blocking=cuda)
+            except RuntimeError as exc:  # the planned element count in another shape: copy_ and cat refuse it
                 raise StalePlanError(f"a looked-up source no longer fits its slot: {exc}") from exc
-        if zero_dst:
-            torch._foreach_zero_(zero_dst)
+            if zero_dst:
+                torch._foreach_zero_(zero_dst)
         if cuda:
             torch.cuda.current_stream().synchronize()
+
+
+def _cat_runs(srcs: Sequence[_Dst], dsts: Sequence[_Dst]) -> tuple[list[tuple[int, int, _Dst]], list[int]]:
+    """Runs ``[lo, hi)`` of two or more copies one ``torch.cat`` can make — 1-D sources of the slot's dtype
+    into 1-D slots that lie back to back — with the run's slot; and the indices of every other copy."""
+    runs: list[tuple[int, int, _Dst]] = []
+    rest: list[int] = []
+    i, n = 0, len(dsts)
+    while i < n:
+        j = i + 1
+        if _flat(srcs[i], dsts[i]):
+            while j < n and _flat(srcs[j], dsts[j]) and (dsts[j].dtype, dsts[j].rel) == (dsts[i].dtype, _end(dsts[j - 1])):
+                j += 1
+        if j - i > 1:
+            numel = sum(d.shape[0] for d in dsts[i:j])
+            runs.append((i, j, _Dst(dsts[i].rel, dsts[i].dtype, (numel,))))
+        else:
+            rest.append(i)
+        i = j
+    return runs, rest
+
+
+def _flat(src: _Dst, dst: _Dst) -> bool:
+    return src.dtype == dst.dtype and len(src.shape) == 1 and len(dst.shape) == 1
+
+
+def _end(d: _Dst) -> int:
+    return d.rel + d.dtype.itemsize * _numel(d.shape)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -336,6 +398,7 @@ def build_stage_plan(
         d = _Dst(offsets[i], s.data.dtype, tuple(s.data.shape))
         plan._dynamic.append((d, d))
         plan.cuda |= s.data.is_cuda
+    plan.compile_copies()
     return plan
 
 
