@@ -322,7 +322,7 @@ def _cat_runs(srcs: Sequence[_Dst], dsts: Sequence[_Dst]) -> tuple[list[tuple[in
     while i < n:
         j = i + 1
         if _flat(srcs[i], dsts[i]):
-            while j < n and _flat(srcs[j], dsts[j]) and (dsts[j].dtype, dsts[j].rel) == (dsts[i].dtype, _end(dsts[j - 1])):
+            while j < n and _flat(srcs[j], dsts[j]) and _follows(dsts[j], dsts[j - 1]):
                 j += 1
         if j - i > 1:
             numel = sum(d.shape[0] for d in dsts[i:j])
@@ -337,8 +337,8 @@ def _flat(src: _Dst, dst: _Dst) -> bool:
     return src.dtype == dst.dtype and len(src.shape) == 1 and len(dst.shape) == 1
 
 
-def _end(d: _Dst) -> int:
-    return d.rel + d.dtype.itemsize * _numel(d.shape)
+def _follows(d: _Dst, prev: _Dst) -> bool:
+    return d.dtype == prev.dtype and d.rel == prev.rel + prev.dtype.itemsize * _numel(prev.shape)
 
 
 def _numel(shape: Sequence[int]) -> int:
