@@ -155,34 +155,39 @@ def test_lookups_of_several_params_and_states_land_in_their_own_slots() -> None:
         at += n
 
 
-def test_back_to_back_states_and_separate_mains_are_one_concatenation_each() -> None:
-    # a bucket slice: per-param states (separate tensors) back to back in the slot, then the padding;
-    # and separate main params (bf16 training keeps fp32 copies apart from the model's buffer)
+def test_states_and_separate_mains_across_padding_are_one_concatenation_each() -> None:
+    # a bucket slice: per-param states (separate tensors) in the slot with zeroed padding between them
+    # (Megatron pads each param to 64 elements), and separate main params (bf16 training keeps fp32 copies)
     ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 5, 4, 6)]
     opt = torch.optim.Adam(ps)
     for p in ps:
         p.grad = torch.randn(p.shape)
     opt.step()
-    n = sum(p.numel() for p in ps)
+    pad = 2
+    n = sum(p.numel() + pad for p in ps)
     shards = []
     for name in ("param", "exp_avg", "exp_avg_sq"):
         pieces, lo = [], 0
         for p in ps:
             pieces.append(Piece(lo, src=p.detach()) if name == "param" else Piece(lo, fetch=Fetch(opt, p, name)))
             lo += p.numel() * 4
-        pieces.append(Piece(lo, nbytes=8))
-        shard = _Sliced(name, torch.empty(n + 2), (n + 2,), (0,))
+            pieces.append(Piece(lo, nbytes=pad * 4))
+            lo += pad * 4
+        shard = _Sliced(name, torch.empty(n), (n,), (0,))
         object.__setattr__(shard, "pieces", pieces)
         shards.append(shard)
     plan = build_stage_plan(shards)
-    assert plan.copies == 3 + 3  # one concatenation per shard, one zero fill each
+    # one concatenation per shard; the padding between slots of different shards is never crossed
+    assert (len(plan._static_cat), len(plan._looked_cat), plan._static_rest, plan._looked_rest) == (1, 2, [], [])
     arena = torch.full((plan.span,), 9, dtype=torch.uint8)
 
     def check() -> None:
         plan.stage(arena, 0, plan.sources([]))
         for i, name in enumerate(("param", "exp_avg", "exp_avg_sq")):
-            want = [p.detach() if name == "param" else opt.state[p][name] for p in ps]
-            assert torch.equal(_slot(arena, 0, plan, i), torch.cat([*want, torch.zeros(2)])), name
+            want = [t for p in ps for t in (p.detach() if name == "param" else opt.state[p][name], torch.zeros(pad))]
+            assert torch.equal(_slot(arena, 0, plan, i), torch.cat(want)), name
+        lo, hi = plan.offsets[0] + plan.sizes[0], plan.offsets[1]
+        assert bool((arena[lo:hi] == 9).all())  # bytes between slots untouched
 
     check()
     opt.load_state_dict(opt.state_dict())  # new state tensors: the next save reads them

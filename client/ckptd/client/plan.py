@@ -27,12 +27,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ckptd.client.copyruns import MAX_GAP, Gaps, cat_runs, numel
+from ckptd.client.copyruns import Dst as _Dst
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ShardMeta, Welcome
 from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError
 
 ALIGN = 64  # slot alignment in the span: every dtype's views stay aligned, copies start on cache lines
-MAX_GAP = 4096  # a source gap up to this many bytes is mirrored in the layout, so the run copies in one piece
 MAX_BASES = 4  # span bases whose destination views are kept
 
 
@@ -73,12 +74,6 @@ class _Column(NamedTuple):
 
 # per optimizer: the params whose state is looked up, and one column per state name
 _Groups = list[tuple[torch.optim.Optimizer, list[torch.Tensor], list[_Column]]]
-
-
-class _Dst(NamedTuple):
-    rel: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 def _align(n: int) -> int:
@@ -164,12 +159,14 @@ class StagePlan:
     _zeros: list[_Dst] = field(default_factory=list)
     _views: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=OrderedDict)
     _groups: _Groups | None = None
-    # the copy program (compile_copies): runs of 1-D sources whose slots lie back to back, each one torch.cat
-    # (static: the source tensors; looked up: [lo, hi) of the per-save sources), and the rest by index
+    # the copy program (compile_copies): runs of 1-D sources whose slots lie back to back (or apart by padding
+    # that is zeroed anyway), each one torch.cat (static: the source tensors and zeros; looked up: indices into
+    # this save's sources followed by _gap_zeros), and the rest by index
     _static_cat: list[tuple[list[torch.Tensor], _Dst]] = field(default_factory=list)
     _static_rest: list[int] = field(default_factory=list)
-    _looked_cat: list[tuple[int, int, _Dst]] = field(default_factory=list)
+    _looked_cat: list[tuple[list[int], _Dst]] = field(default_factory=list)
     _looked_rest: list[int] = field(default_factory=list)
+    _gap_zeros: list[torch.Tensor] = field(default_factory=list)
     registered: tuple[Welcome, int] | None = None  # (the daemon's Welcome, plan id) it is registered under
     cuda: bool = False
 
@@ -193,9 +190,19 @@ class StagePlan:
         if self.cuda:
             self._static_rest, self._looked_rest = list(range(len(static_dst))), list(range(len(looked)))
             return
-        runs, self._static_rest = _cat_runs([_Dst(0, t.dtype, tuple(t.shape)) for t, _ in self._static], static_dst)
-        self._static_cat = [([t for t, _ in self._static[lo:hi]], d) for lo, hi, d in runs]
-        self._looked_cat, self._looked_rest = _cat_runs([src for src, _ in looked], [d for _, d in looked])
+        gaps = Gaps(self._zeros)
+        static_src = [_Dst(0, t.dtype, tuple(t.shape)) for t, _ in self._static]
+        runs, self._static_rest = cat_runs(static_src, static_dst, gaps)
+        self._static_cat = [([self._static[x][0] if isinstance(x, int) else x for x in items], d) for items, d in runs]
+        runs, self._looked_rest = cat_runs([src for src, _ in looked], [d for _, d in looked], gaps)
+        for items, d in runs:
+            idx = []
+            for x in items:
+                if not isinstance(x, int):  # a zeros tensor: indexed after this save's sources
+                    self._gap_zeros.append(x)
+                    x = len(looked) + len(self._gap_zeros) - 1
+                idx.append(x)
+            self._looked_cat.append((idx, d))
 
     def register_message(self, rank: int) -> RegisterPlan:
         return RegisterPlan(
@@ -256,7 +263,7 @@ class StagePlan:
                 if o == oid:
                     columns.append(_Column(
                         name, [index[id(f.key)] for f, _, _ in entries], [d.dtype for _, d, _ in entries],
-                        [_numel(d.shape) for _, d, _ in entries],
+                        [numel(d.shape) for _, d, _ in entries],
                     ))
                     fetched += entries
             groups.append((owner, keys, columns))
@@ -268,7 +275,7 @@ class StagePlan:
         views = self._views.get(key)
         if views is None:
             def view(d: _Dst) -> torch.Tensor:
-                n = d.dtype.itemsize * _numel(d.shape)
+                n = d.dtype.itemsize * numel(d.shape)
                 return arena[base + d.rel : base + d.rel + n].view(d.dtype).view(d.shape)
 
             looked = [d for _, _, d in self._fetched] + [d for _, d in self._dynamic]
@@ -277,7 +284,7 @@ class StagePlan:
                 [view(looked[i]) for i in self._looked_rest],
                 [view(d) for d in self._zeros],
                 [view(d) for _, d in self._static_cat],
-                [view(d) for _, _, d in self._looked_cat],
+                [view(d) for _, d in self._looked_cat],
             )
             self._views[key] = views
             while len(self._views) > MAX_BASES:
@@ -299,8 +306,9 @@ class StagePlan:
                 )
             try:
                 # the element counts were checked (sources()), so a concatenation never outgrows its run
-                for (lo, hi, _), dst in zip(self._looked_cat, looked_cat_dst, strict=True):
-                    torch.cat(sources[lo:hi], out=dst)
+                ext = sources + self._gap_zeros if self._gap_zeros else sources
+                for (idx, _), dst in zip(self._looked_cat, looked_cat_dst, strict=True):
+                    torch.cat(list(map(ext.__getitem__, idx)), out=dst)
                 if looked_dst:
                     every = len(looked_dst) == len(sources)
                     rest = sources if every else list(map(sources.__getitem__, self._looked_rest))
@@ -311,41 +319,6 @@ class StagePlan:
                 torch._foreach_zero_(zero_dst)
         if cuda:
             torch.cuda.current_stream().synchronize()
-
-
-def _cat_runs(srcs: Sequence[_Dst], dsts: Sequence[_Dst]) -> tuple[list[tuple[int, int, _Dst]], list[int]]:
-    """Runs ``[lo, hi)`` of two or more copies one ``torch.cat`` can make — 1-D sources of the slot's dtype
-    into 1-D slots that lie back to back — with the run's slot; and the indices of every other copy."""
-    runs: list[tuple[int, int, _Dst]] = []
-    rest: list[int] = []
-    i, n = 0, len(dsts)
-    while i < n:
-        j = i + 1
-        if _flat(srcs[i], dsts[i]):
-            while j < n and _flat(srcs[j], dsts[j]) and _follows(dsts[j], dsts[j - 1]):
-                j += 1
-        if j - i > 1:
-            numel = sum(d.shape[0] for d in dsts[i:j])
-            runs.append((i, j, _Dst(dsts[i].rel, dsts[i].dtype, (numel,))))
-        else:
-            rest.append(i)
-        i = j
-    return runs, rest
-
-
-def _flat(src: _Dst, dst: _Dst) -> bool:
-    return src.dtype == dst.dtype and len(src.shape) == 1 and len(dst.shape) == 1
-
-
-def _follows(d: _Dst, prev: _Dst) -> bool:
-    return d.dtype == prev.dtype and d.rel == prev.rel + prev.dtype.itemsize * _numel(prev.shape)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def pieces_of(shard: Shard) -> list[Piece]:
