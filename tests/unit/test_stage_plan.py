@@ -179,6 +179,7 @@ def test_states_and_separate_mains_across_padding_are_one_concatenation_each() -
     plan = build_stage_plan(shards)
     # one concatenation per shard; the padding between slots of different shards is never crossed
     assert (len(plan._static_cat), len(plan._looked_cat), plan._static_rest, plan._looked_rest) == (1, 2, [], [])
+    assert plan._zeros == [] and plan.copies == 3  # the runs write the padding they cross or end on
     arena = torch.full((plan.span,), 9, dtype=torch.uint8)
 
     def check() -> None:

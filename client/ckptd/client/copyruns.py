@@ -49,6 +49,14 @@ class Gaps:
             return None
         return self._zeros.setdefault((dtype, n), torch.zeros(n, dtype=dtype))
 
+    def trailing(self, lo: int, dtype: torch.dtype) -> tuple[int, torch.Tensor] | None:
+        """(end, zeros) for the padding that starts at byte ``lo``, if any (a run's last param's)."""
+        i = bisect.bisect_right(self._starts, lo) - 1
+        if i < 0 or not self._starts[i] <= lo < self._ends[i]:
+            return None
+        fill = self.filler(lo, self._ends[i], dtype)
+        return None if fill is None else (self._ends[i], fill)
+
 
 def cat_runs(
     srcs: Sequence[Dst], dsts: Sequence[Dst], gaps: Gaps
@@ -73,12 +81,28 @@ def cat_runs(
             items.append(j)
             end = _end(dsts[j])
             j += 1
-        if j - i > 1:
+        tail = gaps.trailing(end, dtype) if _flat(srcs[i], dsts[i]) else None
+        if tail is not None:  # the padding after the run: zeroed by it, not by a fill of its own
+            end, fill = tail
+            items.append(fill)
+        if len(items) > 1:
             runs.append((items, Dst(start, dtype, ((end - start) // dtype.itemsize,))))
         else:
             rest.append(i)
         i = j
     return runs, rest
+
+
+def uncovered(zeros: Sequence[Dst], runs: Sequence[Dst]) -> list[Dst]:
+    """The zero fills no run writes already (a run writes the padding it crosses)."""
+    spans = sorted((r.rel, _end(r)) for r in runs)
+    starts = [lo for lo, _ in spans]
+    out = []
+    for z in zeros:
+        i = bisect.bisect_right(starts, z.rel) - 1
+        if i < 0 or _end(z) > spans[i][1]:
+            out.append(z)
+    return out
 
 
 def _flat(src: Dst, dst: Dst) -> bool:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckptd.client.copyruns import MAX_GAP, Gaps, cat_runs, numel
+from ckptd.client.copyruns import MAX_GAP, Gaps, cat_runs, numel, uncovered
 from ckptd.client.copyruns import Dst as _Dst
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ShardMeta, Welcome
 from ckptd.client.state import Shard, dtype_name
@@ -203,6 +203,7 @@ class StagePlan:
                     x = len(looked) + len(self._gap_zeros) - 1
                 idx.append(x)
             self._looked_cat.append((idx, d))
+        self._zeros = uncovered(self._zeros, [d for _, d in self._static_cat] + [d for _, d in self._looked_cat])
 
     def register_message(self, rank: int) -> RegisterPlan:
         return RegisterPlan(
