@@ -3,6 +3,10 @@ any structure change (dtype, shape, a new key) is staged right: every step reloa
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +50,14 @@ def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exa
         load(d.root, step, out)
         for k, v in saved.items():
             assert torch.equal(_bits(out[k]), _bits(v)), (step, k)
+    # a plan save's span is kept whole for an in-memory restore, then freed once: the arena adds up
+    status = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--socket", d.socket, "--json"],
+                            capture_output=True, text=True, timeout=60)
+    report = json.loads(status.stdout)
+    # only the newest step's span stays (a few hundred bytes: one 4 KiB arena page)
+    assert 0 < report["arena_retained_bytes"] <= report["arena_bytes"] - report["arena_free_bytes"] <= 4096, report
     client.close()
+    assert "double free" not in (Path(tmp_path) / "d0.log").read_text()
     assert plans[0] is None and plans[1] is not None and plans[2] is plans[1]
     assert plans[1].registered is not None and plans[1].registered[1] > 0
     # each new structure: per-shard on its first save, its own plan from the second
