@@ -7,13 +7,16 @@ A :class:`StagePlan` is built from a rank's shards when their structure is new a
 - a copy program: static sources (views of live memory whose address the caller's fingerprint guards)
   merged into one byte copy per run that is contiguous in the source — the layout mirrors the source's
   gaps so a run lands in one piece — plus sources looked up at each save (optimizer states, replaced by
-  ``load_state_dict``; RNG states) and gaps to zero;
+  ``load_state_dict``; RNG states) and gaps to zero; on CPU, runs of 1-D sources into slots that lie
+  back to back (or apart by padding that is zeroed anyway) are one ``torch.cat`` each
+  (:mod:`ckptd.client.copyruns`);
 - destination views into the mapped arena, prebuilt per span base the daemon grants (a few bases
-  alternate), so a save is a handful of batched ``_foreach_copy_`` calls and one stream sync.
+  alternate), so a save is a few concatenations, one batched ``_foreach_copy_`` and one stream sync.
 
 What keeps a reused plan honest is the caller's fingerprint (:func:`params_fingerprint` over every
 source's address, dtype and shape; a param group's structure), compared on every save; sources looked up
-at save time are checked against the plan's dtype and shape before the lease (:class:`StalePlanError`).
+at save time are checked against the plan's dtype and element count before the lease, and a copy that no
+longer fits its slot raises (:class:`StalePlanError`: the caller plans again).
 """
 
 from __future__ import annotations
