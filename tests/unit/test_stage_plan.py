@@ -164,10 +164,10 @@ def test_states_and_separate_mains_across_padding_are_one_concatenation_each() -
         p.grad = torch.randn(p.shape)
     opt.step()
     pad = 2
-    n = sum(p.numel() + pad for p in ps)
+    n = pad + sum(p.numel() + pad for p in ps)
     shards = []
     for name in ("param", "exp_avg", "exp_avg_sq"):
-        pieces, lo = [], 0
+        pieces, lo = [Piece(0, nbytes=pad * 4)], pad * 4  # leading padding too (a DP slice starting mid-bucket)
         for p in ps:
             pieces.append(Piece(lo, src=p.detach()) if name == "param" else Piece(lo, fetch=Fetch(opt, p, name)))
             lo += p.numel() * 4
@@ -185,7 +185,8 @@ def test_states_and_separate_mains_across_padding_are_one_concatenation_each() -
     def check() -> None:
         plan.stage(arena, 0, plan.sources([]))
         for i, name in enumerate(("param", "exp_avg", "exp_avg_sq")):
-            want = [t for p in ps for t in (p.detach() if name == "param" else opt.state[p][name], torch.zeros(pad))]
+            want = [torch.zeros(pad)]
+            want += [t for p in ps for t in (p.detach() if name == "param" else opt.state[p][name], torch.zeros(pad))]
             assert torch.equal(_slot(arena, 0, plan, i), torch.cat(want)), name
         lo, hi = plan.offsets[0] + plan.sizes[0], plan.offsets[1]
         assert bool((arena[lo:hi] == 9).all())  # bytes between slots untouched

@@ -49,6 +49,15 @@ class Gaps:
             return None
         return self._zeros.setdefault((dtype, n), torch.zeros(n, dtype=dtype))
 
+    def leading(self, hi: int, floor: int, dtype: torch.dtype) -> tuple[int, torch.Tensor] | None:
+        """(start, zeros) for the padding that ends at byte ``hi`` and starts at or after ``floor`` (what an
+        earlier run wrote is not written again), if any (a DP rank's slice that starts mid-bucket)."""
+        i = bisect.bisect_left(self._ends, hi)
+        if i >= len(self._ends) or self._ends[i] != hi or self._starts[i] < floor:
+            return None
+        fill = self.filler(self._starts[i], hi, dtype)
+        return None if fill is None else (self._starts[i], fill)
+
     def trailing(self, lo: int, dtype: torch.dtype) -> tuple[int, torch.Tensor] | None:
         """(end, zeros) for the padding that starts at byte ``lo``, if any (a run's last param's)."""
         i = bisect.bisect_right(self._starts, lo) - 1
@@ -67,10 +76,15 @@ def cat_runs(
     runs: list[tuple[list[int | torch.Tensor], Dst]] = []
     rest: list[int] = []
     i, n = 0, len(dsts)
+    written = 0  # where the last run ended: padding before it is not absorbed twice
     while i < n:
         items: list[int | torch.Tensor] = [i]
         start, dtype = dsts[i].rel, dsts[i].dtype
         end = _end(dsts[i])
+        head = gaps.leading(start, written, dtype) if _flat(srcs[i], dsts[i]) else None
+        if head is not None:  # the padding before the run: zeroed by it
+            start = head[0]
+            items.insert(0, head[1])
         j = i + 1
         while _flat(srcs[i], dsts[i]) and j < n and _flat(srcs[j], dsts[j]) and dsts[j].dtype == dtype:
             if dsts[j].rel != end:
@@ -87,6 +101,7 @@ def cat_runs(
             items.append(fill)
         if len(items) > 1:
             runs.append((items, Dst(start, dtype, ((end - start) // dtype.itemsize,))))
+            written = max(written, end)
         else:
             rest.append(i)
         i = j
