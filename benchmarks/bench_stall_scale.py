@@ -11,6 +11,9 @@ shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size
 
 Stall: wall time of the call the training loop blocks on, slowest rank, median over repeats.
 ``overhead_us_per_shard`` is (stall - memcpy) / shards per rank.
+
+Sizes: ``FULL`` by default, ``REDUCED`` with ``CKPTD_BENCH_REDUCED=1``, or any list with
+``CKPTD_BENCH_STALL_SIZES=layers x hidden x heads,...`` (e.g. ``2x256x4,96x32x4``).
 """
 
 from __future__ import annotations
@@ -105,6 +108,15 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
     return rows
 
 
+def _parse_sizes(text: str) -> list[tuple[int, int, int]]:
+    """``"2x256x4,96x32x4"`` -> ``[(2, 256, 4), (96, 32, 4)]`` (layers x hidden x heads)."""
+    out = []
+    for item in text.split(","):
+        layers, hidden, heads = (int(n) for n in item.strip().split("x"))
+        out.append((layers, hidden, heads))
+    return out
+
+
 def _slowest(results: list[list[dict[str, Any]]], i: int, field: str) -> float:
     n = len(results[0][i][field])
     return float(statistics.median(max(r[i][field][k] for r in results) for k in range(n)))
@@ -114,7 +126,8 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
     from run import emit
 
     reduced = os.environ.get("CKPTD_BENCH_REDUCED") == "1"
-    sizes = SMOKE if args.smoke else REDUCED if reduced else FULL
+    chosen = os.environ.get("CKPTD_BENCH_STALL_SIZES", "")
+    sizes = SMOKE if args.smoke else _parse_sizes(chosen) if chosen else REDUCED if reduced else FULL
     repeats = 2 if args.smoke else 5
     world = 2
     root = os.path.join(workdir, "stall-scale")
@@ -150,7 +163,7 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
             "ratio_megatron_over_ckptd": round(mega / stall, 1),
             "ckptd_first_save_s": round(max(r[i]["first"] for r in results), 4),
             "ranks": world,
-            "sizes": "reduced" if reduced and not args.smoke else "smoke" if args.smoke else "full",
+            "sizes": "smoke" if args.smoke else "chosen" if chosen else "reduced" if reduced else "full",
         }))
     return rows
 

@@ -111,9 +111,94 @@ def test_looked_up_sources_follow_the_optimizer_and_a_changed_one_is_refused() -
     opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].float()
     with pytest.raises(StalePlanError):
         plan.sources([rng[:-1]])
+    # the planned element count in another shape: passes the lookup, refused by the copy (no bytes land)
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].view(2, 5)
+    with pytest.raises(StalePlanError):
+        plan.stage(arena, 0, plan.sources([rng]))
+    opt.state[p]["exp_avg"] = "not a tensor"
+    with pytest.raises(StalePlanError):
+        plan.sources([rng])
     del opt.state[p]["exp_avg"]
     with pytest.raises(StalePlanError):
         plan.sources([rng])
+    del opt.state[p]
+    with pytest.raises(StalePlanError):
+        plan.sources([rng])
+
+
+def test_lookups_of_several_params_and_states_land_in_their_own_slots() -> None:
+    # two optimizers, params with different state sets, pieces listed out of order: the copy program
+    # groups lookups per (optimizer, state name); every state must still land at its own offset
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 5, 4)]
+    opts = [torch.optim.Adam(ps[:2]), torch.optim.Adam(ps[2:])]
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    for o in opts:
+        o.step()
+    opts[0].state[ps[1]]["extra"] = torch.randn(5)  # a state only one param keeps
+    wanted = [(1, "exp_avg_sq"), (0, "exp_avg"), (2, "exp_avg"), (1, "extra"), (1, "exp_avg"), (0, "exp_avg_sq")]
+    pieces, lo = [], 0
+    for i, name in wanted:
+        pieces.append(Piece(lo, fetch=Fetch(opts[0] if i < 2 else opts[1], ps[i], name)))
+        lo += ps[i].numel() * 4
+    shard = _Sliced("s", torch.empty(lo // 4), (lo // 4,), (0,))
+    object.__setattr__(shard, "pieces", pieces)
+    plan = build_stage_plan([shard])
+    arena = torch.zeros(plan.span, dtype=torch.uint8)
+    plan.stage(arena, 0, plan.sources([]))
+    got = _slot(arena, 0, plan, 0)
+    at = 0
+    for i, name in wanted:
+        n = ps[i].numel()
+        st = (opts[0] if i < 2 else opts[1]).state[ps[i]][name]
+        assert torch.equal(got[at : at + n], st), (i, name)
+        at += n
+
+
+def test_states_and_separate_mains_across_padding_are_one_concatenation_each() -> None:
+    # a bucket slice: per-param states (separate tensors) in the slot with zeroed padding between them
+    # (Megatron pads each param to 64 elements), and separate main params (bf16 training keeps fp32 copies)
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 5, 4, 6)]
+    opt = torch.optim.Adam(ps)
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    pad = 2
+    n = pad + sum(p.numel() + pad for p in ps)
+    shards = []
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        pieces, lo = [Piece(0, nbytes=pad * 4)], pad * 4  # leading padding too (a DP slice starting mid-bucket)
+        for p in ps:
+            pieces.append(Piece(lo, src=p.detach()) if name == "param" else Piece(lo, fetch=Fetch(opt, p, name)))
+            lo += p.numel() * 4
+            pieces.append(Piece(lo, nbytes=pad * 4))
+            lo += pad * 4
+        shard = _Sliced(name, torch.empty(n), (n,), (0,))
+        object.__setattr__(shard, "pieces", pieces)
+        shards.append(shard)
+    plan = build_stage_plan(shards)
+    # one concatenation per shard; the padding between slots of different shards is never crossed
+    assert (len(plan._static_cat), len(plan._looked_cat), plan._static_rest, plan._looked_rest) == (1, 2, [], [])
+    assert plan._zeros == [] and plan.copies == 3  # the runs write the padding they cross or end on
+    arena = torch.full((plan.span,), 9, dtype=torch.uint8)
+
+    def check() -> None:
+        plan.stage(arena, 0, plan.sources([]))
+        for i, name in enumerate(("param", "exp_avg", "exp_avg_sq")):
+            want = [torch.zeros(pad)]
+            want += [t for p in ps for t in (p.detach() if name == "param" else opt.state[p][name], torch.zeros(pad))]
+            assert torch.equal(_slot(arena, 0, plan, i), torch.cat(want)), name
+        lo, hi = plan.offsets[0] + plan.sizes[0], plan.offsets[1]
+        assert bool((arena[lo:hi] == 9).all())  # bytes between slots untouched
+
+    check()
+    opt.load_state_dict(opt.state_dict())  # new state tensors: the next save reads them
+    for p in ps:
+        opt.state[p]["exp_avg"].add_(1.0)
+    check()
+    opt.state[ps[2]]["exp_avg_sq"] = opt.state[ps[2]]["exp_avg_sq"].view(2, 2)  # count kept, shape not
+    with pytest.raises(StalePlanError):
+        plan.stage(arena, 0, plan.sources([]))
 
 
 def test_fingerprints_catch_every_structure_change_and_ignore_values() -> None:

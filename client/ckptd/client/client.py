@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -51,6 +52,7 @@ from ckptd.client.protocol import (
     frame_length,
     recv_exactly,
 )
+from ckptd.client.reuse import RepeatedPlans
 from ckptd.client.state import Plan, Shard, dtype_name, plan_state
 from ckptd.writer.errors import (
     BackpressureError,
@@ -145,6 +147,7 @@ class CheckpointClient:
         self._welcome: Welcome | None = None
         self._handles: list[SaveHandle] = []
         self._sidecars_sent: set[str] = set()
+        self._repeats = RepeatedPlans()  # the plain save path's plan, reused while the structure holds
         self._connect()
 
     # --- connection -------------------------------------------------------------------------------
@@ -319,7 +322,14 @@ class CheckpointClient:
         return reply.plan_id
 
     def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
-        """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked."""
+        """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked.
+        A structure saved before goes through its registered plan (:mod:`ckptd.client.reuse`)."""
+        staged = self._repeats.plan_for(plan.shards)
+        if staged is not None:
+            dynamic = [s.data for s in plan.shards]
+            return self._guarded(
+                step, t0, lambda: self._save_span(step, staged, dynamic, plan.objects, sidecars, t0)
+            )
         return self._guarded(step, t0, lambda: self._save_shards(step, plan, sidecars, t0))
 
     def _guarded(self, step: int, t0: float, attempt: Callable[[], SaveHandle]) -> SaveHandle:
@@ -418,7 +428,7 @@ class CheckpointClient:
         return self._accepted(step, reply, t0)
 
     def _unsent(self, sidecars: Sequence[str]) -> dict[str, str]:
-        docs = {sidecar_name(t): t for t in sidecars}
+        docs = {_sidecar_name(t): t for t in sidecars}
         return {n: t for n, t in docs.items() if n not in self._sidecars_sent}
 
     def _release(self, grant: LeaseGranted) -> None:
@@ -477,6 +487,10 @@ class CheckpointClient:
         from ckptd.client.reader import load
 
         return load(self.root, step, template, rank=self.placement.rank, storage_options=self.storage_options)
+
+
+# the layout sidecar is the same string every save: hash it once (its sha256 costs ~1 µs per shard)
+_sidecar_name = functools.lru_cache(maxsize=16)(sidecar_name)
 
 
 def _meta(shard: Shard, slot: int) -> ShardMeta:

@@ -312,7 +312,7 @@ def _check_plain(obj: object, path: str) -> None:
             _check_plain(v, f"{path}/{k}")
         return
     if isinstance(obj, list | tuple):
-        if all(type(v) in _FLAT_LEAVES for v in obj):  # e.g. an RNG state: skip the per-item recursion
+        if set(map(type, obj)) <= _FLAT_LEAVES:  # e.g. an RNG state: skip the per-item recursion
             return
         for i, v in enumerate(obj):
             _check_plain(v, f"{path}[{i}]")

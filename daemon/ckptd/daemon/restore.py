@@ -49,11 +49,25 @@ class Retention:
         """Keep the written shard's slot for a restore; False (caller frees it) when retention is off."""
         if not self.enabled:
             return False
-        offset, size = self.arena.retain_slot(lease, meta.slot)
+        if lease.lease_id < 0:  # a plan save's per-shard view of one span: the span is kept whole (keep_span)
+            offset, size = lease.offsets[meta.slot], 0
+        else:
+            offset, size = self.arena.retain_slot(lease, meta.slot)
         kept = self.kept.setdefault(step, _Kept())
         shard = RestoreShard(meta.key, meta.dtype, list(meta.global_offset), list(meta.shape), offset, _nbytes(meta))
         kept.shards.append(shard)
-        kept.ranges.append((offset, size))
+        if size:
+            kept.ranges.append((offset, size))
+        return True
+
+    def keep_span(self, step: int, span: Lease) -> bool:
+        """Keep a written plan save's span (one arena lease holding all its slots: the arena frees whole
+        leases only) while its step's shards are kept; False (caller releases it) when nothing of it is."""
+        kept = self.kept.get(step)
+        base, end = span.offsets[0], span.offsets[0] + span.sizes[0]
+        if not self.enabled or kept is None or not any(base <= s.offset < end for s in kept.shards):
+            return False
+        kept.ranges.append(self.arena.retain_slot(span, 0))
         return True
 
     @property

@@ -130,11 +130,15 @@ class CheckpointService:
         return nbytes
 
     async def _write_span(self, job: StepJob, save: RankSave, span: Lease) -> None:
-        """A plan save's write: its per-shard lease is a view that frees nothing; the span goes at the end."""
+        """A plan save's write: its per-shard lease is a view that frees nothing; the span goes at the end
+        (or stays, whole, with the shards an in-memory restore keeps)."""
+        kept = False
         try:
             await self.writer.write_rank(job, save)
+            kept = job.state is StepState.PENDING and self.retention.keep_span(job.step, span)
         finally:
-            self.arena.release(span)
+            if not kept:
+                self.arena.release(span)
 
     def _validate(self, req: SaveRequest, lease: Lease) -> None:
         if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptd.client.megatron import introspect
-from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_states
+from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_modules, extra_states
 from ckptd.client.megatron.layout import Binding, bind, get_layout, rank_plan
 from ckptd.client.megatron.model import model_state
 from ckptd.client.megatron.optimizer import optimizer_shards, state_names
@@ -206,7 +206,7 @@ def _save_once(
         states = owned_states(staged.owned)
     objects[MEGATRON_RECORD] = staged.record
     objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
-    modules_extra = extra_states(model_chunks)
+    modules_extra = extra_states(model_chunks, staged.extra_modules)
     if modules_extra:
         objects[EXTRA_STATE_RECORD] = modules_extra
     if extra is not None:
@@ -235,7 +235,7 @@ def _plan_staged(
     stage_plan = build_stage_plan(plan.shards, rng_shards, fingerprint)
     staged = StagedSave(
         fingerprint, watch, stage_plan, plan.layout_json, plan.record, scalar_names, owned,
-        tuple(id(c) for c in model_chunks),
+        tuple(id(c) for c in model_chunks), extra_state_modules(model_chunks),
     )
     remember(optimizer, staged)
     logger.info(

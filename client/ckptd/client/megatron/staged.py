@@ -14,8 +14,12 @@ one ``.item()`` and one JSON dump each.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -43,6 +47,8 @@ class StagedSave:
     # per DistributedOptimizer index: its owned params (and their ids in optim_meta)
     owned: dict[int, list[tuple[str, Owned]]] = field(default_factory=dict)
     chunk_ids: tuple[int, ...] = ()
+    # modules with an _extra_state (read every save; the list is covered by the watch's fingerprint)
+    extra_modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
 
 
 _STAGED: weakref.WeakKeyDictionary[object, StagedSave] = weakref.WeakKeyDictionary()
@@ -75,18 +81,33 @@ def structure(watch: ModuleWatch, binding: Binding) -> tuple[Any, ...]:
     return (
         watch.fingerprint(),
         tuple(groups_fingerprint(o) for o in inner),
-        tuple(params_fingerprint(p for g in o.param_groups for p in g["params"]) for o in inner),
+        tuple(params_fingerprint(itertools.chain.from_iterable(map(_PARAMS, o.param_groups))) for o in inner),
     )
 
 
-def owned_states(owned: dict[int, list[tuple[str, Owned]]]) -> dict[int, list[dict[str, Any] | None]]:
-    """Each owned param's state dict, looked up once per save (``Tensor.__hash__`` is a Python call)."""
-    return {oi: [o.inner.state.get(o.main) for _, o in entries] for oi, entries in owned.items()}
+_PARAMS = operator.itemgetter("params")
 
 
-def state_counts(states: dict[int, list[dict[str, Any] | None]]) -> tuple[int, ...]:
+def owned_states(owned: dict[int, list[tuple[str, Owned]]]) -> dict[int, list[Mapping[str, Any]]]:
+    """Each owned param's state dict, looked up once per save (``Tensor.__hash__`` is a Python call), with
+    one ``map`` per run of params of one inner optimizer (its ``state`` is read here: load_state_dict
+    replaces it)."""
+    out: dict[int, list[Mapping[str, Any]]] = {}
+    for oi, entries in owned.items():
+        states: list[Mapping[str, Any]] = []
+        for inner, run in itertools.groupby((o for _, o in entries), key=operator.attrgetter("inner")):
+            states += map(inner.state.get, map(_MAIN, run), itertools.repeat(_NO_STATE))
+        out[oi] = states
+    return out
+
+
+_MAIN = operator.attrgetter("main")
+_NO_STATE: Mapping[str, Any] = MappingProxyType({})  # a param without state (read-only: shared)
+
+
+def state_counts(states: dict[int, list[Mapping[str, Any]]]) -> tuple[int, ...]:
     """How many states each owned param keeps: a state that appeared (or went) changes it."""
-    return tuple(len(d) if d else 0 for ds in states.values() for d in ds)
+    return tuple(itertools.chain.from_iterable(map(len, ds) for ds in states.values()))
 
 
 def optim_meta(
@@ -94,7 +115,7 @@ def optim_meta(
     optimizer: object,
     binding: Binding,
     layout: MegatronLayout,
-    owned_states: dict[int, list[dict[str, Any] | None]],
+    owned_states: dict[int, list[Mapping[str, Any]]],
 ) -> OptimizerMeta:
     """:func:`~ckptd.client.megatron.optimizer.optimizer_meta`'s value, computed in bulk."""
     meta: OptimizerMeta = {"layout_version": MEGATRON_LAYOUT_VERSION, "optimizers": {}}
@@ -107,7 +128,10 @@ def optim_meta(
         states = owned_states[oi]
         scalars: dict[str, Any] = {}
         for name in staged.scalar_names:
-            found = [(pid, d[name]) for (pid, _), d in zip(entries, states, strict=True) if d and name in d]
+            try:  # the common case: every owned param keeps the state
+                found = list(zip(map(_PID, entries), map(operator.itemgetter(name), states), strict=True))
+            except (KeyError, TypeError):
+                found = [(pid, d[name]) for (pid, _), d in zip(entries, states, strict=True) if d and name in d]
             if not found:
                 continue
             spec = _bulk(found)
@@ -122,15 +146,25 @@ def optim_meta(
     return meta
 
 
+_PID = operator.itemgetter(0)
+
+
 def _bulk(found: list[tuple[str, object]]) -> dict[str, Any] | None:
-    values = [v for _, v in found]
-    first = values[0]
-    if not isinstance(first, torch.Tensor):
+    """One scalar state over every param that keeps it, when all are 0-dim tensors of one dtype: one
+    ``map`` per check and one ``.item()`` each (``torch.stack`` of many 0-dim tensors costs more)."""
+    values: list[Any] = [v for _, v in found]
+    try:
+        dtypes = set(map(_DTYPE, values))
+        dims = set(map(torch.Tensor.dim, values))
+    except (AttributeError, TypeError):  # not all tensors
         return None
-    dtype = first.dtype
-    if not all(isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype == dtype for v in values):
+    if len(dtypes) != 1 or dims != {0}:
         return None
-    plain = torch.stack(values).tolist()  # type: ignore[arg-type]
+    plain = list(map(torch.Tensor.item, values))
+    dtype = dtype_name(dtypes.pop())
     if len(set(plain)) == 1:
-        return {"dtype": dtype_name(dtype), "value": plain[0]}
-    return {"dtype": dtype_name(dtype), "by_param": {pid: v for (pid, _), v in zip(found, plain, strict=True)}}
+        return {"dtype": dtype, "value": plain[0]}
+    return {"dtype": dtype, "by_param": dict(zip(map(_PID, found), plain, strict=True))}
+
+
+_DTYPE = operator.attrgetter("dtype")

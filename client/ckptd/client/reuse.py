@@ -1,0 +1,62 @@
+"""The plain ``save()`` path's plan reuse: a state saved again with the same structure is staged through a
+registered :class:`~ckptd.client.plan.StagePlan` instead of per-shard metas.
+
+A ``save(state)`` plans its shards from the caller's dict at every call (the tensors may be new objects
+each time: ``model.state_dict()`` returns fresh views), so the plan cannot hold the sources; it holds
+everything else. Every shard is a per-save (*dynamic*) source of the plan: its slot, its meta (registered
+with the daemon once and then named by id) and its prebuilt destination view are reused, and one batched
+``_foreach_copy_`` stages them. The structure is compared at every save (key, dtype, shape, device, global
+shape and offset, chunk grid of every shard, in order); a plan is built only when a structure repeats, so
+a caller whose state differs each time pays nothing extra (no registration per save). Shards of a subclass
+that stages itself (:meth:`~ckptd.client.state.Shard.stage_into` overridden) keep the per-shard path.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from ckptd.client.plan import PlanCache, StagePlan, build_stage_plan
+from ckptd.client.state import Shard
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_DEVICE = operator.attrgetter("device")
+_KEY = "plain"
+
+
+def shards_fingerprint(shards: Sequence[Shard]) -> tuple[Any, ...] | None:
+    """Everything a plan of ``shards`` depends on, or None when one stages itself (a subclass)."""
+    if any(type(s) is not Shard for s in shards):
+        return None
+    ts = [s.data for s in shards]
+    return (
+        [s.key for s in shards], list(map(_DTYPE, ts)), list(map(_SHAPE, ts)), list(map(_DEVICE, ts)),
+        [(s.global_shape, s.global_offset, s.chunk_shape) for s in shards],
+    )
+
+
+class RepeatedPlans:
+    """One client's plan for its plain saves: built the second time a structure is seen, reused while it
+    holds."""
+
+    def __init__(self) -> None:
+        self._cache = PlanCache()
+        self._last: object = None  # the previous save's structure, while it has no plan
+
+    def plan_for(self, shards: Sequence[Shard]) -> StagePlan | None:
+        """The plan to stage ``shards`` (validated already) through, or None for the per-shard path."""
+        fp = shards_fingerprint(shards) if shards else None
+        if fp is None:
+            return None
+        plan = self._cache.get(_KEY, fp)
+        if plan is not None:
+            return plan
+        if fp != self._last:
+            self._last = fp
+            return None
+        plan = build_stage_plan([], shards, fp)
+        self._cache.put(_KEY, plan)
+        self._last = None
+        return plan
