@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptd.client import CheckpointClient, Placement, StepState
+from ckptd.client import CheckpointClient, Placement, Shard, StepState
 from ckptd.client.reader import load
 from ckptd.daemon.journal import journal_path
 from ckptd.testing.fixtures import tree_digest
@@ -35,6 +35,11 @@ def _state(step: int, rank: int = 0, big: bool = False) -> dict[str, torch.Tenso
     g = torch.Generator().manual_seed(100 * step + rank)
     n = (32 << 20) // 4 if big else 4096  # big: 32 MiB in 512 chunks written one by one, each synced
     return {f"r{rank}/w": torch.randn(n, generator=g)}
+
+
+def _own(state: dict[str, torch.Tensor]) -> dict[str, Shard]:
+    """Each key as a whole array this rank writes (a plain tensor is a replica that rank 0 writes)."""
+    return {k: Shard(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in state.items()}
 
 
 def _wait_for(cond, timeout: float, what: str) -> None:
@@ -106,15 +111,21 @@ def test_other_node_stops_waiting_when_a_restarted_daemon_abandons(killed, start
     flags = {n: SLOW if n == killed else ("--stage-grace", "0") for n in (0, 1)}
     daemons = {n: start_daemon(str(root), f"n{n}", *flags[n], arena="128MiB") for n in (0, 1)}
     clients = {r: CheckpointClient(daemons[r].socket, placement=Placement(r, 2, 1, r), timeout_s=10) for r in (0, 1)}
-    first = [clients[r].save(1, _state(1, r)) for r in (0, 1)]  # a committed step: it must stay intact
+    first = [clients[r].save(1, _own(_state(1, r))) for r in (0, 1)]  # a committed step: it must stay intact
     for h in first:
         h.wait(30)
     survivor = 1 - killed
-    handles = {r: clients[r].save(2, _state(2, r, big=r == killed)) for r in (0, 1)}
+    # One chunk of the killed node's array is a named pipe: its write blocks, so that node's part can never
+    # land before the kill, however the machine's load orders the two nodes' writes.
+    chunks = root / "step_2" / f"r{killed}" / "w" / "c"
+    chunks.mkdir(parents=True)
+    os.mkfifo(chunks / "5")
+    handles = {r: clients[r].save(2, _own(_state(2, r, big=r == killed))) for r in (0, 1)}
     _wait_for(lambda: (root / "step_2" / "_ckptd" / "_parts" / f"node-{survivor}.json").exists(), 30,
               "the surviving node's part")
-    _wait_for(lambda: _chunks_written(root / "step_2"), 30, "the killed node's first chunks")
+    _wait_for(lambda: any(p.is_file() for p in chunks.iterdir()), 30, "the killed node's first chunks")
     daemons[killed].kill()
+    assert not (root / "step_2" / "_ckptd" / "_parts" / f"node-{killed}.json").exists()
     before = tree_digest(str(root / "step_1"))
 
     t0 = time.monotonic()
