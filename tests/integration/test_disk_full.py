@@ -58,9 +58,9 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
 
 
-def fill(path: Path, leave: int) -> Path:
+def fill(path: Path, leave: int, name: str = "filler") -> Path:
     """Fill the filesystem of ``path`` until ``leave`` bytes are free; returns the filler file."""
-    filler = path / "filler"
+    filler = path / name
     block = b"\0" * MiB
     with open(filler, "wb") as fh:
         while True:
@@ -151,6 +151,8 @@ def test_disk_full_during_part_manifest_and_marker_writes(tiny_fs: Path) -> None
             filler = fill(tiny_fs, leave=0)
             with pytest.raises(StorageFullError):  # the commit: metadata documents, then the marker
                 await w.commit(2, 1, timeout=5)
+            # the failed commit cleaned up after itself: take the blocks it freed too
+            topup = fill(tiny_fs, leave=0, name="filler-2")
             with pytest.raises(StorageFullError):  # the marker itself (create-once: temp file, link)
                 await w.write_marker(2, encode_json(_part(2)))
             assert not await w.is_committed(2)
@@ -159,6 +161,7 @@ def test_disk_full_during_part_manifest_and_marker_writes(tiny_fs: Path) -> None
             assert (await w.read_commit(1)).objects["0"]["step"] == 1
 
             filler.unlink()  # space is back: the same step commits
+            topup.unlink()
             await w.commit(2, 1, timeout=5)
             assert await w.committed_steps() == [1, 2] and await w.latest() == 2
 
