@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckptd.client.ownership import pid_alive
 from ckptd.writer.errors import ArenaError, BackpressureError, SaveTimeoutError
 
 log = logging.getLogger(__name__)
@@ -269,19 +270,10 @@ def remove_stale_arenas(shm_dir: str = SHM_DIR) -> list[str]:
             pid = int(name[len(prefix) :].split("-")[0])
         except ValueError:
             continue
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(shm_dir, name))
             removed.append(name)
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from ckptd.daemon.arena import _alive
+from ckptd.client.ownership import pid_alive
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import StepAbandonedError
 
@@ -77,7 +77,7 @@ class StepJournal:
         except (OSError, msgspec.DecodeError) as exc:
             log.warning("ignoring an unreadable step journal %s: %s", self.path, exc)
             return None
-        if doc.pid != os.getpid() and _alive(doc.pid):
+        if doc.pid != os.getpid() and pid_alive(doc.pid):
             log.warning("step journal %s belongs to a running daemon (pid %d): not recovering it", self.path, doc.pid)
             return None
         return doc
