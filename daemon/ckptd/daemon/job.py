@@ -97,6 +97,8 @@ class StepJob:
         self._state = StepState.PENDING
         self._error: CkptdError | None = None
         self.finished = asyncio.Event()
+        self.failed_at = 0.0  # monotonic time of the failure
+        self.told: set[int] = set()  # late ranks of this failed attempt that were given its error
         self.all_staged = asyncio.Event()
 
     # --- identity ---------------------------------------------------------------------------------
@@ -143,6 +145,7 @@ class StepJob:
         if self.final:
             return False
         self._error = error  # before the move: waiters woken by it find the error in place
+        self.failed_at = time.monotonic()
         self._move(StepState.FAILED)
         self.held.take()  # small-array copies that will never be written
         return True

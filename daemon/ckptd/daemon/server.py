@@ -18,6 +18,7 @@ import signal
 import socket
 import stat
 import struct
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -106,6 +107,7 @@ class Daemon:
         self.service: CheckpointService | None = None
         self.arena: Arena | None = None
         self._clients = 0  # open connections, for --exit-when-idle
+        self._conn_since: dict[int, float] = {}  # when each open connection began (monotonic)
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
         """Serve until shut down (see :func:`serve`); the storage backend is opened first and closed last."""
@@ -260,6 +262,7 @@ class Daemon:
         sock = writer.get_extra_info("socket")
         arena = self._arena()
         self._clients += 1
+        self._conn_since[conn] = time.monotonic()
         try:
             if sock is not None and _peer_uid(sock) != os.getuid():
                 log.warning("conn=%d: refused a peer of another user", conn)
@@ -283,6 +286,7 @@ class Daemon:
             log.debug("conn=%d: connection lost: %s", conn, exc)
         finally:
             self._clients -= 1
+            self._conn_since.pop(conn, None)
             freed = arena.release_owner(conn)
             if freed:
                 log.info("conn=%d: client left; released %d unused lease(s)", conn, freed)
@@ -320,7 +324,7 @@ class Daemon:
                 lease = await arena.lease(conn, req.sizes, max(0.0, req.timeout_s))
                 return LeaseGranted(v=v, lease_id=lease.lease_id, offsets=lease.offsets)
             case SaveRequest():
-                nbytes = await service.accept(req, conn)
+                nbytes = await service.accept(req, conn, since=self._conn_since.get(conn, 0.0))
                 return SaveAccepted(v=v, step=req.step, nbytes=nbytes)
             case ReleaseRequest():
                 held = arena.get(req.lease_id, conn)

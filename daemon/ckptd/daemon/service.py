@@ -91,8 +91,13 @@ class CheckpointService:
         self.journal: StepJournal | None = None  # set by the server: steps in flight, for a successor
 
     # --- accepting saves --------------------------------------------------------------------------
-    async def accept(self, req: SaveRequest, owner: int) -> int:
-        """Validate a rank's save and start writing it. Returns the bytes accepted."""
+    async def accept(self, req: SaveRequest, owner: int, since: float = 0.0) -> int:
+        """Validate a rank's save and start writing it. Returns the bytes accepted.
+
+        ``since`` is when the rank's connection began: a rank connected before its node's attempt at the
+        step failed, and not part of that attempt yet, is a late member of it and gets its error (once);
+        a rank that saved in it, or connected after it failed (a restarted rank), starts a new attempt.
+        """
         if self.draining:
             raise DaemonShuttingDownError("the daemon is shutting down and accepts no new saves")
         lease = self.arena.get(req.lease_id, owner)
@@ -108,7 +113,7 @@ class CheckpointService:
         for name, text in req.sidecars.items():
             check_sidecar(name, text)
         with self._typed_storage_errors():
-            job = await self._job_for(req)
+            job = await self._job_for(req, since)
         if req.rank in job.saves:
             raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
         if job.state is not StepState.PENDING:
@@ -167,11 +172,16 @@ class CheckpointService:
                 raise ShardLayoutError(f"{meta.key}: region at {meta.global_offset} given twice")
             seen.add(where)
 
-    async def _job_for(self, req: SaveRequest) -> StepJob:
+    async def _job_for(self, req: SaveRequest, since: float = 0.0) -> StepJob:
         async with self._job_lock:
             job = self.jobs.get(req.step)
             if job is not None and job.state is StepState.COMMITTED:
                 raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
+            if (job is not None and job.state is StepState.FAILED and job.error is not None
+                    and req.rank not in job.saves and req.rank not in job.told and since < job.failed_at):
+                # A new attempt would wait for ranks that already heard of the failure (until --part-timeout)
+                job.told.add(req.rank)
+                raise job.error
             if job is None or job.state is StepState.FAILED:  # a failed step may be saved again
                 if await self.root.is_committed(req.step):
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
