@@ -23,6 +23,7 @@ import torch
 
 from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.reader import load
+from ckptd.testing.fixtures import unavailable
 from ckptd.writer.backends import open_backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import StorageError, StorageFullError
@@ -39,7 +40,7 @@ def _tmpfs(mnt: Path, size: str) -> Iterator[Path]:
     out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        pytest.skip(f"mounting a size-limited tmpfs needs root: {out.stderr.strip()}")
+        unavailable(f"mounting a size-limited tmpfs needs root: {out.stderr.strip()}")
     try:
         yield mnt
     finally:

@@ -20,7 +20,7 @@ import torch
 
 from ckptd.client import CheckpointClient, Placement
 from ckptd.client.reader import load
-from ckptd.testing.fixtures import BUCKET
+from ckptd.testing.fixtures import BUCKET, unavailable
 from ckptd.testing.s3rver import S3rverServer, s3rver_command
 from ckptd.testing.s3server import S3Server
 from ckptd.writer.format import CONTROL_DIR
@@ -32,7 +32,7 @@ CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 @pytest.fixture(scope="module", params=["moto", "s3rver"])
 def server(request: pytest.FixtureRequest) -> Iterator[Any]:
     if request.param == "s3rver" and s3rver_command() is None:
-        pytest.skip("s3rver is not installed (./bootstrap.sh setup installs it into .ci/node_modules with npm)")
+        unavailable("s3rver is not installed (./bootstrap.sh setup installs it into .ci/node_modules with npm)")
     with (S3Server() if request.param == "moto" else S3rverServer()) as srv:
         srv.make_bucket(BUCKET)
         yield srv

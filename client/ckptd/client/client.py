@@ -8,7 +8,6 @@ stay fork-safe. Everything after the copy happens in the daemon; :class:`SaveHan
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import mmap
@@ -26,6 +25,7 @@ from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
+from ckptd.client.pinned import pin_host_memory
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
 from ckptd.client.protocol import (
@@ -378,15 +378,8 @@ class CheckpointClient:
             return grant
         try:
             self._stage(plan.shards, grant.offsets)
-            p = self.placement
-            reply = self._request(
-                SaveRequest(
-                    v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
-                    node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size,
-                    shards=[_meta(s, i) for i, s in enumerate(plan.shards)], objects=plan.objects,
-                    sidecars=docs, stall_s=time.perf_counter() - t0,
-                )
-            )
+            metas = [_meta(s, i) for i, s in enumerate(plan.shards)]
+            reply = self._request(self._save_request(step, grant, metas, plan.objects, docs, 0, t0))
             self._sidecars_sent.update(docs)
         except BaseException:
             self._release(grant)
@@ -411,12 +404,7 @@ class CheckpointClient:
             if plan.cuda and not self._pinned:
                 self._pin_arena()
             plan.stage(self._arena_t, grant.offsets[0], sources)
-            p = self.placement
-            req = SaveRequest(
-                v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
-                node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size, shards=[],
-                objects=objects, sidecars=docs, plan_id=plan_id, stall_s=time.perf_counter() - t0,
-            )
+            req = self._save_request(step, grant, [], objects, docs, plan_id, t0)
             try:
                 reply = self._request(req)
             except PlanUnknownError:  # the daemon dropped it (or is another one): register again, resend
@@ -426,6 +414,17 @@ class CheckpointClient:
             self._release(grant)
             raise
         return self._accepted(step, reply, t0)
+
+    def _save_request(
+        self, step: int, grant: LeaseGranted, shards: list[ShardMeta], objects: dict[str, Any],
+        docs: dict[str, str], plan_id: int, t0: float,
+    ) -> SaveRequest:
+        p = self.placement
+        return SaveRequest(
+            v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
+            node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size, shards=shards,
+            objects=objects, sidecars=docs, plan_id=plan_id, stall_s=time.perf_counter() - t0,
+        )
 
     def _unsent(self, sidecars: Sequence[str]) -> dict[str, str]:
         docs = {_sidecar_name(t): t for t in sidecars}
@@ -460,11 +459,7 @@ class CheckpointClient:
         """Register the arena as pinned host memory once, so D2H copies go straight into it."""
         if self._arena is None:
             raise DaemonUnavailableError("no staging arena mapped: the client is closed")
-        ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena))
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
-        err = cudart.cudaHostRegister(ptr, len(self._arena), 0)
-        if int(err) != 0:
-            log.warning("cudaHostRegister failed (%s); D2H copies into the arena will be pageable", err)
+        pin_host_memory(self._arena)
         self._pinned = True
 
     def _raise_background_errors(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -47,16 +48,22 @@ def validate_plan(msg: RegisterPlan) -> None:
         if lo < end or size < 0 or lo + size > msg.span:
             raise LeaseError(f"plan: slot {i} [{lo}, {lo + size}) overlaps another or leaves the {msg.span}-byte span")
         end = lo + size
+    check_shards(msg.shards, msg.sizes, "the plan")
+
+
+def check_shards(shards: Sequence[ShardMeta], sizes: Sequence[int], owner: str) -> None:
+    """A save's shard metas against the slots they name (of a plan or a lease, ``owner`` in errors): valid
+    keys and chunk grids, regions inside their arrays and given once, each slot used once and big enough."""
     used: set[int] = set()
     seen: set[tuple[str, tuple[int, ...]]] = set()
-    for meta in msg.shards:
+    for meta in shards:
         validate_key(meta.key)
-        if not 0 <= meta.slot < n or meta.slot in used:
-            raise LeaseError(f"{meta.key}: slot {meta.slot} is not a free slot of the plan")
+        if not 0 <= meta.slot < len(sizes) or meta.slot in used:
+            raise LeaseError(f"{meta.key}: slot {meta.slot} is not a free slot of {owner}")
         used.add(meta.slot)
         size = math.prod(meta.shape) * itemsize(meta.dtype)
-        if size > msg.sizes[meta.slot]:
-            raise LeaseError(f"{meta.key}: {size} bytes do not fit slot {meta.slot} of {msg.sizes[meta.slot]} bytes")
+        if size > sizes[meta.slot]:
+            raise LeaseError(f"{meta.key}: {size} bytes do not fit slot {meta.slot} of {sizes[meta.slot]} bytes")
         if any(c <= 0 for c in meta.chunk_shape) or len(meta.chunk_shape) != len(meta.global_shape):
             raise ShardLayoutError(f"{meta.key}: invalid chunk grid {meta.chunk_shape}")
         check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, meta.chunk_shape)

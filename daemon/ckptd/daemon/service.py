@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -24,7 +23,7 @@ from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
 from ckptd.daemon.journal import JournalEntry, StepJournal
-from ckptd.daemon.plans import PlanRegistry
+from ckptd.daemon.plans import PlanRegistry, check_shards
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
 from ckptd.daemon.writes import ShardWriter, first_leaf
@@ -37,7 +36,6 @@ from ckptd.writer.errors import (
     InvalidRequestError,
     LeaseError,
     SaveTimeoutError,
-    ShardLayoutError,
     StepCommittedError,
     StepFailedError,
 )
@@ -45,11 +43,9 @@ from ckptd.writer.format import (
     FORMAT_VERSION,
     ArrayRecord,
     PartManifest,
-    check_region,
     check_sidecar,
     itemsize,
     plan_chunks,
-    validate_key,
 )
 
 log = logging.getLogger(__name__)
@@ -152,25 +148,7 @@ class CheckpointService:
             )
         if req.local_world_size < 1 or req.local_world_size > req.world_size:
             raise InvalidRequestError(f"local_world_size {req.local_world_size} outside [1, {req.world_size}]")
-        used: set[int] = set()
-        seen: set[tuple[str, tuple[int, ...]]] = set()
-        for meta in req.shards:
-            validate_key(meta.key)
-            if not 0 <= meta.slot < len(lease.sizes) or meta.slot in used:
-                raise LeaseError(f"{meta.key}: slot {meta.slot} is not a free slot of lease {req.lease_id}")
-            used.add(meta.slot)
-            size = math.prod(meta.shape) * itemsize(meta.dtype)
-            if size > lease.sizes[meta.slot]:
-                raise LeaseError(
-                    f"{meta.key}: {size} bytes do not fit slot {meta.slot} of {lease.sizes[meta.slot]} bytes"
-                )
-            if any(c <= 0 for c in meta.chunk_shape) or len(meta.chunk_shape) != len(meta.global_shape):
-                raise ShardLayoutError(f"{meta.key}: invalid chunk grid {meta.chunk_shape}")
-            check_region(meta.key, meta.global_shape, meta.global_offset, meta.shape, meta.chunk_shape)
-            where = (meta.key, tuple(meta.global_offset))
-            if where in seen:
-                raise ShardLayoutError(f"{meta.key}: region at {meta.global_offset} given twice")
-            seen.add(where)
+        check_shards(req.shards, lease.sizes, f"lease {req.lease_id}")
 
     async def _job_for(self, req: SaveRequest, since: float = 0.0) -> StepJob:
         async with self._job_lock:

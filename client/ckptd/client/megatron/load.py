@@ -18,7 +18,7 @@ from ckptd.client.megatron import introspect
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
-from ckptd.client.megatron.rank_state import plan_rank_state
+from ckptd.client.megatron.rank_state import RankState, plan_rank_state
 from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices
 from ckptd.client.reader import fill_async, plan_reads, read_flat_async
 from ckptd.client.restore import arena_source
@@ -207,17 +207,36 @@ async def _load_merged(
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout))
-    meta = commit.objects[str(min(records))][OPTIM_META]
-    slices[OPTIM_META] = [_uniform_scalars(meta)]
+    slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
+    return await _fill_and_apply(ckpt, commit, records, template, rank, model_chunks, optimizer, layout, slices,
+                                 rng=rng, source="its merged layout")
+
+
+async def _fill_and_apply(
+    ckpt: CheckpointRoot,
+    commit: CommitManifest,
+    records: Mapping[int, Record],
+    template: dict[str, Any],
+    rank: RankState,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    layout: MegatronLayout,
+    slices: dict[str, Any],
+    *,
+    rng: bool,
+    source: str,
+) -> LoadedCheckpoint:
+    """The common end of the two loads at another layout: model tensors and RNG read into place, the
+    optimizer's state applied from ``slices``, per-rank state restored, one log line."""
     await fill_async(ckpt, commit, {**template, **rank.rng})
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
     rank.restore(model_chunks, rng=rng)
     saved = records[rank.source]
     logger.info(
-        "loaded step %d from its merged layout (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
-        commit.step, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank, layout.pp_rank,
-        layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
+        "loaded step %d from %s (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
+        commit.step, source, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank,
+        layout.pp_rank, layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
     )
     return LoadedCheckpoint(commit.step, rank.extra, rank.source)
 
@@ -244,17 +263,8 @@ async def _load_resharded(
     saved = await _saved_layouts(ckpt, commit, records)
     slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout))
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
-    await fill_async(ckpt, commit, {**template, **rank.rng})
-    drop_unsaved_state(optimizer, layout, slices)
-    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
-    rank.restore(model_chunks, rng=rng)
-    saved_rec = records[rank.source]
-    logger.info(
-        "loaded step %d from its DP layout without a merge (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of "
-        "TP=%d PP=%d DP=%d)", commit.step, saved_rec["tp_size"], saved_rec["pp_size"], saved_rec["dp_size"],
-        layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
-    )
-    return LoadedCheckpoint(commit.step, rank.extra, rank.source)
+    return await _fill_and_apply(ckpt, commit, records, template, rank, model_chunks, optimizer, layout, slices,
+                                 rng=rng, source="its DP layout without a merge")
 
 
 async def _load_model_only(
