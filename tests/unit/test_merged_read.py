@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,8 +135,9 @@ def test_a_damaged_merged_chunk_raises(root: str, tmp_path: Path, damage: str) -
         Path(path).write_bytes(bytes(data[:-3]))
     else:
         os.remove(path)
+    chunk = re.escape(f"step_1/{fmt.merged_array_name('exp_avg', 'layers')}/c/1/0/0")
     for dp_rank in (0, 1):
-        with pytest.raises(CorruptCheckpointError, match="optimizer.state.exp_avg.layers/c/1/0/0"):
+        with pytest.raises(CorruptCheckpointError, match=chunk):
             _read(copy, dp_rank)
 
 
@@ -152,9 +154,10 @@ def test_s3_merged_slices_and_a_truncated_chunk(s3_options: dict[str, object], s
     url = f"s3://{BUCKET}/merged-read"
     _write(url, s3_options)
     _check(url, s3_options)
-    key = f"merged-read/step_1/{fmt.merged_array_name('param', 'w')}/c/1/0"
+    chunk = f"step_1/{fmt.merged_array_name('param', 'w')}/c/1/0"
+    key = f"merged-read/{chunk}"
     client = s3.client()
     data = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
     client.put_object(Bucket=BUCKET, Key=key, Body=data[:-1])
-    with pytest.raises(CorruptCheckpointError, match="optimizer.state.param.w/c/1/0"):
+    with pytest.raises(CorruptCheckpointError, match=re.escape(chunk)):
         _read(url, 0, s3_options)

@@ -261,8 +261,8 @@ def _torch_norm_with_sequence_parallel() -> None:
             param.sequence_parallel = sp  # type: ignore[attr-defined]
         return norm
 
-    WrappedTorchNorm.__new__ = new  # type: ignore[method-assign,assignment]
-    WrappedTorchNorm._ckptd_sequence_parallel = True  # type: ignore[attr-defined]
+    WrappedTorchNorm.__new__ = new
+    WrappedTorchNorm._ckptd_sequence_parallel = True
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
