@@ -53,7 +53,7 @@ from ckptd.client.protocol import (
     recv_exactly,
 )
 from ckptd.client.reuse import RepeatedPlans
-from ckptd.client.state import Plan, Shard, dtype_name, plan_state
+from ckptd.client.state import Plan, Shard, dtype_name, plan_state, replica_metas
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
@@ -324,7 +324,7 @@ class CheckpointClient:
     def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
         """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked.
         A structure saved before goes through its registered plan (:mod:`ckptd.client.reuse`)."""
-        staged = self._repeats.plan_for(plan.shards)
+        staged = self._repeats.plan_for(plan.shards, plan.replicas)
         if staged is not None:
             dynamic = [s.data for s in plan.shards]
             return self._guarded(
@@ -379,7 +379,7 @@ class CheckpointClient:
         try:
             self._stage(plan.shards, grant.offsets)
             metas = [_meta(s, i) for i, s in enumerate(plan.shards)]
-            reply = self._request(self._save_request(step, grant, metas, plan.objects, docs, 0, t0))
+            reply = self._request(self._save_request(step, grant, metas, plan.objects, docs, 0, t0, plan.replicas))
             self._sidecars_sent.update(docs)
         except BaseException:
             self._release(grant)
@@ -417,13 +417,14 @@ class CheckpointClient:
 
     def _save_request(
         self, step: int, grant: LeaseGranted, shards: list[ShardMeta], objects: dict[str, Any],
-        docs: dict[str, str], plan_id: int, t0: float,
+        docs: dict[str, str], plan_id: int, t0: float, replicas: Sequence[Shard] = (),
     ) -> SaveRequest:
         p = self.placement
         return SaveRequest(
             v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
             node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size, shards=shards,
-            objects=objects, sidecars=docs, plan_id=plan_id, stall_s=time.perf_counter() - t0,
+            objects=objects, sidecars=docs, plan_id=plan_id, replicas=replica_metas(replicas),
+            stall_s=time.perf_counter() - t0,
         )
 
     def _unsent(self, sidecars: Sequence[str]) -> dict[str, str]:

@@ -32,8 +32,8 @@ import torch
 
 from ckptd.client.copyruns import MAX_GAP, Gaps, cat_runs, numel, uncovered
 from ckptd.client.copyruns import Dst as _Dst
-from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ShardMeta, Welcome
-from ckptd.client.state import Shard, dtype_name
+from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ReplicaMeta, ShardMeta, Welcome
+from ckptd.client.state import Shard, dtype_name, replica_metas
 from ckptd.writer.errors import CkptdError
 
 ALIGN = 64  # slot alignment in the span: every dtype's views stay aligned, copies start on cache lines
@@ -172,6 +172,7 @@ class StagePlan:
     _gap_zeros: list[torch.Tensor] = field(default_factory=list)
     registered: tuple[Welcome, int] | None = None  # (the daemon's Welcome, plan id) it is registered under
     cuda: bool = False
+    replicas: list[ReplicaMeta] = field(default_factory=list)  # non-main replica regions, sent on registration
 
     @property
     def nbytes(self) -> int:
@@ -210,7 +211,8 @@ class StagePlan:
 
     def register_message(self, rank: int) -> RegisterPlan:
         return RegisterPlan(
-            v=PROTOCOL_VERSION, rank=rank, shards=self.metas, offsets=self.offsets, sizes=self.sizes, span=self.span
+            v=PROTOCOL_VERSION, rank=rank, shards=self.metas, offsets=self.offsets, sizes=self.sizes, span=self.span,
+            replicas=self.replicas,
         )
 
     def plan_id(self, welcome: Welcome | None) -> int:
@@ -332,10 +334,12 @@ def pieces_of(shard: Shard) -> list[Piece]:
 
 
 def build_stage_plan(
-    shards: Sequence[Shard], dynamic: Sequence[Shard] = (), fingerprint: object = None
+    shards: Sequence[Shard], dynamic: Sequence[Shard] = (), fingerprint: object = None,
+    replicas: Sequence[Shard] = (),
 ) -> StagePlan:
     """Lay out ``shards`` (static or described by pieces) and ``dynamic`` (tensor given per save) in one
-    span, and compile the copy program. Pure: no I/O, nothing copied. ``shards`` are validated already."""
+    span, and compile the copy program. Pure: no I/O, nothing copied. ``shards`` are validated already;
+    ``replicas`` (the rank's non-main replicas, staged by nobody) go with the plan's registration."""
     everything = list(shards) + list(dynamic)
     offsets = [0] * len(everything)
     sizes = [s.nbytes for s in everything]
@@ -363,6 +367,7 @@ def build_stage_plan(
             offsets[i] = _align(end)
             end = offsets[i] + sizes[i]
     plan = StagePlan([shard_meta(s, i) for i, s in enumerate(everything)], offsets, sizes, _align(end), fingerprint)
+    plan.replicas = replica_metas(replicas)
     runs = _Runs(plan)
     for i in plain:
         runs.add(pieces[i][0].src, offsets[i])  # type: ignore[arg-type]

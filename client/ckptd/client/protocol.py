@@ -77,6 +77,18 @@ class ShardMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     slot: int  # index into the lease's slots
 
 
+class ReplicaMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A region this rank holds only as a non-main replica (it writes nothing of it): the coordinator
+    checks that some rank wrote it (``ShardLayoutError`` otherwise). A msgpack array, for compactness:
+    ``[key, dtype, global_shape, global_offset, shape]``."""
+
+    key: str
+    dtype: str
+    global_shape: list[int]
+    global_offset: list[int]
+    shape: list[int]
+
+
 class SaveRequest(_Msg, frozen=True, tag="save"):
     lease_id: int
     step: int
@@ -96,6 +108,8 @@ class SaveRequest(_Msg, frozen=True, tag="save"):
     # Seconds the rank was blocked up to sending this request (planning and the copy into the arena):
     # the daemon's save-stall histogram. 0.0 from clients that do not measure it.
     stall_s: float = 0.0
+    # Regions the rank holds only as non-main replicas (a plan save's come with its RegisterPlan instead).
+    replicas: list[ReplicaMeta] = []
 
 
 class ReleaseRequest(_Msg, frozen=True, tag="release"):
@@ -224,6 +238,7 @@ class RegisterPlan(_Msg, frozen=True, tag="register_plan"):
     offsets: list[int]
     sizes: list[int]
     span: int
+    replicas: list[ReplicaMeta] = []  # the plan's non-main replica regions (see SaveRequest.replicas)
 
 
 class PlanRegistered(_Msg, frozen=True, tag="plan_registered"):

@@ -26,15 +26,21 @@ _DEVICE = operator.attrgetter("device")
 _KEY = "plain"
 
 
-def shards_fingerprint(shards: Sequence[Shard]) -> tuple[Any, ...] | None:
-    """Everything a plan of ``shards`` depends on, or None when one stages itself (a subclass)."""
+def shards_fingerprint(shards: Sequence[Shard], replicas: Sequence[Shard] = ()) -> tuple[Any, ...] | None:
+    """Everything a plan of ``shards`` depends on, or None when one stages itself (a subclass). The
+    non-main ``replicas`` a plan reports (with its registration) are part of it."""
     if any(type(s) is not Shard for s in shards):
         return None
     ts = [s.data for s in shards]
-    return (
+    fp = (
         [s.key for s in shards], list(map(_DTYPE, ts)), list(map(_SHAPE, ts)), list(map(_DEVICE, ts)),
         [(s.global_shape, s.global_offset, s.chunk_shape) for s in shards],
     )
+    if not replicas:
+        return fp
+    rs = [r.data for r in replicas]
+    return (*fp, [r.key for r in replicas], list(map(_DTYPE, rs)), list(map(_SHAPE, rs)),
+            [(r.global_shape, r.global_offset) for r in replicas])
 
 
 class RepeatedPlans:
@@ -45,9 +51,10 @@ class RepeatedPlans:
         self._cache = PlanCache()
         self._last: object = None  # the previous save's structure, while it has no plan
 
-    def plan_for(self, shards: Sequence[Shard]) -> StagePlan | None:
-        """The plan to stage ``shards`` (validated already) through, or None for the per-shard path."""
-        fp = shards_fingerprint(shards) if shards else None
+    def plan_for(self, shards: Sequence[Shard], replicas: Sequence[Shard] = ()) -> StagePlan | None:
+        """The plan to stage ``shards`` (validated already) through, or None for the per-shard path;
+        ``replicas`` (the save's non-main replicas) are registered with the plan."""
+        fp = shards_fingerprint(shards, replicas) if shards else None
         if fp is None:
             return None
         plan = self._cache.get(_KEY, fp)
@@ -56,7 +63,7 @@ class RepeatedPlans:
         if fp != self._last:
             self._last = fp
             return None
-        plan = build_stage_plan([], shards, fp)
+        plan = build_stage_plan([], shards, fp, replicas)
         self._cache.put(_KEY, plan)
         self._last = None
         return plan

@@ -6,18 +6,23 @@ A state dict is a nested ``dict`` whose leaves are
   global offset, replica id; only the main replica, ``replica_id`` 0 or all zeros, is written);
 - objects that quack like Megatron's ``ShardedTensor`` (converted with :meth:`Shard.from_sharded_tensor`);
 - plain ``torch.Tensor`` — a tensor replicated on every rank, stored once (rank 0 writes it) under its
-  dict path joined with ``/``; use :meth:`Shard.per_rank` for tensors that differ between ranks;
+  dict path joined with ``/``; use :meth:`Shard.per_rank` for tensors that differ between ranks. Every
+  other rank reports it as a non-main replica, and so does any rank for a non-main ``Shard``: the step
+  fails with :class:`~ckptd.writer.errors.ShardLayoutError` on every rank, and nothing is committed, when no
+  rank wrote that key's main replica with the same global shape and dtype (say rank 1 saves a plain
+  tensor under a key rank 0 lacks) — never committed without it;
 - anything else — plain data (numbers, strings, lists, dicts) kept per rank in the commit manifest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ckptd.client.protocol import ReplicaMeta
 from ckptd.writer.errors import InvalidRequestError, ShardLayoutError
 from ckptd.writer.format import check_region, itemsize, validate_key
 
@@ -95,14 +100,24 @@ class Shard:
 
 @dataclass
 class Plan:
-    """A rank's save: the shards it writes (main replicas only) and its plain-data leaves."""
+    """A rank's save: the shards it writes (main replicas only), its plain-data leaves, and the shards it
+    holds only as non-main replicas (not written; reported so the coordinator can check someone wrote them)."""
 
     shards: list[Shard] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)
+    replicas: list[Shard] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
+
+
+def replica_metas(replicas: Iterable[Shard]) -> list[ReplicaMeta]:
+    """The wire form of non-main replica shards: what the coordinator checks someone wrote."""
+    return [
+        ReplicaMeta(s.key, dtype_name(s.data.dtype), list(s.global_shape), list(s.global_offset), list(s.data.shape))
+        for s in replicas
+    ]
 
 
 def _is_sharded_tensor(obj: object) -> bool:
@@ -147,7 +162,7 @@ def plan_state(state: Mapping[str, Any], rank: int) -> Plan:
     """Split a state dict into the shards this rank writes and its plain-data leaves. Pure, no I/O.
 
     Raises typed errors for unsafe keys, unsupported dtypes, regions off the chunk grid and the same key
-    staged twice by this rank.
+    staged twice by this rank. Non-main replicas are not written; they go to ``Plan.replicas``.
     """
     plan = Plan()
     seen: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -158,6 +173,7 @@ def plan_state(state: Mapping[str, Any], rank: int) -> Plan:
             continue
         validate_shard(shard)
         if not shard.is_main_replica:
+            plan.replicas.append(shard)
             continue
         where = (shard.key, shard.global_offset)
         if where in seen:

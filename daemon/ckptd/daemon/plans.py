@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ckptd.client.protocol import RegisterPlan, SaveRequest, ShardMeta
+from ckptd.client.protocol import RegisterPlan, ReplicaMeta, SaveRequest, ShardMeta
 from ckptd.daemon.arena import Lease
-from ckptd.writer.errors import LeaseError, PlanUnknownError, ShardLayoutError
+from ckptd.daemon.replicas import check_replica_metas
+from ckptd.writer.errors import InvalidRequestError, LeaseError, PlanUnknownError, ShardLayoutError
 from ckptd.writer.format import check_region, itemsize, validate_key
 
 MAX_PLANS = 256  # plans kept (oldest dropped first); a dropped one is registered again by its client
@@ -33,6 +34,7 @@ class SavePlan:
     offsets: list[int]
     sizes: list[int]
     span: int
+    replicas: list[ReplicaMeta]  # the rank's non-main replica regions (replicas.py), sent once with the plan
 
 
 def validate_plan(msg: RegisterPlan) -> None:
@@ -49,6 +51,7 @@ def validate_plan(msg: RegisterPlan) -> None:
             raise LeaseError(f"plan: slot {i} [{lo}, {lo + size}) overlaps another or leaves the {msg.span}-byte span")
         end = lo + size
     check_shards(msg.shards, msg.sizes, "the plan")
+    check_replica_metas(msg.replicas)
 
 
 def check_shards(shards: Sequence[ShardMeta], sizes: Sequence[int], owner: str) -> None:
@@ -84,7 +87,9 @@ class PlanRegistry:
     def register(self, msg: RegisterPlan) -> int:
         """Validate ``msg`` and keep it; returns its id."""
         validate_plan(msg)
-        plan = SavePlan(self._next_id, list(msg.shards), list(msg.offsets), list(msg.sizes), msg.span)
+        plan = SavePlan(
+            self._next_id, list(msg.shards), list(msg.offsets), list(msg.sizes), msg.span, list(msg.replicas)
+        )
         self._next_id += 1
         self._plans[plan.plan_id] = plan
         while len(self._plans) > self._max:
@@ -99,7 +104,7 @@ class PlanRegistry:
         return plan
 
     def expand(self, req: SaveRequest, lease: Lease) -> tuple[SaveRequest, Lease]:
-        """A plan save as the writer sees it: the plan's metas, and a lease with one slot per shard.
+        """A plan save as the writer sees it: the plan's metas and replicas, and a lease with one slot per shard.
 
         The returned lease is a view over ``lease``'s one span: it is not registered with the arena and
         frees nothing itself (its slots start released); the caller releases ``lease`` when the rank's
@@ -107,6 +112,8 @@ class PlanRegistry:
         """
         if req.shards:
             raise LeaseError(f"save of step {req.step} names plan {req.plan_id} and sends shards too")
+        if req.replicas:
+            raise InvalidRequestError(f"save of step {req.step} names plan {req.plan_id} and sends replicas too")
         plan = self.get(req.plan_id)
         if len(lease.sizes) != 1 or lease.sizes[0] < plan.span:
             raise LeaseError(
@@ -115,4 +122,4 @@ class PlanRegistry:
         base = lease.offsets[0]
         view = Lease(-lease.lease_id, lease.owner, [base + o for o in plan.offsets], list(plan.sizes))
         view.released = [True] * len(view.offsets)
-        return msgspec.structs.replace(req, shards=plan.shards), view
+        return msgspec.structs.replace(req, shards=plan.shards, replicas=plan.replicas), view

@@ -24,6 +24,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
 from ckptd.daemon.journal import JournalEntry, StepJournal
 from ckptd.daemon.plans import PlanRegistry, check_shards
+from ckptd.daemon.replicas import check_replica_metas, node_replicas
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
 from ckptd.daemon.writes import ShardWriter, first_leaf
@@ -149,6 +150,7 @@ class CheckpointService:
         if req.local_world_size < 1 or req.local_world_size > req.world_size:
             raise InvalidRequestError(f"local_world_size {req.local_world_size} outside [1, {req.world_size}]")
         check_shards(req.shards, lease.sizes, f"lease {req.lease_id}")
+        check_replica_metas(req.replicas)
 
     async def _job_for(self, req: SaveRequest, since: float = 0.0) -> StepJob:
         async with self._job_lock:
@@ -266,6 +268,7 @@ class CheckpointService:
             objects={str(r): s.request.objects for r, s in sorted(job.saves.items()) if s.request.objects},
             nbytes=job.nbytes,
             written_at=time.time(),
+            replicas=node_replicas(job.saves.values()),
         )
 
     async def _watch_part_timeout(self, job: StepJob) -> None:

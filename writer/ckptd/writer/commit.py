@@ -5,7 +5,8 @@ Write order is the protocol (docs/format.md):
 1. every node writes its chunks, makes them durable (:meth:`CheckpointWriter.make_durable`), then writes
    ``step_N/_parts/node-K.json`` (:meth:`~CheckpointWriter.write_part`);
 2. the coordinator (node 0's daemon) waits until all parts exist, checks that together they tile every
-   array, writes each array's ``zarr.json`` and the group documents, then ``step_N/COMMITTED`` with a
+   array and that some rank wrote every region a rank held only as a non-main replica, writes each
+   array's ``zarr.json`` and the group documents, then ``step_N/COMMITTED`` with a
    create-once write — the last write of the step, shielded from cancellation
    (:meth:`~CheckpointWriter.commit`); the other nodes wait for it (:meth:`~CheckpointWriter.wait_committed`);
 3. only then does ``latest`` move; retention deletes old steps only after a newer one committed
@@ -52,6 +53,7 @@ from ckptd.writer.format import (
     sidecar_key,
     step_dir,
 )
+from ckptd.writer.replicas import check_replicas
 from ckptd.writer.root import CheckpointRoot
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class CheckpointWriter(CheckpointRoot):
             raise StepCommittedError(f"step {step} already committed under {self.url}")
         parts = await self.wait_parts(step, num_nodes, timeout)
         merged = merge_parts(parts)
+        check_replicas(parts, {rec.name: rec for rec in merged.arrays})  # someone wrote every replica region
         prefix = step_dir(step)
         store = self.store
         docs: list[Callable[[], Awaitable[None]]] = [

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError
+from ckptd.writer.replicas import ReplicaRecord
 
 FORMAT_VERSION = 2
 #: format versions the readers accept (1: control objects beside the arrays; 2: inside ``_ckptd/``)
@@ -323,6 +324,7 @@ class PartManifest(msgspec.Struct, frozen=True):
     objects: dict[str, Any]
     nbytes: int
     written_at: float
+    replicas: list[ReplicaRecord] = []  # regions its ranks hold only as non-main replicas (writer/replicas.py)
 
 
 class CommitManifest(msgspec.Struct, frozen=True):

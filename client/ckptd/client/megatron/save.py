@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +58,7 @@ class SavePlan:
     layout_json: str
     record: dict[str, Any]  # the per-rank ``megatron`` record
     shards: list[Shard]  # model and optimizer shards this rank writes (main replicas), validated
+    replicas: list[Shard] = field(default_factory=list)  # held as non-main replicas: reported, not written
 
 
 def _param_signature(model_chunks: Sequence[torch.nn.Module]) -> tuple[int, ...]:
@@ -99,10 +100,11 @@ def save_plan(
     # detached views: staging reads them after the optimizer has updated the params in place
     state: dict[str, Shard] = {k: replace(v, data=v.data.detach()) for k, v in model.items() if isinstance(v, Shard)}
     state.update(optimizer_shards(optimizer, layout))
-    shards = plan_state(state, rank).shards  # validates keys, dtypes and chunk grids; drops replicas
+    planned = plan_state(state, rank)  # validates keys, dtypes and chunk grids; sets replicas apart
+    shards = planned.shards
     layout_json = layout.to_json()
     record = megatron_record(layout, layout_json)
-    plan = SavePlan(chunk_ids, signature, elem_names, layout_json, record, shards)
+    plan = SavePlan(chunk_ids, signature, elem_names, layout_json, record, shards, planned.replicas)
     cache.save = plan
     logger.info(
         "rank %d: planned Megatron save: %d shards, %.1f MiB, layout %s",
@@ -127,7 +129,8 @@ def model_only_plan(model_chunks: Sequence[torch.nn.Module], rank: int) -> SaveP
         "pp": ranks.pp_rank, "pp_size": ranks.pp_size, "dp": ranks.dp_rank, "dp_size": ranks.dp_size,
         "megatron_core": introspect.megatron_version(),
     }
-    plan = SavePlan(chunk_ids, signature, (), "", record, plan_state(state, rank).shards)
+    planned = plan_state(state, rank)
+    plan = SavePlan(chunk_ids, signature, (), "", record, planned.shards, planned.replicas)
     cache.save = plan
     return plan
 
@@ -232,7 +235,7 @@ def _plan_staged(
     watch = ModuleWatch(model_chunks)
     rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
     fingerprint = (structure(watch, binding), state_counts(owned_states(owned)), rng_keys)
-    stage_plan = build_stage_plan(plan.shards, rng_shards, fingerprint)
+    stage_plan = build_stage_plan(plan.shards, rng_shards, fingerprint, plan.replicas)
     staged = StagedSave(
         fingerprint, watch, stage_plan, plan.layout_json, plan.record, scalar_names, owned,
         tuple(id(c) for c in model_chunks), extra_state_modules(model_chunks),
@@ -262,4 +265,4 @@ def _save_model_only(
     if rng:
         rng_shards, objects[RNG_RECORD] = rng_state(p.rank, p.world_size)
         shards += rng_shards
-    return client.save_plan(step, Plan(shards, objects))
+    return client.save_plan(step, Plan(shards, objects, plan.replicas))
