@@ -1,10 +1,10 @@
 """A daemon restarted on a killed one's socket is ready only once it answers, not once ``connect()`` works.
 
-After ``kill -9`` the dead daemon's listening socket goes on accepting connections for a moment (the
-kernel releases the dead process's files one by one, its client connections first; under load the listener
-trailed them by up to ~0.2 s here) and then resets every connection it accepted, without a reply. A
-successor's readiness check that only connects can land there; the first client then gets
-``ECONNRESET`` on its ``Hello`` (``DaemonUnavailableError``): the flaky
+After ``kill -9`` the dead daemon's listening socket can go on accepting connections for a moment after
+its clients saw their connections die (the kernel releases the dead process's files one by one; on this
+loaded 2-core VM the listener trailed them by up to ~0.2 s) and then resets every connection it accepted,
+without a reply. A successor's readiness check that only connects can land there; the first client then
+gets ``ECONNRESET`` on its ``Hello`` (``DaemonUnavailableError``): the flaky
 ``test_pipeline.py::test_daemon_kill_9_mid_save`` under load. The dying socket here is a listener that
 accepts nothing and closes after a while: the kernel state a killed daemon leaves for that moment.
 """
