@@ -2,8 +2,8 @@
 
 verl's own ``MegatronCheckpointManager`` (verl 0.9, the ``ckptd[verl]`` extra), switched to ckptd by the
 Ray setup hook ``ckptd.integrations.verl.install``, around a real megatron-core GPT and distributed
-optimizer per role (actor and critic) on 2 gloo ranks (CPU shim without a GPU), one ``ckptd serve`` per
-role root:
+optimizer per role (actor and critic) on ``ranks`` gloo ranks (default 2; CPU shim without a GPU), one
+``ckptd serve`` per role root:
 
 1. job 1 trains ``steps`` steps (default 4) and saves every ``save_every`` (default 2: ``global_step_2``
    and ``global_step_4``) as verl's trainer does (sync mode: each step committed when ``save_checkpoint``
@@ -14,7 +14,7 @@ role root:
    ``save_every`` more steps and saves ``global_step_{N+save_every}`` in async mode, whose tracker verl's
    finalize writes once the step committed.
 
-Every rank is a data-parallel rank (TP1, as verl's CPU path here builds the model), ``ranks`` of them.
+Every rank is a data-parallel rank (TP1: the toy model is built without tensor parallelism).
 """
 
 from __future__ import annotations
