@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient, Placement, Shard
+from ckptd.daemon.cli import main
 from ckptd.daemon.sizing import plan_arena
 from ckptd.testing.launch import free_port
 
@@ -50,6 +51,8 @@ def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["daemon_pid"] == d.pid and report["root"] == root and report["arena_bytes"] == 32 << 20
+    # an operator's daemon: no job id, no owner; the socket is the one it listens on
+    assert (report["job_id"], report["owner_pid"], report["socket"], report["draining"]) == ("", 0, d.socket, False)
     assert report["in_flight"] == 1 and report["commits"] == 1 and report["failures"] == 0
     assert report["bytes_written"] == 2 * (1 << 20)
     steps = {s["step"]: s for s in report["steps"]}
@@ -84,6 +87,41 @@ def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
     assert _metric(text, "ckptd_storage_retries_total") == 0
     for c in clients:
         c.close()
+
+
+def test_status_names_the_job_owner_socket_and_drain(start_daemon, tmp_path, capsys):
+    """A daemon bound to a job (``--job-id``, ``--owner-pid``, as the embedded mode starts it): status names
+    its job, owner, socket and root, and shows it draining once the owner is gone, until it exits."""
+    root = str(tmp_path / "ckpt")
+    owner = subprocess.Popen(["sleep", "600"])
+    try:
+        d = start_daemon(root, "d0", "--job-id", "slurm:77", "--owner-pid", str(owner.pid), "--part-timeout", "5",
+                         "--drain-grace", "60", arena="8MiB")
+        report = json.loads(ckptd("status", "--socket", d.socket, "--json").stdout)
+        assert (report["job_id"], report["owner_pid"], report["socket"], report["root"], report["draining"],
+                report["daemon_pid"]) == ("slurm:77", owner.pid, d.socket, root, False, d.pid)
+        text = ckptd("status", "--socket", d.socket).stdout
+        assert f"daemon   pid {d.pid}  socket {d.socket}  up " in text, text
+        assert f"job      slurm:77  owner pid {owner.pid}\nstate    serving\nroot     {root}\n" in text, text
+
+        client = CheckpointClient(d.socket, placement=Placement(0, 2, 2, 0), job_id="slurm:77")
+        pending = client.save(1, {"x": Shard("x", torch.ones(1024), (2048,), (0,))})  # rank 1 never saves
+        owner.kill()  # the job is over: the daemon drains its step in flight (until the part timeout), then exits
+        owner.wait()
+        deadline = time.monotonic() + 30
+        while True:
+            assert main(["status", "--socket", d.socket]) == 0
+            text = capsys.readouterr().out
+            if "DRAINING" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "state    DRAINING: takes no new saves" in text and "1 in flight" in text, text
+        assert d.proc.wait(60) == 0  # the step failed (part timeout): nothing left to drain
+        assert pending.exception() is not None and not os.path.exists(d.socket)
+        client.close()
+    finally:
+        owner.kill()
+        owner.wait()
 
 
 def test_status_without_a_daemon_is_a_clear_error(sockdir):

@@ -52,3 +52,26 @@ def test_kubernetes_pod() -> None:
     mounts = [{m["mountPath"] for m in c["volumeMounts"]} for c in (daemon, containers["trainer"])]
     shm = mounts[0] & mounts[1]
     assert "/dev/shm" in shm and args.socket.rsplit("/", 1)[0] in shm
+
+
+def test_status_example_is_what_status_prints() -> None:
+    """The ``ckptd status`` example is format_report's output for the report it shows (every line, in order)."""
+    from ckptd.client.protocol import PROTOCOL_VERSION, StatusReport, StepReport, StepState
+    from ckptd.daemon.commands import format_report
+
+    (block,) = [b for b in re.findall(r"```console\n(.*?)```", DOC, re.S) if "$ ckptd status" in b]
+    shown = "\n".join(ln for ln in block.splitlines() if not ln.startswith("$ "))
+    mib = 1 << 20
+    steps = [StepReport(step=5300, state=StepState.PENDING, node=0, ranks_saved=8, local_world_size=8,
+                        nbytes=1600 * mib, age_s=3.1),
+             StepReport(step=5200, state=StepState.COMMITTED, node=0, ranks_saved=8, local_world_size=8,
+                        nbytes=1600 * mib, age_s=212.4)]
+    report = StatusReport(
+        v=PROTOCOL_VERSION, daemon_pid=41733, root="s3://bucket/run7", uptime_s=5214, draining=False,
+        arena_bytes=16384 * mib, arena_free_bytes=14336 * mib, leases=2, in_flight=1, steps=steps, commits=52,
+        failures=1, bytes_written=83200 * mib, bytes_per_s=1480 * mib, retries=17,
+        last_error="step 4100: StorageFullError: /ckpt: no space left (ENOSPC)", arena_retained_bytes=1600 * mib,
+        job_id="slurm:8812", owner_pid=41700, socket="/run/user/1000/ckptd/daemon.sock",
+    )
+    printed = [ln.rstrip() for ln in format_report(report, "/elsewhere.sock").splitlines()]  # empty error column
+    assert printed == shown.splitlines()

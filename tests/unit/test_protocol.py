@@ -89,6 +89,7 @@ replies = st.one_of(
                                  ranks_saved=i64, local_world_size=i64, nbytes=i64, age_s=finite, error=text),
                        max_size=3),
         commits=i64, failures=i64, bytes_written=i64, bytes_per_s=finite, retries=i64, last_error=text,
+        job_id=text, owner_pid=i64, socket=text,
     ),
 )
 

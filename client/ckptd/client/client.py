@@ -180,7 +180,7 @@ class CheckpointClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+        except OSError as exc:  # no socket file, refused, not ours, or its accept backlog full (EAGAIN)
             sock.close()
             raise DaemonUnavailableError(f"no ckptd daemon at {self.socket_path}: {exc}") from exc
         self._sock = sock

@@ -221,6 +221,10 @@ class StatusReport(_Msg, frozen=True, tag="report_reply"):
     last_error: str = ""
     arena_retained_bytes: int = 0  # of the used bytes: the newest committed step kept for an in-memory restore
     retain: bool = True  # in-memory restore on (off: ``ckptd serve --no-retain``)
+    # as in Welcome: the job it serves ("" = any), its owner process (0 = none); and the socket it listens on
+    job_id: str = ""
+    owner_pid: int = 0
+    socket: str = ""
 
 
 

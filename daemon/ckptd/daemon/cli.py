@@ -118,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the embedded demo: daemon + 4 ranks training, saving, reloading")
     d.add_argument("--root", help="where to write (default: ./ckptd-demo)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    d.add_argument("--ranks", type=int, default=4)
-    d.add_argument("--steps", type=int, default=12)
-    d.add_argument("--save-every", type=int, default=4)
+    d.add_argument("--ranks", type=int, help="gloo ranks (default: 4; verl: 2)")
+    d.add_argument("--steps", type=int, help="training steps (default: 12; verl: 4, job 1's steps)")
+    d.add_argument("--save-every", type=int, help="save every N steps (default: 4; verl: 2)")
     d.add_argument("--trainer", choices=["megatron", "verl"], default="megatron",
-                   help="verl: verl's checkpoint manager through ckptd's hook, save and resume, 2 ranks, actor and "
-                        "critic (needs ckptd[verl]; --ranks/--steps/--save-every are the megatron demo's)")
+                   help="verl: verl's checkpoint manager through ckptd's hook, actor and critic, save, then resume "
+                        "from the last save in fresh processes and save once more (needs ckptd[verl])")
 
     ls = sub.add_parser("ls", help="list checkpoints under ROOT")
     ls.add_argument("root")
@@ -164,12 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo" and args.trainer == "verl":
             from ckptd.testing.demo_verl import run_verl_demo
 
-            return run_verl_demo(root=args.root, as_json=args.json)
+            return run_verl_demo(root=args.root, as_json=args.json, ranks=args.ranks, steps=args.steps,
+                                 save_every=args.save_every)
         if args.command == "demo":
             from ckptd.testing.demo import run_demo
 
-            return run_demo(root=args.root, as_json=args.json, ranks=args.ranks, steps=args.steps,
-                            save_every=args.save_every)
+            return run_demo(root=args.root, as_json=args.json, ranks=4 if args.ranks is None else args.ranks,
+                            steps=12 if args.steps is None else args.steps,
+                            save_every=4 if args.save_every is None else args.save_every)
         if args.command in COMMANDS:
             return run_command(args)
         return asyncio.run(_offline(args))

@@ -101,8 +101,8 @@ def _status(args: argparse.Namespace) -> int:
     reply = request(path, ReportRequest(v=PROTOCOL_VERSION), args.timeout)
     if not isinstance(reply, StatusReport):
         raise ProtocolError(f"the daemon answered {type(reply).__name__} to a status report request")
-    if args.json:
-        print(json.dumps({"socket": path, **msgspec.to_builtins(reply)}, indent=2))
+    if args.json:  # the socket the daemon listens on; the one asked when it did not say (an older daemon)
+        print(json.dumps({**msgspec.to_builtins(reply), "socket": reply.socket or path}, indent=2))
         return 0
     print(format_report(reply, path))
     return 0
@@ -112,8 +112,12 @@ def format_report(r: StatusReport, path: str) -> str:
     """The human-readable ``ckptd status``."""
     mib = 1 << 20
     used = r.arena_bytes - r.arena_free_bytes
+    owner = f"owner pid {r.owner_pid}" if r.owner_pid else "no owner pid"
+    state = "DRAINING: takes no new saves; exits when its steps in flight end (or --drain-grace is over)"
     lines = [
-        f"daemon   pid {r.daemon_pid}  socket {path}  up {r.uptime_s:.0f}s" + ("  DRAINING" if r.draining else ""),
+        f"daemon   pid {r.daemon_pid}  socket {r.socket or path}  up {r.uptime_s:.0f}s",
+        f"job      {r.job_id or 'any (no --job-id)'}  {owner}",
+        f"state    {state if r.draining else 'serving'}",
         f"root     {r.root}",
         f"arena    {used / mib:.0f} MiB used / {r.arena_bytes / mib:.0f} MiB  ({r.arena_free_bytes / mib:.0f} MiB "
         f"free, {r.leases} lease(s))",

@@ -344,7 +344,8 @@ class Daemon:
                 return service.retention.reply(req.step)
             case ReportRequest():
                 return status_report(service.stats, service.jobs, arena, service.root.backend,
-                                     root=self.config.root, draining=service.draining,
+                                     root=self.config.root, draining=service.draining or self._stop.is_set(),
                                      retained=service.retention.retained_bytes,
-                                     retain=service.retention.enabled)
+                                     retain=service.retention.enabled, job_id=self.config.job_id or "",
+                                     owner_pid=self.config.owner_pid or 0, socket=self.config.socket)
         raise ProtocolError(f"unexpected message {type(req).__name__}")

@@ -47,6 +47,9 @@ def status_report(
     stats: DaemonStats, jobs: dict[int, StepJob], arena: Arena, backend: Backend, *, root: str, draining: bool,
     retained: int = 0,
     retain: bool = True,
+    job_id: str = "",
+    owner_pid: int = 0,
+    socket: str = "",
 ) -> StatusReport:
     """The reply to ``ckptd status``: every step the daemon holds a record of, newest first."""
     now = time.monotonic()
@@ -64,5 +67,5 @@ def status_report(
         in_flight=sum(1 for j in jobs.values() if not j.final), steps=steps, commits=stats.commits,
         failures=stats.failures, bytes_written=stats.bytes_written, bytes_per_s=stats.bytes_per_s,
         retries=backend.metrics.retries if backend.metrics is not None else 0, last_error=stats.last_error,
-        arena_retained_bytes=retained, retain=retain,
+        arena_retained_bytes=retained, retain=retain, job_id=job_id, owner_pid=owner_pid, socket=socket,
     )

@@ -2,15 +2,19 @@
 
 verl's own ``MegatronCheckpointManager`` (verl 0.9, the ``ckptd[verl]`` extra), switched to ckptd by the
 Ray setup hook ``ckptd.integrations.verl.install``, around a real megatron-core GPT and distributed
-optimizer per role (actor and critic) on 2 gloo ranks (CPU shim without a GPU), one ``ckptd serve`` per
-role root:
+optimizer per role (actor and critic) on ``ranks`` gloo ranks (default 2; CPU shim without a GPU), one
+``ckptd serve`` per role root:
 
-1. job 1 trains and saves ``global_step_2`` and ``global_step_4`` as verl's trainer does (sync mode:
-   each step committed when ``save_checkpoint`` returns; then the trainer writes its tracker);
-2. job 2, fresh processes with another init: verl's ``find_latest_ckpt_path`` reads the tracker, each
-   role's ``load_checkpoint(global_step_N/<role>)`` restores model, optimizer and LR scheduler, compared bit
-   for bit with job 1's live state at its last save; it trains on and saves ``global_step_6`` in async
-   mode, whose tracker verl's finalize writes once the step committed.
+1. job 1 trains ``steps`` steps (default 4) and saves every ``save_every`` (default 2: ``global_step_2``
+   and ``global_step_4``) as verl's trainer does (sync mode: each step committed when ``save_checkpoint``
+   returns; then the trainer writes its tracker);
+2. job 2, fresh processes with another init: verl's ``find_latest_ckpt_path`` reads the tracker (the last
+   save of job 1: the resume point), each role's ``load_checkpoint(global_step_N/<role>)`` restores model,
+   optimizer and LR scheduler, compared bit for bit with job 1's live state at that save; it trains
+   ``save_every`` more steps and saves ``global_step_{N+save_every}`` in async mode, whose tracker verl's
+   finalize writes once the step committed.
+
+Every rank is a data-parallel rank (TP1: the toy model is built without tensor parallelism).
 """
 
 from __future__ import annotations
@@ -24,13 +28,45 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptd.writer.errors import ConfigError
 
-RANKS = 2
 ARENA = "64MiB"
-SAVES = (2, 4)  # job 1's steps (sync); job 2 saves step 6 (async)
+RANKS, STEPS, SAVE_EVERY = 2, 4, 2  # the defaults: job 1 saves steps 2 and 4 (sync), job 2 saves step 6 (async)
+
+
+class VerlDemoPlan(NamedTuple):
+    """What the demo runs: ``ranks`` DP ranks; job 1 trains ``steps`` steps and saves ``saves`` (sync); job 2
+    resumes from ``saves[-1]`` and saves ``async_step`` (async)."""
+
+    ranks: int
+    steps: int
+    save_every: int
+    saves: tuple[int, ...]
+    async_step: int
+    global_microbatches: int
+
+    @property
+    def resume(self) -> int:
+        """The step job 2 resumes from: job 1's last save."""
+        return self.saves[-1]
+
+
+def plan_verl_demo(ranks: int | None = None, steps: int | None = None, save_every: int | None = None) -> VerlDemoPlan:
+    """The demo's plan for the CLI's ``--ranks/--steps/--save-every`` (None: this demo's default); raise
+    :class:`ConfigError` for values it cannot run."""
+    ranks = RANKS if ranks is None else ranks
+    steps = STEPS if steps is None else steps
+    save_every = SAVE_EVERY if save_every is None else save_every
+    if ranks < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {ranks}")
+    if save_every < 1 or steps < save_every:
+        raise ConfigError(f"need --steps >= --save-every >= 1 (got {steps} and {save_every}): "
+                          "job 1 must save at least once for job 2 to resume from")
+    saves = tuple(range(save_every, steps + 1, save_every))
+    # the toy model's 4 micro-batches per step, rounded up to a multiple of DP (= ranks)
+    return VerlDemoPlan(ranks, steps, save_every, saves, saves[-1] + save_every, ranks * -(-4 // ranks))
 
 
 def require_verl() -> None:
@@ -56,16 +92,20 @@ def _quiet(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
 
 
 @_quiet
-def _first_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+def _first_job(rank: int, world: int, ckpt_dir: str, plan: VerlDemoPlan) -> dict[str, Any]:
     import torch
 
     from ckptd.integrations.verl import ckptd_root
     from ckptd.testing.verl_job import HOOK, TRACKER, build_managers, committed, snapshot, train
 
-    managers = build_managers(HOOK, 0, async_save=False)
+    managers = build_managers(HOOK, 0, async_save=False, global_microbatches=plan.global_microbatches)
     saves = []
-    for step in SAVES:
-        train(managers, step - 2, 2)
+    snaps: dict[str, Any] = {}
+    for it in range(plan.steps):
+        train(managers, it, 1)
+        step = it + 1
+        if step not in plan.saves:
+            continue
         for role, r in managers.items():
             local = os.path.join(ckpt_dir, f"global_step_{step}", role)
             t0 = time.perf_counter()
@@ -77,27 +117,28 @@ def _first_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
             with open(os.path.join(ckpt_dir, TRACKER), "w") as f:
                 f.write(str(step))
         torch.distributed.barrier()
-    return {"saves": saves, "snaps": {role: snapshot(r.manager) for role, r in managers.items()},
-            "cls": type(managers["actor"].manager).__name__}
+        snaps = {role: snapshot(r.manager) for role, r in managers.items()}  # what a resume from here restores
+    return {"saves": saves, "snaps": snaps, "cls": type(managers["actor"].manager).__name__}
 
 
 @_quiet
-def _second_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+def _second_job(rank: int, world: int, ckpt_dir: str, plan: VerlDemoPlan) -> dict[str, Any]:
     import torch
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     from ckptd.testing.verl_job import HOOK, TRACKER, build_managers, snapshot, train
 
     folder = find_latest_ckpt_path(ckpt_dir)  # type: ignore[no-untyped-call]  # verl's resume_mode=auto
-    managers = build_managers(HOOK, 4321, async_save=True)  # another init: the load must replace it all
+    # another init: the load must replace it all
+    managers = build_managers(HOOK, 4321, async_save=True, global_microbatches=plan.global_microbatches)
     train(managers, 0, 1, sched_too=False)  # and live optimizer state
     t0 = time.perf_counter()
     for role, r in managers.items():
         r.manager.load_checkpoint(os.path.join(folder, role), None, False)
     load_s = time.perf_counter() - t0
     snaps = {role: snapshot(r.manager) for role, r in managers.items()}
-    step = SAVES[-1] + 2
-    train(managers, SAVES[-1], 2)
+    step = plan.async_step
+    train(managers, plan.resume, plan.save_every)
     for role, r in managers.items():
         r.manager.save_checkpoint(os.path.join(ckpt_dir, f"global_step_{step}", role), None, step, max_ckpt_to_keep=2)
     for r in managers.values():
@@ -109,9 +150,13 @@ def _second_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 
 
 # --- the parent ----------------------------------------------------------------------------------
-def run_verl_demo(root: str | None, as_json: bool) -> int:
-    """Run the verl demo in ``root`` (verl's ``trainer.default_local_dir``); 0 when the resume is bit-exact
-    and every step committed and was tracked in order, 1 otherwise."""
+def run_verl_demo(
+    root: str | None, as_json: bool, ranks: int | None = None, steps: int | None = None, save_every: int | None = None,
+) -> int:
+    """Run the verl demo in ``root`` (verl's ``trainer.default_local_dir``) on ``ranks`` ranks, job 1 training
+    ``steps`` steps and saving every ``save_every`` (None: 2, 4, 2); 0 when the resume is bit-exact and every
+    step committed and was tracked in order, 1 otherwise."""
+    plan = plan_verl_demo(ranks, steps, save_every)
     require_verl()
     from ckptd.integrations.verl import ckptd_root, socket_for
     from ckptd.testing.demo import _prepare_root
@@ -134,8 +179,10 @@ def run_verl_demo(root: str | None, as_json: bool) -> int:
         try:
             for d in daemons:
                 d.wait_ready(120)
-            first = run_ranks(_first_job, RANKS, ckpt_dir, env=env, preload=PRELOAD, launcher="ray", timeout_s=600)
-            second = run_ranks(_second_job, RANKS, ckpt_dir, env=env, preload=PRELOAD, launcher="ray", timeout_s=600)
+            first = run_ranks(_first_job, plan.ranks, ckpt_dir, plan, env=env, preload=PRELOAD, launcher="ray",
+                              timeout_s=600)
+            second = run_ranks(_second_job, plan.ranks, ckpt_dir, plan, env=env, preload=PRELOAD, launcher="ray",
+                               timeout_s=600)
         except BaseException:
             for d in daemons:
                 print(d.log_tail(), file=sys.stderr)
@@ -152,7 +199,9 @@ def run_verl_demo(root: str | None, as_json: bool) -> int:
     resumed = second[0]["folder"]
     result = {
         "checkpoint_dir": ckpt_dir,
-        "ranks": RANKS,
+        "ranks": plan.ranks,
+        "steps": plan.steps,
+        "save_every": plan.save_every,
         "manager": first[0]["cls"],
         "roles": {role: {"root": r, "committed_steps": committed(r)} for role, r in roots.items()},
         "saves": [{k: v for k, v in s.items()} for s in first[0]["saves"]],
@@ -162,13 +211,15 @@ def run_verl_demo(root: str | None, as_json: bool) -> int:
         "tensors_checked": checked,
         "mismatches": mismatches,
         "load_s": max(s["load_s"] for s in second),
+        "async_step": plan.async_step,
         "tracker_after_async_save": second[0]["tracker_after_async"],
         "seconds": round(time.perf_counter() - t_start, 2),
     }
+    kept = [plan.resume, plan.async_step]  # max_ckpt_to_keep=2
     ok = (result["resume"] == "bit-exact" and result["committed_at_return"]
-          and result["resumed_from"] == f"global_step_{SAVES[-1]}"
-          and result["tracker_after_async_save"] == str(SAVES[-1] + 2)
-          and all(v["committed_steps"] == [SAVES[-1], SAVES[-1] + 2] for v in result["roles"].values()))
+          and result["resumed_from"] == f"global_step_{plan.resume}"
+          and result["tracker_after_async_save"] == str(plan.async_step)
+          and all(v["committed_steps"] == kept for v in result["roles"].values()))
     if as_json:
         print(json.dumps(result))
     else:
@@ -181,7 +232,7 @@ def _print(r: dict[str, Any]) -> None:
           "actor and critic, megatron-core GPT + DistributedOptimizer")
     print(f"checkpoint dir: {r['checkpoint_dir']}")
     print()
-    print("job 1 (sync saves):")
+    print(f"job 1 ({r['steps']} steps, sync save every {r['save_every']}):")
     for s in r["saves"]:
         state = "committed" if s["committed_at_return"] else "NOT committed"
         print(f"  global_step_{s['step']}/{s['role']:<7} save_checkpoint {s['save_s'] * 1e3:7.1f}ms, {state} on return")
@@ -189,7 +240,8 @@ def _print(r: dict[str, Any]) -> None:
           f"({r['tensors_checked']} model/optimizer/scheduler tensors compared, {r['load_s']:.2f}s)")
     for m in r["mismatches"]:
         print(f"  differs: {m}")
-    print(f"  async save of global_step_6: tracker now {r['tracker_after_async_save']} (written after the commit)")
+    print(f"  async save of global_step_{r['async_step']}: tracker now {r['tracker_after_async_save']} "
+          "(written after the commit)")
     for role, v in r["roles"].items():
         print(f"{role:>7} root {v['root']}: committed steps {v['committed_steps']} (max_ckpt_to_keep=2)")
     print(f"total {r['seconds']:.1f}s")

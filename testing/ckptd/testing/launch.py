@@ -176,16 +176,28 @@ class DaemonProcess:
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 60.0) -> DaemonProcess:
+        """Wait until this daemon answers a ``Hello`` on its socket with its own pid.
+
+        A successful ``connect()`` is not enough: the socket of a daemon killed on the same path keeps
+        accepting connections for a moment after its connections were reset (the kernel releases the
+        dead process's files one by one), and resets them too without a reply.
+        """
+        from ckptd.client.protocol import PROTOCOL_VERSION, Hello, Welcome
+        from ckptd.daemon.commands import request
+        from ckptd.writer.errors import DaemonUnavailableError
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RankFailedError(f"daemon exited with code {self.proc.returncode}: {self.log_tail()}")
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                try:
-                    s.connect(self.socket)
-                    return self
-                except OSError:
-                    time.sleep(0.05)
+            try:
+                hello = Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=-1)
+                welcome = request(self.socket, hello, max(0.1, min(5.0, deadline - time.monotonic())))
+            except DaemonUnavailableError:  # nothing listens yet, or a dead predecessor's socket reset us
+                welcome = None
+            if isinstance(welcome, Welcome) and welcome.daemon_pid == self.pid:
+                return self
+            time.sleep(0.05)
         raise RankFailedError(f"daemon not ready within {timeout}s: {self.log_tail()}")
 
     def log_tail(self, n: int = 4000) -> str:

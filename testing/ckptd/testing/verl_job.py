@@ -36,12 +36,14 @@ class Role(NamedTuple):
 
 def build_managers(
     hook: str, seed_offset: int, async_save: bool, roles: dict[str, int] = ROLES, hf_dir: str | None = None,
+    global_microbatches: int = 4,
 ) -> dict[str, Role]:
     """Managers for ``roles`` as verl's Megatron engine builds them, after Ray ran the setup hook ``hook``.
 
     Without ``hf_dir``: ``use_dist_checkpointing=True``, no bridge. With it (verl's default model mode):
     ``use_dist_checkpointing=False``, a Llama-shaped model whose initial weights the bridge loads from
     ``hf_dir`` (see :func:`write_hf_model`), and the HF config and tokenizer verl saves next to them.
+    ``global_microbatches`` must be divisible by the world size (every rank is a DP rank).
     """
     from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
 
@@ -63,7 +65,7 @@ def build_managers(
         model, optimizer, train_step = build_gpt(
             hidden=TOY["hidden"], layers=TOY["layers"], vocab=TOY["vocab"], seq=TOY["seq"], heads=TOY["heads"],
             ffn_hidden=TOY["ffn_hidden"], seed=seed + seed_offset, data_seed=seed, initialize_parallel=i == 0,
-            llama=hf_dir is not None,
+            llama=hf_dir is not None, global_microbatches=global_microbatches,
         )
         sched = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=10, lr_decay_steps=20,  # warmup only
