@@ -134,4 +134,4 @@ def flat_alias(
             and t.data_ptr() == base + rel + o.lo * isz
         ):
             return None
-    return torch.empty(0, dtype=dtype, device=first.device).set_(storage, rel // isz, (numel,))
+    return torch.empty(0, dtype=dtype, device=first.device).set_(storage, rel // isz, (numel,), (1,))
