@@ -3,7 +3,8 @@
     PYTHONPATH=... python benchmarks/profile_load.py [--size LAYERSxHIDDENxHEADSxVOCAB] [--repeats N] [--prof DIR]
 
 Saves once through a daemon (TP1 x DP2, fp32, bench_load's ``_save``), then in new ranks: the raw parallel
-read of the step's files, ckptd's same-layout load from storage and the in-memory restore, both warm, then
+read of the step's files, ckptd's same-layout load from storage and the in-memory restore, both warm, the
+storage load cold (the step's files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then
 at TP2 x DP1 the merge-free load; slowest rank, median of ``--repeats``. With ``--prof`` rank 0 writes one
 cProfile per mode (``<mode>.prof``) after the timed runs. The CPU shim's ``TorchFunctionMode`` is taken off
 around ckptd's calls, as bench_load does (on a GPU there is no shim). Prints one JSON line.
@@ -66,7 +67,20 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
         if loaded.from_memory_bytes == 0:
             raise RuntimeError("nothing came from memory")
 
-    run = {"raw_read": raw_read, "ckptd": ckptd, "memory": memory}
+    def evict() -> None:  # this step's files only (the machine is shared): clean pages, fsynced at save
+        if rank == 0:
+            for path in files:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        dist.barrier()
+
+    def cold() -> None:
+        ckptd()  # timed: the caller evicted before
+
+    run = {"raw_read": raw_read, "ckptd": ckptd, "memory": memory, "cold": cold}
     out: dict[str, list[float]] = {}
     phases = _time_phases()
     for mode in modes:
@@ -74,6 +88,8 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
         times = []
         for _ in range(repeats):
             dist.barrier()
+            if mode == "cold":
+                evict()
             t0 = time.perf_counter()
             run[mode]()
             times.append(time.perf_counter() - t0)
@@ -81,7 +97,7 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
         for name, spent in phases.items():
             out[f"{mode}:{name}"] = [statistics.median(spent[-repeats:])] if spent else [0.0]
             spent.clear()
-        if prof and rank == 0 and mode != "raw_read":
+        if prof and rank == 0 and mode not in ("raw_read", "cold"):
             pr = cProfile.Profile()
             pr.enable()
             run[mode]()
@@ -161,7 +177,7 @@ def main() -> None:
     try:
         daemon.wait_ready(300)
         saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
-        same = run_ranks(_rank, 2, workdir, cfg, ["raw_read", "ckptd", "memory"], args.repeats, sock, args.prof,
+        same = run_ranks(_rank, 2, workdir, cfg, ["raw_read", "ckptd", "memory", "cold"], args.repeats, sock, args.prof,
                          timeout_s=3600)
     finally:
         daemon.stop(120)
@@ -171,7 +187,8 @@ def main() -> None:
            "memory_restore_s": _slowest(same, "memory"), "other_tp_warm_s": _slowest(tp, "ckptd")}
     row["ratio_ckptd_vs_raw_warm"] = round(row["ckptd_warm_s"] / row["raw_read_warm_s"], 3)
     row["ratio_other_tp_vs_same_warm"] = round(row["other_tp_warm_s"] / row["ckptd_warm_s"], 3)
-    row["ratio_memory_vs_raw"] = round(row["memory_restore_s"] / row["raw_read_warm_s"], 3)
+    row["ckptd_cold_s"] = _slowest(same, "cold")
+    row["ratio_cold_over_memory"] = round(row["ckptd_cold_s"] / row["memory_restore_s"], 3)
     print(json.dumps(row), flush=True)
     for label, results in (("same", same), ("tp2", tp)):
         for r, res in enumerate(results):
