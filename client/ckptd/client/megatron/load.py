@@ -21,9 +21,9 @@ from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
 from ckptd.client.megatron.rank_state import RankState, plan_rank_state
 from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices, saved_states
-from ckptd.client.megatron.targets import slice_targets
+from ckptd.client.megatron.targets import SliceTargets, slice_targets
 from ckptd.client.reader import fill_async, plan_reads
-from ckptd.client.restore import arena_source
+from ckptd.client.restore import ArenaSource, arena_source
 from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError, InvalidRequestError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
@@ -174,11 +174,7 @@ async def load_checkpoint_async(
     # after Megatron's own load. What the node's daemon still holds of this step comes from its arena
     # (checked against the manifest).
     memory = arena_source(client, commit.step) if client is not None else None
-    reader = ChunkReader(ckpt, commit, memory=memory)
-    for shard in plan_reads(commit, {**template, **rank.rng}):
-        if not targets.covers(shard.data):
-            reader.add(shard.key, shard.data, shard.global_offset)
-    await reader.run()
+    reader = await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory)
     for key, dst in targets.slices.items():
         reader.add(key, dst, (regions[key][0],))
     await reader.run()
@@ -197,6 +193,24 @@ async def load_checkpoint_async(
                     commit.step, memory.served_bytes, len(memory.rejected))
     return LoadedCheckpoint(commit.step, rank.extra, rank.source,
                             memory.served_bytes if memory is not None else 0)
+
+
+async def _fill_model(
+    ckpt: CheckpointRoot,
+    commit: CommitManifest,
+    template: Mapping[str, Any],
+    targets: SliceTargets,
+    memory: ArenaSource | None = None,
+) -> ChunkReader:
+    """Read the template's tensors in place, except those inside this rank's in-place main params (an fp32
+    model's params share the grad buffer with them): the optimizer's read, which must come after this one,
+    writes those. Returns the reader (reusable for the optimizer's read)."""
+    reader = ChunkReader(ckpt, commit, memory=memory)
+    for shard in plan_reads(commit, template):
+        if not targets.covers(shard.data):
+            reader.add(shard.key, shard.data, shard.global_offset)
+    await reader.run()
+    return reader
 
 
 async def _load_merged(
@@ -289,8 +303,8 @@ async def _load_resharded(
             key = layout.bucket_key(buf, bucket, state)
             regions[key], dtypes[key] = (buf.dp_rank * s, (buf.dp_rank + 1) * s), dtype
     targets = slice_targets(optimizer, layout, regions, dtypes)  # into the optimizer's memory where it can
-    # the model first: the main params it shares memory with (fp32) are then written by the optimizer's read
-    await fill_async(ckpt, commit, {**template, **rank.rng})
+    # the model first, but not where the main params share its memory (fp32): the optimizer's read fills that
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
     slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout, targets.slices))
     targets.install()
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
