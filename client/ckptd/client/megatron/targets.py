@@ -29,8 +29,8 @@ from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import bind
 from ckptd.client.megatron.optimizer import _gaps
 from ckptd.client.state import torch_dtype
-from ckptd.writer.errors import ShardLayoutError
-from ckptd.writer.format import MAIN_PARAM
+from ckptd.writer.errors import ShardLayoutError, StateMismatchError
+from ckptd.writer.format import MAIN_PARAM, split_bucket_key
 from ckptd.writer.layout import MegatronLayout
 
 
@@ -69,22 +69,22 @@ def slice_targets(
     of stored torch dtype ``dtypes[key]``. Raises :class:`ShardLayoutError` when a region is shorter than an
     owned param needs (nothing is written yet)."""
     binding = bind(optimizer, layout)
+    buckets = {layout.bucket_prefix(buf, bucket): (buf, bucket) for buf, bucket in layout.buckets()}
     out = SliceTargets()
-    for buf, bucket in layout.buckets():
-        prefix = layout.bucket_prefix(buf, bucket)
+    for key, (start, stop) in regions.items():
+        prefix, state = split_bucket_key(key)
+        if prefix not in buckets:
+            raise StateMismatchError(f"{key}: no such optimizer bucket in this rank's layout")
+        buf, bucket = buckets[prefix]
         entries = binding.owned[(buf.index, bucket.index)]
-        s = buf.slice_numel(bucket)
-        for key, (start, stop) in regions.items():
-            if not key.startswith(prefix) or "/" in key[len(prefix) :]:
-                continue
-            n, state, dtype = stop - start, key[len(prefix) :], torch_dtype(dtypes[key])
-            short = next((o for o in entries if o.hi > n), None)
-            if short is not None:
-                raise ShardLayoutError(
-                    f"{key}: {short.param.name} needs elements [{short.lo}, {short.hi}) of this rank's slice, but "
-                    f"the checkpoint holds only {n}"
-                )
-            out.slices[key] = _target(out, key, entries, state, s, n, dtype)
+        n = stop - start
+        short = next((o for o in entries if o.hi > n), None)
+        if short is not None:
+            raise ShardLayoutError(
+                f"{key}: {short.param.name} needs elements [{short.lo}, {short.hi}) of this rank's slice, but "
+                f"the checkpoint holds only {n}"
+            )
+        out.slices[key] = _target(out, key, entries, state, buf.slice_numel(bucket), n, torch_dtype(dtypes[key]))
     return out
 
 
