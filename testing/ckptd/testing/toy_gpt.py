@@ -58,6 +58,7 @@ def build_gpt(
     llama: bool = False,
     experts: int = 0,
     ep: int = 1,
+    etp: int | None = None,
 ) -> ToyGPT:
     """Build the toy GPT on an already-initialized (gloo) default process group.
 
@@ -75,7 +76,8 @@ def build_gpt(
     model Hugging Face's ``LlamaForCausalLM`` and mbridge's LLaMA bridge convert to and from.
 
     ``experts`` > 0 makes every MLP a mixture of that many experts (top-2 router, the allgather token
-    dispatcher, which gloo can run; no linear biases), sharded over ``ep`` expert-parallel ranks.
+    dispatcher, which gloo can run; no linear biases), sharded over ``ep`` expert-parallel ranks; ``etp``
+    splits each expert over that many expert-tensor-parallel ranks (Megatron's default: ``tp``).
     """
     if not torch.cuda.is_available():
         from ckptd.testing.cpu_shim import install_cpu_shim
@@ -103,7 +105,7 @@ def build_gpt(
     if initialize_parallel:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep)
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
     if global_microbatches % dp:
@@ -137,11 +139,15 @@ def build_gpt(
         **({"normalization": "RMSNorm"} if llama else {}),
         **({"num_moe_experts": experts, "expert_model_parallel_size": ep, "moe_router_topk": 2,
             "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
-            "moe_aux_loss_coeff": 0.0} if experts else {}),
+            "moe_aux_loss_coeff": 0.0, "expert_tensor_parallel_size": etp} if experts else {}),
+        # megatron-core refuses to train MoE with TP but without sequence parallelism
+        **({"sequence_parallel": True} if experts and tp > 1 else {}),
         # no linear biases: Llama has none, and at EP1 megatron-core 0.16 adds the expert bias in place
         # into an autograd view
         **({"add_bias_linear": False} if llama or experts else {}),
     )
+    if config.sequence_parallel:
+        _torch_norm_with_sequence_parallel()
     pre = ps.is_pipeline_first_stage()
     post = ps.is_pipeline_last_stage()
     gpt = GPTModel(
@@ -235,6 +241,30 @@ def build_gpt(
 
 
 # --- launcher --------------------------------------------------------------------------------------
+def _torch_norm_with_sequence_parallel() -> None:
+    """Let the local spec's torch norms run under sequence parallelism (megatron-core asserts it off without
+    TE/Apex). A norm is per token, so only its weights' gradients need the all-reduce over TP that Megatron
+    gives params marked ``sequence_parallel``, as its own fused norms mark theirs."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if getattr(WrappedTorchNorm, "_ckptd_sequence_parallel", False):
+        return
+    plain = WrappedTorchNorm.__new__
+
+    def new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:
+        sp, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm: torch.nn.Module = plain(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+        for param in norm.parameters():
+            param.sequence_parallel = sp  # type: ignore[attr-defined]
+        return norm
+
+    WrappedTorchNorm.__new__ = new
+    WrappedTorchNorm._ckptd_sequence_parallel = True
+
+
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a thin wrapper over
     :func:`ckptd.testing.launch.run_ranks` (forkserver with torch and megatron-core preloaded).

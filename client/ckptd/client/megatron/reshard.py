@@ -11,7 +11,6 @@ way. Each rank reads only the params its slices touch. Nothing here imports mega
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,14 +20,11 @@ import torch
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.megatron.layout import view_of
 from ckptd.client.state import torch_dtype
-from ckptd.writer.arrays import open_array, read_region
 from ckptd.writer.errors import StateMismatchError
-from ckptd.writer.format import MAIN_PARAM, CommitManifest, bucket_states, merged_array_name, step_dir
+from ckptd.writer.format import MAIN_PARAM, ArrayRecord, CommitManifest, bucket_states, merged_array_name
 from ckptd.writer.layout import BucketLayout, BufferLayout, MegatronLayout, ModelPiece, ParamLayout
 from ckptd.writer.merge import merged_states
 from ckptd.writer.root import CheckpointRoot
-
-READ_CONCURRENCY = 8
 
 
 async def merged_optimizer_slices(
@@ -37,29 +33,17 @@ async def merged_optimizer_slices(
     """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the merged layout.
 
     ``manifest`` is the step's merge manifest (:meth:`ckptd.writer.root.CheckpointRoot.read_merged_manifest`).
+    Every model piece of every param the rank's slices touch is one region of a merged array, read through
+    one :class:`~ckptd.client.fastread.ChunkReader` for the whole load (raw chunks straight into place,
+    crc32c checked, bounded concurrency): a param that lies wholly inside the rank's slice is read straight
+    into the slice; one that straddles a slice boundary into a scratch param, whose overlap is copied after.
     """
+    if manifest.step != step:
+        raise StateMismatchError(f"the merge manifest is of step {manifest.step}, not of step {step}")
     arrays = {rec.name: rec for rec in manifest.arrays}
     states = merged_states(manifest)
-    prefix = step_dir(step)
-    sem = asyncio.Semaphore(READ_CONCURRENCY)
-
-    async def param_state(param: ParamLayout, state: str) -> torch.Tensor:
-        out = torch.empty(param.shape, dtype=torch_dtype(states[state]))
-        for piece in param.model_pieces:
-            name = merged_array_name(state, piece.key)
-            rec = arrays.get(name)
-            if rec is None or tuple(rec.shape) != piece.global_shape:
-                raise StateMismatchError(
-                    f"{piece.key}: the merged checkpoint has {'no' if rec is None else rec.shape} state "
-                    f"'{state}' for it (the model wants global shape {piece.global_shape})"
-                )
-            region = piece.region()
-            async with sem:
-                arr = await open_array(root.store, f"{prefix}/{name}")
-                data = await read_region(arr, [r.start for r in region], [r.stop - r.start for r in region])
-            view_of(piece, out).copy_(torch.from_numpy(data).reshape(piece.view_shape))
-        return out
-
+    reader = ChunkReader(root, manifest)
+    straddling: list[tuple[torch.Tensor, torch.Tensor]] = []  # (part of a slice, part of a scratch param)
     slices: dict[str, torch.Tensor] = {}
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
@@ -67,13 +51,38 @@ async def merged_optimizer_slices(
         touched = [p for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
         for state, dtype in states.items():
             out = torch.zeros(s, dtype=torch_dtype(dtype))
-            values = await asyncio.gather(*(param_state(p, state) for p in touched))
-            for p, value in zip(touched, values, strict=True):
+            for p in touched:
                 a, b = p.start - bucket.start, p.end - bucket.start
-                i, j = max(a, lo), min(b, hi)
-                out[i - lo : j - lo] = value.reshape(-1)[i - a : j - a]
+                if lo <= a and b <= hi:
+                    value = out[a - lo : b - lo].view(p.shape)
+                else:
+                    value = torch.empty(p.shape, dtype=out.dtype)
+                    i, j = max(a, lo), min(b, hi)
+                    straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
+                for piece in p.model_pieces:
+                    name = merged_array_name(state, piece.key)
+                    _check_merged(arrays.get(name), piece, state, dtype)
+                    reader.add(name, _block(view_of(piece, value), piece), piece.global_offset)
             slices[layout.bucket_key(buf, bucket, state)] = out
+    await reader.run()
+    for dst, src in straddling:
+        dst.copy_(src)
     return slices
+
+
+def _check_merged(rec: ArrayRecord | None, piece: ModelPiece, state: str, dtype: str) -> None:
+    """The merged array of ``piece``'s ``state`` exists, has the model's global shape and the state's dtype,
+    and holds the piece's region."""
+    if rec is None or tuple(rec.shape) != piece.global_shape:
+        raise StateMismatchError(
+            f"{piece.key}: the merged checkpoint has {'no' if rec is None else tuple(rec.shape)} state "
+            f"'{state}' for it (the model wants global shape {piece.global_shape})"
+        )
+    if rec.torch_dtype != dtype:
+        raise StateMismatchError(f"{rec.name}: dtype {rec.torch_dtype}, the other '{state}' arrays {dtype}")
+    region = piece.region()
+    if len(region) != len(rec.shape) or any(r.start < 0 or r.stop > n for r, n in zip(region, rec.shape, strict=False)):
+        raise StateMismatchError(f"{rec.name}: model piece at {piece.global_offset} lies outside {tuple(rec.shape)}")
 
 
 # --- merge-free: straight from the stored DP bucket slices ------------------------------------------------

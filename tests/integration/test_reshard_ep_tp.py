@@ -1,0 +1,121 @@
+"""Expert parallelism with tensor parallelism: a mixture-of-experts GPT (4 experts, allgather dispatcher,
+megatron-core on CPU through the shim) saved with TP2 and EP2 loads at another EP and expert-TP (and TP)
+from its merged layout and merge-free (straight from the stored DP bucket slices of the dense and expert
+buffers): both loads give the bit-identical model and optimizer state, and training continues with the
+original run's losses (to REL_TOL: the expert outputs may be summed in another order). The control loads
+again, zeroes the optimizer's moments and misses the second loss.
+
+CI runs a 2-rank case: TP2 with EP2 over the TP ranks (expert-TP 1) -> TP2, EP1, expert-TP 2. The 4-rank
+case (TP2 x EP2, expert-TP 2, DP2 -> TP2 x EP1 on 2 ranks and TP1 x EP4 on 4 ranks) is marked slow.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from test_reshard_dp import _digest
+
+from ckptd.client import CheckpointClient
+from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+from ckptd.writer.merge import merge
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+
+K, AFTER = 2, 2
+REL_TOL = 1e-6
+MOE = {"experts": 4}
+
+
+def _sizes() -> tuple[int, int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(), ps.get_data_parallel_world_size())
+
+
+def _save(rank: int, world: int, socket: str, par: dict[str, int]) -> dict[str, Any]:
+    model, optimizer, train_step = build_gpt(**par, **MOE)
+    for i in range(K):
+        train_step(i)
+    save_checkpoint(CheckpointClient(socket), K, model, optimizer).wait(60)
+    return {"losses": [train_step(K + i) for i in range(AFTER)], "sizes": _sizes()}
+
+
+def _zero_moments(optimizer: Any) -> None:
+    for opt in optimizer.chained_optimizers:
+        for state in opt.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    value.zero_()
+
+
+def _load(rank: int, world: int, roots: tuple[str, str], par: dict[str, int]) -> dict[str, Any]:
+    merged, plain = roots
+    model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **par, **MOE)
+    load_checkpoint(merged, K, model, optimizer)
+    via_merged = _digest(model, optimizer)
+    load_checkpoint(plain, K, model, optimizer)  # merge-free
+    same = _digest(model, optimizer) == via_merged
+    losses = [train_step(K + i) for i in range(AFTER)]
+    load_checkpoint(plain, K, model, optimizer)  # control: the right params, the optimizer's moments zeroed
+    _zero_moments(optimizer)
+    dropped = [train_step(K + i) for i in range(AFTER)]
+    return {"same": same, "losses": losses, "dropped": dropped, "sizes": _sizes()}
+
+
+def _saved(tmp: Path, sockdir: str, world: int, par: dict[str, int]) -> dict[str, Any]:
+    root = str(tmp / "ckpt")
+    daemon = DaemonProcess(root, f"{sockdir}/eptp{world}.sock", "--arena-size", "64MiB", "--no-prefault",
+                           log_path=str(tmp / "daemon.log")).wait_ready()
+    try:
+        saved = spawn_ranks(_save, world, daemon.socket, par)
+    finally:
+        daemon.stop(timeout=20)
+    merged = str(tmp / "merged")
+    shutil.copytree(root, merged)
+    assert merge(merged, progress=False).tasks > 0  # in process: a CLI start costs seconds
+    return {"roots": (merged, root), "losses": saved[0]["losses"], "sizes": saved[0]["sizes"]}
+
+
+def _check_loads(saved: dict[str, Any], world: int, par: dict[str, int], sizes: tuple[int, ...]) -> None:
+    original = saved["losses"]
+    results = spawn_ranks(_load, world, saved["roots"], par)
+    for r in results:
+        assert r["sizes"] == sizes, r["sizes"]
+        assert r["same"], "merge-free and merged loads differ"
+        assert all(abs(x - y) <= REL_TOL * abs(y) for x, y in zip(r["losses"], original, strict=True)), (
+            r["losses"], original)
+        assert r["dropped"][0] == pytest.approx(original[0], rel=REL_TOL)  # the params alone give the first loss
+        assert abs(r["dropped"][1] - original[1]) > 10 * REL_TOL * abs(original[1]), (r["dropped"], original)
+
+
+def test_tp2_ep2_over_tp_ranks_loads_at_ep1_etp2(tmp_path: Path, module_sockdir: str) -> None:
+    saved = _saved(tmp_path, module_sockdir, 2, {"tp": 2, "ep": 2, "etp": 1})
+    assert saved["sizes"] == (2, 2, 1, 1)  # (TP, EP, expert TP, DP)
+    _check_loads(saved, 2, {"tp": 2, "ep": 1}, (2, 1, 2, 1))
+
+
+@pytest.fixture(scope="module")
+def tp2ep2dp2(tmp_path_factory: pytest.TempPathFactory, module_sockdir: str) -> dict[str, Any]:
+    saved = _saved(tmp_path_factory.mktemp("tp2ep2"), module_sockdir, 4, {"tp": 2, "ep": 2})
+    assert saved["sizes"] == (2, 2, 2, 2)
+    return saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "par", "sizes"), [(2, {"tp": 2, "ep": 1}, (2, 1, 2, 1)),
+                                                     (4, {"tp": 1, "ep": 4}, (1, 4, 1, 4))],
+                         ids=["to-tp2ep1", "to-tp1ep4"])
+def test_tp2_ep2_dp2_loads_at_other_ep_and_tp(
+    tp2ep2dp2: dict[str, Any], world: int, par: dict[str, int], sizes: tuple[int, ...]
+) -> None:
+    _check_loads(tp2ep2dp2, world, par, sizes)
