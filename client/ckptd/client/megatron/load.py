@@ -38,6 +38,7 @@ from ckptd.writer.format import (
     bucket_states,
 )
 from ckptd.writer.layout import MegatronLayout, decode_layout
+from ckptd.writer.merge import merged_states
 from ckptd.writer.root import CheckpointRoot, open_root
 from ckptd.writer.sync import run_sync
 
@@ -235,17 +236,18 @@ async def _load_merged(
     template = model_template(model_chunks)
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
-    slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout))
+    targets = slice_targets(optimizer, layout, *_slice_regions(layout, merged_states(manifest)))
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)  # first: the main params win (fp32)
+    slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout, targets.slices))
+    targets.install()
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
-    return await _fill_and_apply(ckpt, commit, records, template, rank, model_chunks, optimizer, layout, slices,
-                                 rng=rng, source="its merged layout")
+    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
+                  source="its merged layout", in_place=targets.in_place)
 
 
-async def _fill_and_apply(
-    ckpt: CheckpointRoot,
+def _apply(
     commit: CommitManifest,
     records: Mapping[int, Record],
-    template: dict[str, Any],
     rank: RankState,
     model_chunks: Sequence[torch.nn.Module],
     optimizer: MegatronOptimizer,
@@ -254,14 +256,11 @@ async def _fill_and_apply(
     *,
     rng: bool,
     source: str,
-    filled: bool = False,
     in_place: Collection[str] = (),
 ) -> LoadedCheckpoint:
-    """The common end of the two loads at another layout: model tensors and RNG read into place (unless
-    ``filled`` already), the optimizer's state applied from ``slices`` (``in_place``: keys already written
-    into the optimizer's tensors), per-rank state restored, one log line."""
-    if not filled:
-        await fill_async(ckpt, commit, {**template, **rank.rng})
+    """The common end of the two loads at another layout (model tensors and RNG already read into place):
+    the optimizer's state applied from ``slices`` (``in_place``: keys already written into the optimizer's
+    tensors), per-rank state restored, one log line."""
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False, in_place=in_place)
     rank.restore(model_chunks, rng=rng)
@@ -294,23 +293,15 @@ async def _load_resharded(
     plan_reads(commit, template)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     saved = await _saved_layouts(ckpt, commit, records)
-    states = saved_states(commit, saved)
-    regions: dict[str, tuple[int, int]] = {}
-    dtypes: dict[str, str] = {}
-    for buf, bucket in layout.buckets():
-        s = buf.slice_numel(bucket)
-        for state, dtype in states.items():
-            key = layout.bucket_key(buf, bucket, state)
-            regions[key], dtypes[key] = (buf.dp_rank * s, (buf.dp_rank + 1) * s), dtype
-    targets = slice_targets(optimizer, layout, regions, dtypes)  # into the optimizer's memory where it can
+    # into the optimizer's memory where it can
+    targets = slice_targets(optimizer, layout, *_slice_regions(layout, saved_states(commit, saved)))
     # the model first, but not where the main params share its memory (fp32): the optimizer's read fills that
     await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
     slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout, targets.slices))
     targets.install()
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
-    return await _fill_and_apply(ckpt, commit, records, template, rank, model_chunks, optimizer, layout, slices,
-                                 rng=rng, source="its DP layout without a merge", filled=True,
-                                 in_place=targets.in_place)
+    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
+                  source="its DP layout without a merge", in_place=targets.in_place)
 
 
 async def _load_model_only(
@@ -364,6 +355,20 @@ async def _saved_layouts(
         layouts.append(decode_layout(await ckpt.read_sidecar(name)))
         covered |= {buf.mp for buf in layouts[-1].buffers}
     return layouts
+
+
+def _slice_regions(
+    layout: MegatronLayout, states: Mapping[str, str]
+) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """This rank's whole slice of every bucket for each state, and the state's dtype (``{key: ...}`` twice)."""
+    regions: dict[str, tuple[int, int]] = {}
+    dtypes: dict[str, str] = {}
+    for buf, bucket in layout.buckets():
+        s = buf.slice_numel(bucket)
+        for state, dtype in states.items():
+            key = layout.bucket_key(buf, bucket, state)
+            regions[key], dtypes[key] = (buf.dp_rank * s, (buf.dp_rank + 1) * s), dtype
+    return regions, dtypes
 
 
 def _coords(layout: MegatronLayout) -> tuple[int, int, int, int, int]:

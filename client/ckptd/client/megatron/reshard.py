@@ -28,7 +28,11 @@ from ckptd.writer.root import CheckpointRoot
 
 
 async def merged_optimizer_slices(
-    root: CheckpointRoot, step: int, manifest: CommitManifest, layout: MegatronLayout
+    root: CheckpointRoot,
+    step: int,
+    manifest: CommitManifest,
+    layout: MegatronLayout,
+    dest: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the merged layout.
 
@@ -37,6 +41,7 @@ async def merged_optimizer_slices(
     one :class:`~ckptd.client.fastread.ChunkReader` for the whole load (raw chunks straight into place,
     crc32c checked, bounded concurrency): a param that lies wholly inside the rank's slice is read straight
     into the slice; one that straddles a slice boundary into a scratch param, whose overlap is copied after.
+    ``dest`` as in :func:`dp_optimizer_slices`.
     """
     if manifest.step != step:
         raise StateMismatchError(f"the merge manifest is of step {manifest.step}, not of step {step}")
@@ -50,7 +55,9 @@ async def merged_optimizer_slices(
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
         touched = [p for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
         for state, dtype in states.items():
-            out = torch.zeros(s, dtype=torch_dtype(dtype))
+            key = layout.bucket_key(buf, bucket, state)
+            given = dest.get(key) if dest is not None else None
+            out = given if given is not None else torch.zeros(s, dtype=torch_dtype(dtype))
             for p in touched:
                 a, b = p.start - bucket.start, p.end - bucket.start
                 if lo <= a and b <= hi:
@@ -63,7 +70,7 @@ async def merged_optimizer_slices(
                     name = merged_array_name(state, piece.key)
                     _check_merged(arrays.get(name), piece, state, dtype)
                     reader.add(name, _block(view_of(piece, value), piece), piece.global_offset)
-            slices[layout.bucket_key(buf, bucket, state)] = out
+            slices[key] = out
     await reader.run()
     for dst, src in straddling:
         dst.copy_(src)
