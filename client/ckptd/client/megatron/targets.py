@@ -20,6 +20,7 @@ Only the first two skip the second copy; the choice is per (bucket, state). A lo
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -44,14 +45,25 @@ class SliceTargets:
     pending: list[tuple[str, torch.Tensor, Sequence[Owned], str]] = field(default_factory=list)
     # (device, first byte, end) of every main param written in place: a model param there needs no read
     main_memory: list[tuple[torch.device, int, int]] = field(default_factory=list)
+    _starts: list[int] = field(default_factory=list)
 
     def covers(self, t: torch.Tensor) -> bool:
         """Whether the in-place main params span all of ``t``'s memory (an fp32 model's params are views of
         the same grad buffer as its main params): then the optimizer's read fills ``t`` as well."""
-        if not t.is_contiguous() or t.numel() == 0:
+        if not t.is_contiguous() or t.numel() == 0 or not self.main_memory:
             return False
+        if len(self._starts) != len(self.main_memory):  # disjoint ranges: sorted once, then bisected
+            self.main_memory.sort(key=lambda r: r[1])
+            self._starts = [a for _d, a, _b in self.main_memory]
         lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        return any(d == t.device and a <= lo and hi <= b for d, a, b in self.main_memory)
+        i = bisect.bisect_right(self._starts, lo)  # the ranges of one device are disjoint: the one that
+        # starts last at or before ``lo`` is the candidate; ranges of other devices may sit between
+        while i > 0:
+            d, a, b = self.main_memory[i - 1]
+            if d == t.device:
+                return a <= lo and hi <= b
+            i -= 1
+        return False
 
     def install(self) -> None:
         """Make each filled flat tensor's views the owned params' state (call after the read succeeded)."""
