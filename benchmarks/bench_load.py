@@ -11,6 +11,9 @@ and with Megatron's ``dist_checkpointing.save`` (``dp_reshardable``, synchronous
 - ``raw_read``: a plain parallel ``readinto`` of ckptd's files of the step (split over the ranks) — the
   bound any loader of those bytes meets.
 
+ckptd's loads run with the CPU shim's ``TorchFunctionMode`` taken off (``cpu_shim.suspended``, as
+bench_stall_scale's saves: on a GPU there is no shim); Megatron's load needs the shim and keeps it.
+
 The row carries every ratio the issue sets a target for and ``targets_met`` (each against its bound):
 same layout vs Megatron (<= 1, cold and warm), vs the raw read (<= 1.25), merge-free other TP vs same
 layout (<= 1.5), cold storage load over in-memory restore (>= 5); ``ratio_other_dp_vs_same`` is reported
@@ -133,12 +136,18 @@ def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list
     # a restarted trainer connects to its daemon once (it saves through it); the load is what is timed
     client = CheckpointClient(socket_path, timeout_s=600) if "memory" in modes else None
 
+    from ckptd.testing.cpu_shim import suspended
+
     def memory_load() -> None:
-        loaded = load_checkpoint(client, STEP, model, optimizer)
+        with suspended():
+            loaded = load_checkpoint(client, STEP, model, optimizer)
         out["memory_bytes"] = loaded.from_memory_bytes
 
-    run = {"ckptd": lambda: load_checkpoint(root, STEP, model, optimizer), "raw_read": raw_read,
-           "megatron": megatron_load, "memory": memory_load}
+    def ckptd_load() -> None:
+        with suspended():
+            load_checkpoint(root, STEP, model, optimizer)
+
+    run = {"ckptd": ckptd_load, "raw_read": raw_read, "megatron": megatron_load, "memory": memory_load}
     for mode in modes:
         for temp in ("cold", "warm"):
             times: list[float] = []

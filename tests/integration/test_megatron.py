@@ -78,6 +78,18 @@ def _rng_snapshot() -> dict[str, Any]:
     }
 
 
+def _state_storages(model: list[torch.nn.Module], optimizer: Any) -> dict[str, int]:
+    """Per state, the most distinct storages the owned params of one bucket keep it in."""
+    from ckptd.client.megatron.layout import bind
+
+    most: dict[str, int] = {}
+    for entries in bind(optimizer, get_layout(model, optimizer)).owned.values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            n = len({o.state[name].untyped_storage().data_ptr() for o in entries})
+            most[name] = max(most.get(name, 0), n)
+    return most
+
+
 def _live(model: list[torch.nn.Module], optimizer: Any) -> dict[str, Any]:
     return {"model": _model_snapshot(model), "optim": _optimizer_snapshot(optimizer)}
 
@@ -148,6 +160,8 @@ def _train_save_reload(rank: int, world: int, socket: str, root: str, build: dic
     _assert_same(rng_at_save, _rng_snapshot(), f"rank{rank}/rng")
     steps = [st["step"] for opt in optimizer2.chained_optimizers for st in opt.optimizer.state.values()]
     assert len({id(s) for s in steps}) == len(steps), "one step tensor shared by several params"
+    # each bucket slice of a state was read into one tensor whose views became the params' state
+    assert _state_storages(model2, optimizer2) == {"exp_avg": 1, "exp_avg_sq": 1}
     resumed = [train_step2(K + i) for i in range(AFTER)]
     assert resumed == after, (resumed, after)
 

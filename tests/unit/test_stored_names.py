@@ -141,7 +141,7 @@ def _scenario(root: str) -> dict[str, Any]:
 
             # the DP-layout loader: the records, every stored state's region, the slices, and apply
             assert _saved_records(commit) == {0: record}
-            regions = _optimizer_regions(commit, layout, opt)
+            regions, _dtypes = _optimizer_regions(commit, layout, opt)
             assert set(regions) == set(saved)
             flat = await read_flat_async(ckpt, commit, regions)
             before = {n: {k: v.clone() for k, v in inner.state[m].items()} for n, m in mains.items()}

@@ -183,14 +183,23 @@ class ChunkReader:
         item = itemsize(rec.torch_dtype)
         target = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
         flat = target.detach().view(-1).view(torch.uint8).numpy()
-        flat[:] = np.frombuffer(self.memory.view[hit.offset : hit.offset + hit.nbytes], dtype=np.uint8)
-        typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
-        for ch in stored.chunks:
-            ext = chunk_selection(ch.coords, rec.chunks, rec.shape)
-            rel = tuple(slice(s.start - o, s.stop - o) for s, o in zip(ext, offset, strict=True))
-            block = np.ascontiguousarray(typed[rel])
-            if block.nbytes != ch.nbytes or int(crc32c.crc32c(block.data.cast("B"))) != ch.crc32c:
-                return False
+        src = np.frombuffer(self.memory.view[hit.offset : hit.offset + hit.nbytes], dtype=np.uint8)
+        rels = [(ch, tuple(slice(s.start - o, s.stop - o) for s, o in
+                           zip(chunk_selection(ch.coords, rec.chunks, rec.shape), offset, strict=True)))
+                for ch in stored.chunks]
+        runs = [_contiguous_run(rel, tuple(dst.shape)) for _ch, rel in rels]
+        if all(run is not None for run in runs):  # each chunk one run: copy and checksum piece by piece, in cache
+            for (ch, _rel), run in zip(rels, runs, strict=True):
+                start, stop = run[0] * item, (run[0] + run[1]) * item  # type: ignore[index]
+                if stop - start != ch.nbytes or _copy_crc(flat, src, start, stop) != ch.crc32c:
+                    return False
+        else:
+            flat[:] = src
+            typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
+            for ch, rel in rels:
+                block = np.ascontiguousarray(typed[rel])
+                if block.nbytes != ch.nbytes or int(crc32c.crc32c(block.data.cast("B"))) != ch.crc32c:
+                    return False
         if target is not dst:
             dst.copy_(target)
         return True
@@ -232,6 +241,17 @@ class ChunkReader:
             what = "fewer" if held < 0 else str(held)
             raise CorruptCheckpointError(f"{job.path}: chunk holds {what} bytes, the manifest recorded {nbytes}+{_CRC}")
         await asyncio.to_thread(_verify, job, body, bytes(trailer))
+
+
+def _copy_crc(dst: np.ndarray, src: np.ndarray, start: int, stop: int) -> int:
+    """Copy bytes ``[start, stop)`` of ``src`` into ``dst`` and return the crc32c of the copy, computed piece
+    by piece while each copied piece is still in the CPU cache."""
+    crc = 0
+    for a in range(start, stop, _PIECE):
+        b = min(a + _PIECE, stop)
+        dst[a:b] = src[a:b]
+        crc = crc32c.crc32c(dst[a:b].data, crc)
+    return int(crc)
 
 
 def _contiguous_run(rel: Sequence[slice], shape: Sequence[int]) -> tuple[int, int] | None:

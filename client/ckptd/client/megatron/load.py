@@ -8,20 +8,22 @@ One async core (:func:`load_checkpoint_async`) reads everything through one open
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckptd.client.fastread import ChunkReader
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
 from ckptd.client.megatron.rank_state import RankState, plan_rank_state
-from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices
-from ckptd.client.reader import fill_async, plan_reads, read_flat_async
-from ckptd.client.restore import arena_source
+from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices, saved_states
+from ckptd.client.megatron.targets import SliceTargets, slice_targets
+from ckptd.client.reader import fill_async, plan_reads
+from ckptd.client.restore import ArenaSource, arena_source
 from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError, InvalidRequestError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
@@ -36,6 +38,7 @@ from ckptd.writer.format import (
     bucket_states,
 )
 from ckptd.writer.layout import MegatronLayout, decode_layout
+from ckptd.writer.merge import merged_states
 from ckptd.writer.root import CheckpointRoot, open_root
 from ckptd.writer.sync import run_sync
 
@@ -161,17 +164,26 @@ async def load_checkpoint_async(
             return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout, rng=rng)
         return await _load_resharded(ckpt, commit, records, model_chunks, optimizer, layout, rng=rng)
 
-    regions = _optimizer_regions(commit, layout, optimizer)
+    regions, dtypes = _optimizer_regions(commit, layout, optimizer)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
+    targets = slice_targets(optimizer, layout, regions, dtypes)
 
-    # 2. read the optimizer slices into fresh tensors, then fill the model (and RNG buffers) in place;
-    # what the node's daemon still holds of this step comes from its arena (checked against the manifest)
+    # 2. the model and RNG buffers in place, then the optimizer slices straight into the optimizer's tensors
+    # where they lie as stored (else into new flat state tensors, or fresh ones to copy from). A model param
+    # that lies inside this rank's main params (fp32: both are views of the grad buffer) is left to the
+    # optimizer's read, which comes second so the main params win where they share memory with the model, as
+    # after Megatron's own load. What the node's daemon still holds of this step comes from its arena
+    # (checked against the manifest).
     memory = arena_source(client, commit.step) if client is not None else None
-    slices: dict[str, Any] = dict(await read_flat_async(ckpt, commit, regions, memory=memory))
+    reader = await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory)
+    for key, dst in targets.slices.items():
+        reader.add(key, dst, (regions[key][0],))
+    await reader.run()
+    targets.install()
+    slices: dict[str, Any] = dict(targets.slices)
     slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
-    await fill_async(ckpt, commit, {**template, **rank.rng}, memory=memory)
     drop_unsaved_state(optimizer, layout, slices)
-    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False, in_place=targets.in_place)
     rank.restore(model_chunks, rng=rng)
     logger.info(
         "loaded step %d (tp%d pp%d dp%d/%d, saved at DP %d)",
@@ -182,6 +194,24 @@ async def load_checkpoint_async(
                     commit.step, memory.served_bytes, len(memory.rejected))
     return LoadedCheckpoint(commit.step, rank.extra, rank.source,
                             memory.served_bytes if memory is not None else 0)
+
+
+async def _fill_model(
+    ckpt: CheckpointRoot,
+    commit: CommitManifest,
+    template: Mapping[str, Any],
+    targets: SliceTargets,
+    memory: ArenaSource | None = None,
+) -> ChunkReader:
+    """Read the template's tensors in place, except those inside this rank's in-place main params (an fp32
+    model's params share the grad buffer with them): the optimizer's read, which must come after this one,
+    writes those. Returns the reader (reusable for the optimizer's read)."""
+    reader = ChunkReader(ckpt, commit, memory=memory)
+    for shard in plan_reads(commit, template):
+        if not targets.covers(shard.data):
+            reader.add(shard.key, shard.data, shard.global_offset)
+    await reader.run()
+    return reader
 
 
 async def _load_merged(
@@ -206,17 +236,18 @@ async def _load_merged(
     template = model_template(model_chunks)
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
-    slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout))
+    targets = slice_targets(optimizer, layout, *_slice_regions(layout, merged_states(manifest)))
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)  # first: the main params win (fp32)
+    slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout, targets.slices))
+    targets.install()
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
-    return await _fill_and_apply(ckpt, commit, records, template, rank, model_chunks, optimizer, layout, slices,
-                                 rng=rng, source="its merged layout")
+    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
+                  source="its merged layout", in_place=targets.in_place)
 
 
-async def _fill_and_apply(
-    ckpt: CheckpointRoot,
+def _apply(
     commit: CommitManifest,
     records: Mapping[int, Record],
-    template: dict[str, Any],
     rank: RankState,
     model_chunks: Sequence[torch.nn.Module],
     optimizer: MegatronOptimizer,
@@ -225,12 +256,13 @@ async def _fill_and_apply(
     *,
     rng: bool,
     source: str,
+    in_place: Collection[str] = (),
 ) -> LoadedCheckpoint:
-    """The common end of the two loads at another layout: model tensors and RNG read into place, the
-    optimizer's state applied from ``slices``, per-rank state restored, one log line."""
-    await fill_async(ckpt, commit, {**template, **rank.rng})
+    """The common end of the two loads at another layout (model tensors and RNG already read into place):
+    the optimizer's state applied from ``slices`` (``in_place``: keys already written into the optimizer's
+    tensors), per-rank state restored, one log line."""
     drop_unsaved_state(optimizer, layout, slices)
-    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False)
+    apply_optimizer_state(optimizer, layout, slices, copy_to_model=False, in_place=in_place)
     rank.restore(model_chunks, rng=rng)
     saved = records[rank.source]
     logger.info(
@@ -261,10 +293,15 @@ async def _load_resharded(
     plan_reads(commit, template)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     saved = await _saved_layouts(ckpt, commit, records)
-    slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout))
+    # into the optimizer's memory where it can
+    targets = slice_targets(optimizer, layout, *_slice_regions(layout, saved_states(commit, saved)))
+    # the model first, but not where the main params share its memory (fp32): the optimizer's read fills that
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
+    slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout, targets.slices))
+    targets.install()
     slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
-    return await _fill_and_apply(ckpt, commit, records, template, rank, model_chunks, optimizer, layout, slices,
-                                 rng=rng, source="its DP layout without a merge")
+    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
+                  source="its DP layout without a merge", in_place=targets.in_place)
 
 
 async def _load_model_only(
@@ -318,6 +355,20 @@ async def _saved_layouts(
         layouts.append(decode_layout(await ckpt.read_sidecar(name)))
         covered |= {buf.mp for buf in layouts[-1].buffers}
     return layouts
+
+
+def _slice_regions(
+    layout: MegatronLayout, states: Mapping[str, str]
+) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """This rank's whole slice of every bucket for each state, and the state's dtype (``{key: ...}`` twice)."""
+    regions: dict[str, tuple[int, int]] = {}
+    dtypes: dict[str, str] = {}
+    for buf, bucket in layout.buckets():
+        s = buf.slice_numel(bucket)
+        for state, dtype in states.items():
+            key = layout.bucket_key(buf, bucket, state)
+            regions[key], dtypes[key] = (buf.dp_rank * s, (buf.dp_rank + 1) * s), dtype
+    return regions, dtypes
 
 
 def _coords(layout: MegatronLayout) -> tuple[int, int, int, int, int]:
@@ -408,11 +459,15 @@ def _check_structure(saved: MegatronLayout, live: MegatronLayout) -> None:
                 )
 
 
-def _optimizer_regions(commit: CommitManifest, layout: MegatronLayout, optimizer: object) -> dict[str, tuple[int, int]]:
-    """Every stored state of every bucket of this rank, with the region this rank reads."""
+def _optimizer_regions(
+    commit: CommitManifest, layout: MegatronLayout, optimizer: object
+) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """Every stored state of every bucket of this rank, with the region this rank reads (clipped to the
+    stored array: a checkpoint saved at another DP size is padded differently), and its stored dtype."""
     arrays = {rec.name: rec for rec in commit.arrays}
     binding = bind(optimizer, layout)
     regions: dict[str, tuple[int, int]] = {}
+    dtypes: dict[str, str] = {}
     for buf, bucket in layout.buckets():
         prefix = layout.bucket_prefix(buf, bucket)
         start, stop = buf.dp_rank * buf.slice_numel(bucket), (buf.dp_rank + 1) * buf.slice_numel(bucket)
@@ -432,5 +487,7 @@ def _optimizer_regions(commit: CommitManifest, layout: MegatronLayout, optimizer
                 raise StateMismatchError(
                     f"{name}: the checkpoint has dtype {rec.torch_dtype}, the main params {entries[0].main.dtype}"
                 )
-            regions[name] = (start, stop)
-    return regions
+            end = min(stop, rec.shape[0])
+            regions[name] = (min(start, end), end)
+            dtypes[name] = rec.torch_dtype
+    return regions, dtypes

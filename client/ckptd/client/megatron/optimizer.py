@@ -19,7 +19,7 @@ agree, per param otherwise — and restored as a *fresh* tensor per param with t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,6 +228,7 @@ def apply_optimizer_state(
     *,
     copy_to_model: bool = True,
     sync_params: bool = False,
+    in_place: Collection[str] = (),
 ) -> None:
     """Write loaded bucket slices and plain data back into the optimizer; inverse of :func:`optimizer_shards`.
 
@@ -242,7 +243,8 @@ def apply_optimizer_state(
     Afterwards main params are copied into the model params this rank owns (``copy_to_model``), as
     Megatron does after a step; with ``sync_params`` the model chunks' param all-gather runs too (a DP
     collective), otherwise the other ranks' slices of the model params must come from the model
-    checkpoint.
+    checkpoint. Keys in ``in_place`` were read straight into the optimizer's tensors
+    (:mod:`~ckptd.client.megatron.targets`): checked, not copied again.
     """
     binding = bind(optimizer, layout)
     meta_in = slices.get(OPTIM_META)
@@ -267,12 +269,15 @@ def apply_optimizer_state(
             if entries and MAIN_PARAM not in loaded:
                 raise StateMismatchError(f"{prefix}{MAIN_PARAM}: missing from the loaded optimizer state")
             for name, src in loaded.items():
+                copy = prefix + name not in in_place
                 for o in entries:
                     if o.hi > src.numel():
                         raise ShardLayoutError(
                             f"{prefix}{name}: {o.param.name} needs elements [{o.lo}, {o.hi}) of this rank's "
                             f"slice, but only {src.numel()} were loaded"
                         )
+                    if not copy:
+                        continue
                     piece = src[o.lo : o.hi]
                     if name == MAIN_PARAM:
                         o.main.copy_(piece)

@@ -12,7 +12,7 @@ way. Each rank reads only the params its slices touch. Nothing here imports mega
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,11 @@ from ckptd.writer.root import CheckpointRoot
 
 
 async def merged_optimizer_slices(
-    root: CheckpointRoot, step: int, manifest: CommitManifest, layout: MegatronLayout
+    root: CheckpointRoot,
+    step: int,
+    manifest: CommitManifest,
+    layout: MegatronLayout,
+    dest: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the merged layout.
 
@@ -37,6 +41,7 @@ async def merged_optimizer_slices(
     one :class:`~ckptd.client.fastread.ChunkReader` for the whole load (raw chunks straight into place,
     crc32c checked, bounded concurrency): a param that lies wholly inside the rank's slice is read straight
     into the slice; one that straddles a slice boundary into a scratch param, whose overlap is copied after.
+    ``dest`` as in :func:`dp_optimizer_slices`.
     """
     if manifest.step != step:
         raise StateMismatchError(f"the merge manifest is of step {manifest.step}, not of step {step}")
@@ -50,7 +55,9 @@ async def merged_optimizer_slices(
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
         touched = [p for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
         for state, dtype in states.items():
-            out = torch.zeros(s, dtype=torch_dtype(dtype))
+            key = layout.bucket_key(buf, bucket, state)
+            given = dest.get(key) if dest is not None else None
+            out = given if given is not None else torch.zeros(s, dtype=torch_dtype(dtype))
             for p in touched:
                 a, b = p.start - bucket.start, p.end - bucket.start
                 if lo <= a and b <= hi:
@@ -63,7 +70,7 @@ async def merged_optimizer_slices(
                     name = merged_array_name(state, piece.key)
                     _check_merged(arrays.get(name), piece, state, dtype)
                     reader.add(name, _block(view_of(piece, value), piece), piece.global_offset)
-            slices[layout.bucket_key(buf, bucket, state)] = out
+            slices[key] = out
     await reader.run()
     for dst, src in straddling:
         dst.copy_(src)
@@ -118,8 +125,26 @@ def _block(view: torch.Tensor, piece: ModelPiece) -> torch.Tensor:
     return view
 
 
+def saved_states(commit: CommitManifest, saved: Sequence[MegatronLayout]) -> dict[str, str]:
+    """``{state: stored torch dtype}`` of every state the saved layouts' buckets hold (``param`` first)."""
+    arrays = {rec.name: rec for rec in commit.arrays}
+    states: dict[str, str] = {}
+    for lay in saved:
+        for buf, bucket in lay.buckets():
+            prefix = lay.bucket_prefix(buf, bucket)
+            for state in bucket_states(list(arrays), prefix):
+                states.setdefault(state, arrays[prefix + state].torch_dtype)
+    if MAIN_PARAM not in states:
+        raise StateMismatchError(f"step {commit.step} holds no optimizer bucket state of the saved layouts")
+    return states
+
+
 async def dp_optimizer_slices(
-    root: CheckpointRoot, commit: CommitManifest, saved: Sequence[MegatronLayout], layout: MegatronLayout
+    root: CheckpointRoot,
+    commit: CommitManifest,
+    saved: Sequence[MegatronLayout],
+    layout: MegatronLayout,
+    dest: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the stored DP layout.
 
@@ -130,17 +155,15 @@ async def dp_optimizer_slices(
     those saved params' ranges (through :class:`~ckptd.client.fastread.ChunkReader`), then copied into this
     rank's slice of its own bucket. Works for any TP/PP/DP and bucket layout; the merged layout
     (:func:`merged_optimizer_slices`) gives the same result.
+
+    ``dest`` (optional) holds the slices to fill, by key (:mod:`~ckptd.client.megatron.targets`: often the
+    optimizer's own memory); only the params' ranges are written there (padding is left as it is). Keys
+    it lacks get fresh zeroed tensors. The states are read one after the other into one set of read
+    buffers, and a param this rank holds whole is assembled straight in its place in the slice.
     """
     arrays = {rec.name: rec for rec in commit.arrays}
     index = _saved_index(saved)
-    states: dict[str, str] = {}
-    for lay in saved:
-        for buf, bucket in lay.buckets():
-            prefix = lay.bucket_prefix(buf, bucket)
-            for state in bucket_states(list(arrays), prefix):
-                states.setdefault(state, arrays[prefix + state].torch_dtype)
-    if MAIN_PARAM not in states:
-        raise StateMismatchError(f"step {commit.step} holds no optimizer bucket state of the saved layouts")
+    states = saved_states(commit, saved)
 
     # 1. which saved param ranges this rank needs, for which of its param pieces
     plans: list[tuple[BufferLayout, BucketLayout, list[tuple[ParamLayout, list[tuple[ModelPiece, _SavedPiece]]]]]] = []
@@ -164,46 +187,66 @@ async def dp_optimizer_slices(
                     wanted[(sp.prefix, sp.lo, sp.hi)] = None
             touched.append((p, sources))
         plans.append((buf, bucket, touched))
+    spans = _spans(wanted)
+    for prefix, _lo, _hi in spans:
+        for state in states:
+            if prefix + state not in arrays:
+                raise StateMismatchError(f"{prefix + state}: not in checkpoint step {commit.step}")
 
-    # 2. read them: the wanted ranges of each saved bucket merged into spans (params sit back to back, a
-    # padding apart), one tensor per (span, state), so each stored chunk is read once; every chunk checksummed
-    reader = ChunkReader(root, commit)
-    got: dict[tuple[str, int, int, str], torch.Tensor] = {}
-    for (prefix, lo, hi), members in _spans(wanted).items():
-        for state, dtype in states.items():
-            name = prefix + state
-            if name not in arrays:
-                raise StateMismatchError(f"{name}: not in checkpoint step {commit.step}")
-            span = torch.empty(hi - lo, dtype=torch_dtype(dtype))
-            reader.add(name, span, (lo,))
-            for a, b in members:
-                got[(prefix, a, b, state)] = span[a - lo : b - lo]
-    await reader.run()
-
-    # 3. assemble each param's state in this layout, then this rank's slice of each bucket
     slices: dict[str, torch.Tensor] = {}
-    for buf, bucket, touched in plans:
-        s = buf.slice_numel(bucket)
-        lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
+    for buf, bucket, _touched in plans:
         for state, dtype in states.items():
-            out = torch.zeros(s, dtype=torch_dtype(dtype))
-            for p, sources in touched:
-                value = torch.empty(p.shape, dtype=out.dtype)
-                for piece, sp in sources:
-                    src_param = got[(sp.prefix, sp.lo, sp.hi, state)].view(sp.param.shape)
-                    src = _block(view_of(sp.piece, src_param), sp.piece)
-                    dst = _block(view_of(piece, value), piece)
-                    inter = _overlap(piece, sp.piece)
-                    if inter is None:
-                        continue
-                    d_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, piece.global_offset, strict=True))
-                    s_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, sp.piece.global_offset, strict=True))
-                    dst[d_sel] = src[s_sel]
-                a, b = p.start - bucket.start, p.end - bucket.start
-                i, j = max(a, lo), min(b, hi)
-                out[i - lo : j - lo] = value.reshape(-1)[i - a : j - a]
-            slices[layout.bucket_key(buf, bucket, state)] = out
+            key = layout.bucket_key(buf, bucket, state)
+            given = dest.get(key) if dest is not None else None
+            slices[key] = given if given is not None else torch.zeros(buf.slice_numel(bucket), dtype=torch_dtype(dtype))
+
+    # 2. per state: read the wanted ranges of each saved bucket merged into spans (params sit back to back, a
+    # padding apart), one buffer per span reused by every state, so each stored chunk is read once and the
+    # buffers' pages are touched once; every chunk checksummed. 3. assemble each param's state in this layout
+    # straight into this rank's slice of its bucket
+    reader = ChunkReader(root, commit)
+    buffers: dict[tuple[str, int, int], torch.Tensor] = {}
+    for state, dtype in states.items():
+        got: dict[tuple[str, int, int], torch.Tensor] = {}
+        for (prefix, lo, hi), members in spans.items():
+            span = buffers.get((prefix, lo, hi))
+            if span is None or span.dtype != torch_dtype(dtype):
+                span = buffers[(prefix, lo, hi)] = torch.empty(hi - lo, dtype=torch_dtype(dtype))
+            reader.add(prefix + state, span, (lo,))
+            for a, b in members:
+                got[(prefix, a, b)] = span[a - lo : b - lo]
+        await reader.run()
+        for buf, bucket, touched in plans:
+            _assemble(slices[layout.bucket_key(buf, bucket, state)], buf, bucket, touched, got)
     return slices
+
+
+def _assemble(
+    out: torch.Tensor,
+    buf: BufferLayout,
+    bucket: BucketLayout,
+    touched: list[tuple[ParamLayout, list[tuple[ModelPiece, _SavedPiece]]]],
+    got: Mapping[tuple[str, int, int], torch.Tensor],
+) -> None:
+    """Each touched param's state from the saved ranges in ``got``, into its range of the slice ``out``."""
+    s = buf.slice_numel(bucket)
+    lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
+    for p, sources in touched:
+        a, b = p.start - bucket.start, p.end - bucket.start
+        i, j = max(a, lo), min(b, hi)
+        whole = (i, j) == (a, b)  # this rank holds all of it: assemble in place
+        value = out[a - lo : b - lo].view(p.shape) if whole else torch.empty(p.shape, dtype=out.dtype)
+        for piece, sp in sources:
+            inter = _overlap(piece, sp.piece)
+            if inter is None:
+                continue
+            src = _block(view_of(sp.piece, got[(sp.prefix, sp.lo, sp.hi)].view(sp.param.shape)), sp.piece)
+            dst = _block(view_of(piece, value), piece)
+            d_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, piece.global_offset, strict=True))
+            s_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, sp.piece.global_offset, strict=True))
+            dst[d_sel] = src[s_sel]
+        if not whole:
+            out[i - lo : j - lo] = value.reshape(-1)[i - a : j - a]
 
 
 SPAN_GAP = 1 << 18  # elements: wanted ranges closer than this are read as one span

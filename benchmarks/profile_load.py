@@ -1,0 +1,199 @@
+"""Where a warm load's time goes: bench_load's paths at a reduced size, timed and profiled (a dev tool).
+
+    PYTHONPATH=... python benchmarks/profile_load.py [--size LAYERSxHIDDENxHEADSxVOCAB] [--repeats N] [--prof DIR]
+
+Saves once through a daemon (TP1 x DP2, fp32, bench_load's ``_save``), then in new ranks: the raw parallel
+read of the step's files, ckptd's same-layout load from storage and the in-memory restore, both warm, the
+storage load cold (the step's files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then
+at TP2 x DP1 the merge-free load; slowest rank, median of ``--repeats``. With ``--prof`` rank 0 writes one
+cProfile per mode (``<mode>.prof``) after the timed runs. The CPU shim's ``TorchFunctionMode`` is taken off
+around ckptd's calls, as bench_load does (on a GPU there is no shim). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_load import STEP, _save  # noqa: E402
+from bench_megatron import _gpt_params  # noqa: E402
+
+from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[str], repeats: int,
+          sock: str, prof: str) -> dict[str, list[float]]:
+    import torch
+    import torch.distributed as dist
+
+    from ckptd.client import CheckpointClient
+    from ckptd.client.megatron import load_checkpoint
+    from ckptd.testing.cpu_shim import suspended
+    from ckptd.testing.toy_gpt import build_gpt
+
+    model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **cfg)
+    train_step(0)
+    root = os.path.join(workdir, "load-ckptd")
+    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}")) for f in fs)
+    mine = files[rank::world]
+    buf = torch.empty(max((os.path.getsize(f) for f in mine), default=1), dtype=torch.uint8)
+    client = CheckpointClient(sock, timeout_s=600) if "memory" in modes else None
+
+    def raw_read() -> None:
+        view = memoryview(buf.numpy())
+        for path in mine:
+            with open(path, "rb", buffering=0) as fh:
+                fh.readinto(view[: os.path.getsize(path)])
+
+    def ckptd() -> None:
+        with suspended():
+            load_checkpoint(root, STEP, model, optimizer)
+
+    def memory() -> None:
+        with suspended():
+            loaded = load_checkpoint(client, STEP, model, optimizer)  # type: ignore[arg-type]
+        if loaded.from_memory_bytes == 0:
+            raise RuntimeError("nothing came from memory")
+
+    def evict() -> None:  # this step's files only (the machine is shared): clean pages, fsynced at save
+        if rank == 0:
+            for path in files:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        dist.barrier()
+
+    def cold() -> None:
+        ckptd()  # timed: the caller evicted before
+
+    run = {"raw_read": raw_read, "ckptd": ckptd, "memory": memory, "cold": cold}
+    out: dict[str, list[float]] = {}
+    phases = _time_phases()
+    for mode in modes:
+        run[mode]()  # warm the page cache (and the destination tensors)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            if mode == "cold":
+                evict()
+            t0 = time.perf_counter()
+            run[mode]()
+            times.append(time.perf_counter() - t0)
+        out[mode] = times
+        for name, spent in phases.items():
+            out[f"{mode}:{name}"] = [statistics.median(spent[-repeats:])] if spent else [0.0]
+            spent.clear()
+        if prof and rank == 0 and mode not in ("raw_read", "cold"):
+            pr = cProfile.Profile()
+            pr.enable()
+            run[mode]()
+            pr.disable()
+            pr.dump_stats(os.path.join(prof, f"{mode}{'_tp' + str(cfg.get('tp', 1)) if cfg.get('tp') else ''}.prof"))
+        dist.barrier()
+    if client is not None:
+        client.close()
+    return out
+
+
+def _time_phases() -> dict[str, list[float]]:
+    """Wrap the load's steps (as ``load.py`` calls them) in timers; returns their durations, by name."""
+    import functools
+    import inspect
+
+    from ckptd.client.megatron import load
+
+    spent: dict[str, list[float]] = {}
+    for name in ("read_flat_async", "fill_async", "apply_optimizer_state", "drop_unsaved_state",
+                 "dp_optimizer_slices", "plan_reads", "arena_source", "get_layout", "_optimizer_regions",
+                 "plan_rank_state", "model_template", "decode_layout", "slice_targets"):
+        fn = getattr(load, name, None)
+        if fn is None:
+            continue
+        spent[name] = []
+
+        def wrap(fn: Any, into: list[float]) -> Any:
+            if inspect.iscoroutinefunction(fn):
+                @functools.wraps(fn)
+                async def timed_async(*a: Any, **k: Any) -> Any:
+                    t0 = time.perf_counter()
+                    try:
+                        return await fn(*a, **k)
+                    finally:
+                        into.append(time.perf_counter() - t0)
+                return timed_async
+
+            @functools.wraps(fn)
+            def timed(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    into.append(time.perf_counter() - t0)
+            return timed
+
+        setattr(load, name, wrap(fn, spent[name]))
+    from ckptd.client.fastread import ChunkReader
+
+    spent["ChunkReader.run"] = []
+    ChunkReader.run = wrap(ChunkReader.run, spent["ChunkReader.run"])  # type: ignore[method-assign]
+    return spent
+
+
+def _slowest(results: list[dict[str, list[float]]], mode: str) -> float:
+    n = min(len(r[mode]) for r in results)
+    return round(float(statistics.median(max(r[mode][i] for r in results) for i in range(n))), 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="4x512x8x32768", help="layers x hidden x heads x vocab")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prof", default="")
+    parser.add_argument("--root", default=None)
+    args = parser.parse_args()
+    layers, hidden, heads, vocab = (int(x) for x in args.size.split("x"))
+    cfg = {"hidden": hidden, "layers": layers, "heads": heads, "vocab": vocab, "seq": 64, "micro_batch_size": 1}
+    if args.prof:
+        os.makedirs(args.prof, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="ckptd-profload-", dir=args.root)
+    root, sock = os.path.join(workdir, "load-ckptd"), os.path.join(workdir, "load.sock")
+    arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64
+    daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1",
+                           log_path=os.path.join(workdir, "daemon.log"))
+    try:
+        daemon.wait_ready(300)
+        saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
+        same = run_ranks(_rank, 2, workdir, cfg, ["raw_read", "ckptd", "memory", "cold"], args.repeats, sock, args.prof,
+                         timeout_s=3600)
+    finally:
+        daemon.stop(120)
+    tp = run_ranks(_rank, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], args.repeats, sock, args.prof, timeout_s=3600)
+    row = {"bench": "profile_load", "size": args.size, "params": saved[0]["params"],
+           "raw_read_warm_s": _slowest(same, "raw_read"), "ckptd_warm_s": _slowest(same, "ckptd"),
+           "memory_restore_s": _slowest(same, "memory"), "other_tp_warm_s": _slowest(tp, "ckptd")}
+    row["ratio_ckptd_vs_raw_warm"] = round(row["ckptd_warm_s"] / row["raw_read_warm_s"], 3)
+    row["ratio_other_tp_vs_same_warm"] = round(row["other_tp_warm_s"] / row["ckptd_warm_s"], 3)
+    row["ckptd_cold_s"] = _slowest(same, "cold")
+    row["ratio_cold_over_memory"] = round(row["ckptd_cold_s"] / row["memory_restore_s"], 3)
+    print(json.dumps(row), flush=True)
+    for label, results in (("same", same), ("tp2", tp)):
+        for r, res in enumerate(results):
+            print(label, r, {k: round(v[0], 4) for k, v in res.items() if ":" in k and v[0] > 0.0005})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Where a load's bucket slices land: straight in the optimizer's own memory, so each byte is copied once.
+
+A stored bucket slice ``optim/<mp>/buf<g>/bucket<b>/<state>`` holds this rank's owned params back to back at
+their slice offsets (padding between). The loader reads it into one 1-D destination of ``S`` elements:
+
+- **in place** when the live tensors already sit that way in one storage: the fp32 main params of an fp32
+  model are views of the grad buffer's ``param_data``, and the states this module installed on an earlier
+  load are views of one tensor. Checked by address (same storage, each tensor exactly at its offset,
+  contiguous, the stored dtype), never assumed;
+- **into a new flat tensor** whose views then *become* the per-param state (:meth:`SliceTargets.install`,
+  after the read): a state the optimizer does not have yet (a fresh job loads before its first step) or
+  keeps as separate per-param tensors (torch Adam's ``zeros_like``). The old tensors are dropped; the
+  optimizer steps views just as well (Adam's foreach/fused kernels take lists of tensors);
+- otherwise (fp32 main params of a bf16 model, a state kept in another dtype) into a fresh tensor that
+  :func:`~ckptd.client.megatron.optimizer.apply_optimizer_state` copies from, as before.
+
+Only the first two skip the second copy; the choice is per (bucket, state). A load at another layout
+(:func:`~ckptd.client.megatron.reshard.dp_optimizer_slices`) writes into the same destinations.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ckptd.client.megatron.introspect import Owned
+from ckptd.client.megatron.layout import bind
+from ckptd.client.megatron.optimizer import _gaps
+from ckptd.client.state import torch_dtype
+from ckptd.writer.errors import ShardLayoutError, StateMismatchError
+from ckptd.writer.format import MAIN_PARAM, split_bucket_key
+from ckptd.writer.layout import MegatronLayout
+
+
+@dataclass
+class SliceTargets:
+    """One destination per optimizer key, and which of them are the optimizer's memory already."""
+
+    slices: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> 1-D destination (the region's length)
+    in_place: set[str] = field(default_factory=set)  # written straight into the optimizer's tensors
+    # fresh flat tensors whose views become the per-param state once the read succeeded: (key, flat, owners, state)
+    pending: list[tuple[str, torch.Tensor, Sequence[Owned], str]] = field(default_factory=list)
+    # (device, first byte, end) of every main param written in place: a model param there needs no read
+    main_memory: list[tuple[torch.device, int, int]] = field(default_factory=list)
+    _starts: list[int] = field(default_factory=list)
+
+    def covers(self, t: torch.Tensor) -> bool:
+        """Whether the in-place main params span all of ``t``'s memory (an fp32 model's params are views of
+        the same grad buffer as its main params): then the optimizer's read fills ``t`` as well."""
+        if not t.is_contiguous() or t.numel() == 0 or not self.main_memory:
+            return False
+        if len(self._starts) != len(self.main_memory):  # disjoint ranges: sorted once, then bisected
+            self.main_memory.sort(key=lambda r: r[1])
+            self._starts = [a for _d, a, _b in self.main_memory]
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        i = bisect.bisect_right(self._starts, lo)  # the ranges of one device are disjoint: the one that
+        # starts last at or before ``lo`` is the candidate; ranges of other devices may sit between
+        while i > 0:
+            d, a, b = self.main_memory[i - 1]
+            if d == t.device:
+                return a <= lo and hi <= b
+            i -= 1
+        return False
+
+    def install(self) -> None:
+        """Make each filled flat tensor's views the owned params' state (call after the read succeeded)."""
+        for key, flat, entries, state in self.pending:
+            for o in entries:
+                o.inner.state[o.main][state] = flat[o.lo : o.hi].view(o.main.shape)
+            self.in_place.add(key)
+        self.pending = []
+
+
+def slice_targets(
+    optimizer: object, layout: MegatronLayout, regions: Mapping[str, tuple[int, int]], dtypes: Mapping[str, str]
+) -> SliceTargets:
+    """Destinations for ``regions`` (``{optimizer key: (start, stop)}``, already clipped to the stored arrays)
+    of stored torch dtype ``dtypes[key]``. Raises :class:`ShardLayoutError` when a region is shorter than an
+    owned param needs (nothing is written yet)."""
+    binding = bind(optimizer, layout)
+    buckets = {layout.bucket_prefix(buf, bucket): (buf, bucket) for buf, bucket in layout.buckets()}
+    out = SliceTargets()
+    for key, (start, stop) in regions.items():
+        prefix, state = split_bucket_key(key)
+        if prefix not in buckets:
+            raise StateMismatchError(f"{key}: no such optimizer bucket in this rank's layout")
+        buf, bucket = buckets[prefix]
+        entries = binding.owned[(buf.index, bucket.index)]
+        n = stop - start
+        short = next((o for o in entries if o.hi > n), None)
+        if short is not None:
+            raise ShardLayoutError(
+                f"{key}: {short.param.name} needs elements [{short.lo}, {short.hi}) of this rank's slice, but "
+                f"the checkpoint holds only {n}"
+            )
+        out.slices[key] = _target(out, key, entries, state, buf.slice_numel(bucket), n, torch_dtype(dtypes[key]))
+    return out
+
+
+def _target(
+    out: SliceTargets, key: str, entries: Sequence[Owned], state: str, s: int, n: int, dtype: torch.dtype
+) -> torch.Tensor:
+    if not entries:
+        return torch.empty(n, dtype=dtype)
+    live = [o.main if state == MAIN_PARAM else o.get(state) for o in entries]
+    alias = flat_alias(live, entries, s, dtype)
+    if alias is not None:
+        out.in_place.add(key)
+        if state == MAIN_PARAM:
+            isz = alias.element_size()
+            out.main_memory += [(o.main.device, o.main.data_ptr(), o.main.data_ptr() + (o.hi - o.lo) * isz)
+                                for o in entries]
+        return alias[:n]
+    if state != MAIN_PARAM and all(
+        t is None or (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == o.main.shape)
+        for t, o in zip(live, entries, strict=True)
+    ):
+        flat = torch.empty(s, dtype=dtype, device=entries[0].main.device)
+        for lo, hi in _gaps(entries, s):  # padding: zero, whatever the read writes (or not) there
+            flat[lo:hi].zero_()
+        out.pending.append((key, flat, entries, state))
+        return flat[:n]
+    return torch.empty(n, dtype=dtype)
+
+
+def flat_alias(
+    tensors: Sequence[object], entries: Sequence[Owned], numel: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """A 1-D tensor of ``numel`` elements over the memory ``tensors`` occupy, when they lie in one storage
+    each exactly at its owner's slice offset (contiguous, ``dtype``); None otherwise."""
+    if not tensors or not isinstance(tensors[0], torch.Tensor):
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    base, isz = storage.data_ptr(), first.element_size()
+    rel = first.data_ptr() - base - entries[0].lo * isz
+    if rel < 0 or rel % isz or rel + numel * isz > storage.nbytes():
+        return None
+    for t, o in zip(tensors, entries, strict=True):
+        if not (
+            isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == first.device and t.is_contiguous()
+            and t.numel() == o.hi - o.lo and t.untyped_storage().data_ptr() == base
+            and t.data_ptr() == base + rel + o.lo * isz
+        ):
+            return None
+    return torch.empty(0, dtype=dtype, device=first.device).set_(storage, rel // isz, (numel,), (1,))
