@@ -111,10 +111,8 @@ class CheckpointClient:
     ``on_daemon_lost``: ``"warn"`` (default) fails only the save's handle when the daemon is gone, with one
     warning; ``"raise"`` raises :class:`DaemonUnavailableError` (see :mod:`ckptd.client.daemon_lost`).
 
-    ``assume_constant_structure=True`` promises that each save stages what the previous one did (the same
-    tensors; values change): plan saves then wait for no answer (:mod:`ckptd.client.pipeline`: the next
-    save's staging space is granted ahead; errors of a save reach ``wait()`` or the next ``save()``), and
-    the Megatron save skips its per-tensor checks (:func:`ckptd.client.megatron.save_checkpoint`).
+    ``assume_constant_structure=True``: each save stages what the previous one did (values change); plan
+    saves wait for no answer (:mod:`ckptd.client.pipeline`) and the Megatron save skips per-tensor checks.
     """
 
     def __init__(
@@ -332,7 +330,8 @@ class CheckpointClient:
         ``pipelined``: wait for no answer (:mod:`ckptd.client.pipeline`; default: ``assume_constant_structure``)."""
         t0 = time.perf_counter() if t0 is None else t0
         pipe = self.assume_constant_structure if pipelined is None else pipelined
-        return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0, fetched, pipe))
+        return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0, fetched,
+                                                               pipe))
 
     def _register_plan(self, plan: StagePlan) -> int:
         reply = _expect(self._request(plan.register_message(self.placement.rank)), PlanRegistered)

@@ -148,7 +148,8 @@ def save_span(
     try:
         client._stage_span(plan, grant.offsets[0], sources)
         req = client._save_request(step, grant, [], objects, docs, plan_id, t0)
-        ahead = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=client.placement.rank, sizes=[plan.span], timeout_s=0.0)
+        rank = client.placement.rank
+        ahead = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=rank, sizes=[plan.span], timeout_s=0.0)
         sock = client._sock
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {client.socket_path}")
