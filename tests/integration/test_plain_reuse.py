@@ -16,6 +16,7 @@ import torch
 from ckptd.client import CheckpointClient, Placement
 from ckptd.client.protocol import PROTOCOL_VERSION, ReportRequest
 from ckptd.client.reader import load
+from ckptd.writer.errors import StepCommittedError
 
 
 def _state(seed: int, a_dtype: torch.dtype = torch.float32, a_rows: int = 5) -> dict[str, torch.Tensor]:
@@ -93,3 +94,23 @@ def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exa
     assert plans[7] is plans[6] and plans[8] is not plans[6]
     assert len({id(p) for p in plans[1:]}) == 4
     assert {m.key for m in plans[8].metas} == set(steps[8])
+
+
+def test_constant_structure_delivers_a_refused_save_at_wait_and_frees_its_lease(start_daemon, tmp_path):
+    """Under the promise a plan save does not wait for the daemon's answer: a save the daemon refuses (the
+    step already committed) returns a handle whose ``wait()`` raises the typed error, its lease is given
+    back, and the next save goes on."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", arena="16MiB")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), assume_constant_structure=True)
+    for step in (1, 2):  # the second save of a structure plans (and pipelines)
+        client.save(step, _state(step)).wait(60)
+    handle = client.save(2, _state(3))  # refused once the daemon reads it: step 2 committed
+    with pytest.raises(StepCommittedError):
+        handle.wait(60)
+    assert _arena(client)[0] <= 1  # at most the lease granted ahead for the next save: none leaked
+    state = _state(4)
+    client.save(3, state).wait(60)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(d.root, 3, out)
+    assert all(torch.equal(_bits(out[k]), _bits(v)) for k, v in state.items())
+    client.close()

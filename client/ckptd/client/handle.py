@@ -49,6 +49,8 @@ class SaveHandle:
         except DaemonUnavailableError as exc:  # the daemon died or restarted: this save is lost with it
             self._fail(DaemonUnavailableError(f"step {self.step}: lost the daemon before the commit: {exc}"))
             return
+        if self.state.final:  # the daemon refused this save: its answer was read on the way (client.pipeline)
+            return
         self.state = st.state
         if st.state is StepState.FAILED:
             cls = _ERRORS.get(st.error_code, StepFailedError)

@@ -119,8 +119,9 @@ def save_checkpoint(
     Megatron-LM's synchronous save); with it, as soon as the data is staged, and
     :func:`finalize_async_saves` writes the tracker later. ``args.no_save_optim`` saves the model alone,
     ``args.no_save_rng`` skips RNG, ``args.ckpt_assume_constant_structure`` saves under that promise
-    (:func:`ckptd.client.megatron.save_checkpoint`'s ``assume_constant_structure``). Megatron-LM's other keyword arguments (``pipeline_rank``,
-    ``non_persistent_ckpt``, ...) are accepted and ignored: ckptd's layout does not depend on them.
+    (``assume_constant_structure`` of :func:`ckptd.client.megatron.save_checkpoint`). Megatron-LM's other
+    keyword arguments (``pipeline_rank``, ``non_persistent_ckpt``, ...) are accepted and ignored: ckptd's
+    layout does not depend on them.
     """
     from ckptd.client.megatron.save import save_checkpoint as ckptd_save
 
