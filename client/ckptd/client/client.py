@@ -490,7 +490,8 @@ class CheckpointClient:
         """Raise the first failure of an earlier save that no ``wait()`` delivered (each is delivered once)."""
         handles, self._handles = self._handles, []
         for i, h in enumerate(handles):
-            h._update(0.0)
+            if not h._polled:
+                h._update(0.0)
             if h.state is StepState.FAILED and h._error is not None:
                 if h._delivered or not self._must_raise(h):
                     continue

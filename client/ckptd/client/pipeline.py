@@ -33,6 +33,8 @@ from ckptd.client.protocol import (
     LeaseRequest,
     SaveAccepted,
     SaveRequest,
+    StatusRequest,
+    StepStatus,
     decode_reply,
     encode,
     frame_length,
@@ -58,6 +60,7 @@ class _Owed:
     request: SaveRequest | None = None
     plan: StagePlan | None = None
     size: int = 0
+    polled: SaveHandle | None = None  # an earlier save whose step's state was asked for
 
 
 @dataclass
@@ -94,7 +97,10 @@ class Pipeline:
             client._close_socket()  # the handles ask for their step's state on the next connection
             return
         for o, reply in answers:
-            if o.handle is None:
+            if o.polled is not None:
+                if isinstance(reply, StepStatus):
+                    o.polled._apply(reply)
+            elif o.handle is None:
                 self.held = _Held(reply, o.size, client._sock) if isinstance(reply, LeaseGranted) else None  # type: ignore[arg-type]
             elif isinstance(reply, ErrorReply):
                 self._refused(client, o, reply)
@@ -150,11 +156,16 @@ def save_span(
         req = client._save_request(step, grant, [], objects, docs, plan_id, t0)
         rank = client.placement.rank
         ahead = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=rank, sizes=[plan.span], timeout_s=0.0)
+        # earlier saves' states are asked for here too, so the next save learns of a background failure
+        # without a round trip of its own (the client's check of earlier saves skips polled handles)
+        polls = [h for h in client._handles if not h.state.final]
         sock = client._sock
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {client.socket_path}")
         try:
-            sock.sendall(encode(req) + encode(ahead))
+            sock.sendall(b"".join([encode(req), encode(ahead)] + [
+                encode(StatusRequest(v=PROTOCOL_VERSION, step=h.step, wait_s=0.0)) for h in polls
+            ]))
         except OSError as exc:
             client._close_socket()
             raise DaemonUnavailableError(f"lost the connection to the daemon at {client.socket_path}: {exc}") from exc
@@ -163,6 +174,7 @@ def save_span(
         client._release(grant)
         raise
     handle = SaveHandle(client, step, plan.nbytes, time.perf_counter() - t0)
-    pipe.owed += [_Owed(handle, grant, req, plan), _Owed(size=plan.span)]
+    handle._polled = True
+    pipe.owed += [_Owed(handle, grant, req, plan), _Owed(size=plan.span)] + [_Owed(polled=h) for h in polls]
     client._handles.append(handle)
     return handle
