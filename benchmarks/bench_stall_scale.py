@@ -16,7 +16,8 @@ Stall: wall time of the call the training loop blocks on, slowest rank, median o
 
 Sizes: ``FULL`` by default, ``REDUCED`` with ``CKPTD_BENCH_REDUCED=1``, or any list with
 ``CKPTD_BENCH_STALL_SIZES=layers x hidden x heads,...`` (e.g. ``2x256x4,96x32x4``).
-``CKPTD_BENCH_STALL_MEGATRON=0`` leaves out Megatron's own save (its fields are NaN).
+``CKPTD_BENCH_STALL_MEGATRON=0`` leaves out Megatron's own save (its fields are NaN);
+``CKPTD_BENCH_STALL_REPEATS=N`` times N saves per variant instead of 5.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
     reduced = os.environ.get("CKPTD_BENCH_REDUCED") == "1"
     chosen = os.environ.get("CKPTD_BENCH_STALL_SIZES", "")
     sizes = SMOKE if args.smoke else _parse_sizes(chosen) if chosen else REDUCED if reduced else FULL
-    repeats = 2 if args.smoke else 5
+    repeats = 2 if args.smoke else int(os.environ.get("CKPTD_BENCH_STALL_REPEATS", "5"))
     world = 2
     root = os.path.join(workdir, "stall-scale")
     sock = os.path.join(workdir, "stall-scale.sock")
