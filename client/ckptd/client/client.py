@@ -329,9 +329,8 @@ class CheckpointClient:
         ``fetched``: the plan's looked-up sources as the caller holds them (:meth:`StagePlan.fetch`);
         ``pipelined``: wait for no answer (:mod:`ckptd.client.pipeline`; default: ``assume_constant_structure``)."""
         t0 = time.perf_counter() if t0 is None else t0
-        pipe = self.assume_constant_structure if pipelined is None else pipelined
         return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0, fetched,
-                                                               pipe))
+                                                               pipelined))
 
     def _register_plan(self, plan: StagePlan) -> int:
         reply = _expect(self._request(plan.register_message(self.placement.rank)), PlanRegistered)
@@ -407,13 +406,14 @@ class CheckpointClient:
 
     def _save_span(
         self, step: int, plan: StagePlan, dynamic: Sequence[torch.Tensor], objects: dict[str, Any],
-        sidecars: Sequence[str], t0: float, fetched: Sequence[torch.Tensor] | None = None, pipelined: bool = False,
+        sidecars: Sequence[str], t0: float, fetched: Sequence[torch.Tensor] | None = None,
+        pipelined: bool | None = None,
     ) -> SaveHandle:
         """One save through a registered plan: one span lease, the plan's batched copies, a request naming it."""
         docs = self._unsent(sidecars)
         encode_objects(objects)
         sources = plan.sources(dynamic, fetched)
-        if pipelined or self.assume_constant_structure:
+        if self.assume_constant_structure if pipelined is None else pipelined:
             return save_span(self, step, plan, sources, objects, docs, t0)
         plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)
         grant = self._lease(step, [plan.span], t0)
