@@ -7,6 +7,8 @@ shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size
 - ``ckptd``: :func:`ckptd.client.megatron.save_checkpoint` after its first (planning) save, with the CPU
   shim's ``TorchFunctionMode`` taken off around the call (on a GPU there is no shim), median of the
   repeats; ``ckptd_with_shim_s`` is the same save with the shim on, to show the shim's share;
+- ``ckptd_constant``: the same save with ``assume_constant_structure=True`` (no per-tensor checks, the
+  staging space granted ahead, no wait for the daemon's answer), shim off; ``constant_with_shim_s`` with it on;
 - ``megatron_dp_reshardable``: Megatron-LM's async ``dist_checkpointing.save`` (bench_megatron's code).
 
 Stall: wall time of the call the training loop blocks on, slowest rank, median over repeats.
@@ -14,6 +16,8 @@ Stall: wall time of the call the training loop blocks on, slowest rank, median o
 
 Sizes: ``FULL`` by default, ``REDUCED`` with ``CKPTD_BENCH_REDUCED=1``, or any list with
 ``CKPTD_BENCH_STALL_SIZES=layers x hidden x heads,...`` (e.g. ``2x256x4,96x32x4``).
+``CKPTD_BENCH_STALL_MEGATRON=0`` leaves out Megatron's own save (its fields are NaN);
+``CKPTD_BENCH_STALL_REPEATS=N`` times N saves per variant instead of 5.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ REDUCED = [(2, 256, 4), (32, 64, 4), (96, 32, 4), (240, 16, 2)]
 SMOKE = [(2, 64, 4)]
 
 
-def _timed_saves(client: Any, model: Any, optimizer: Any, first_step: int, repeats: int, shim: bool) -> list[float]:
+def _timed_saves(
+    client: Any, model: Any, optimizer: Any, first_step: int, repeats: int, shim: bool, constant: bool = False
+) -> list[float]:
     import torch.distributed as dist
 
     from ckptd.client.megatron import save_checkpoint
@@ -41,14 +47,17 @@ def _timed_saves(client: Any, model: Any, optimizer: Any, first_step: int, repea
     out = []
     for i in range(repeats):
         dist.barrier()
+        step = first_step + i
         if shim:
             t0 = time.perf_counter()
-            handle = save_checkpoint(client, first_step + i, model, optimizer, extra={"iteration": first_step + i})
+            handle = save_checkpoint(client, step, model, optimizer, extra={"iteration": step},
+                                     assume_constant_structure=constant)
             out.append(time.perf_counter() - t0)
         else:
             with suspended():
                 t0 = time.perf_counter()
-                handle = save_checkpoint(client, first_step + i, model, optimizer, extra={"iteration": first_step + i})
+                handle = save_checkpoint(client, step, model, optimizer, extra={"iteration": step},
+                                         assume_constant_structure=constant)
                 out.append(time.perf_counter() - t0)
         handle.wait(1200)
     return out
@@ -93,9 +102,17 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
         step += repeats
         with_shim = _timed_saves(client, model, optimizer, step + 1, repeats, shim=True)
         step += repeats
+        # the first save under the promise is a checked one that captures what the others read
+        _timed_saves(client, model, optimizer, step + 1, 1, shim=False, constant=True)
+        step += 1
+        constant = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, constant=True)
+        step += repeats
+        constant_shim = _timed_saves(client, model, optimizer, step + 1, repeats, shim=True, constant=True)
+        step += repeats
         row: dict[str, Any] = {
             "layers": layers, "hidden": hidden, "shards": len(plan.metas), "copies": plan.copies,
             "bytes": plan.nbytes, "first": first, "memcpy": memcpy, "stall": stall, "with_shim": with_shim,
+            "constant": constant, "constant_shim": constant_shim,
             "params": sum(p.numel() for c in model for p in c.parameters()),
         }
         if megatron:
@@ -128,7 +145,7 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
     reduced = os.environ.get("CKPTD_BENCH_REDUCED") == "1"
     chosen = os.environ.get("CKPTD_BENCH_STALL_SIZES", "")
     sizes = SMOKE if args.smoke else _parse_sizes(chosen) if chosen else REDUCED if reduced else FULL
-    repeats = 2 if args.smoke else 5
+    repeats = 2 if args.smoke else int(os.environ.get("CKPTD_BENCH_STALL_REPEATS", "5"))
     world = 2
     root = os.path.join(workdir, "stall-scale")
     sock = os.path.join(workdir, "stall-scale.sock")
@@ -136,7 +153,8 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
                            log_path=os.path.join(workdir, "stall-scale-daemon.log"))
     try:
         daemon.wait_ready(300)
-        results = run_ranks(_rank, world, sock, workdir, sizes, repeats, True, timeout_s=7200)
+        megatron = os.environ.get("CKPTD_BENCH_STALL_MEGATRON", "1") != "0"
+        results = run_ranks(_rank, world, sock, workdir, sizes, repeats, megatron, timeout_s=7200)
     finally:
         daemon.stop(120)
     rows = []
@@ -145,7 +163,9 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
         stall = _slowest(results, i, "stall")
         memcpy = _slowest(results, i, "memcpy")
         shim = _slowest(results, i, "with_shim")
-        mega = _slowest(results, i, "megatron")
+        mega = _slowest(results, i, "megatron") if "megatron" in results[0][i] else float("nan")
+        const = _slowest(results, i, "constant")
+        const_shim = _slowest(results, i, "constant_shim")
         rows.append(emit({
             "bench": "stall_scale",
             "layers": layers,
@@ -159,6 +179,11 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
             "overhead_us_per_shard": round((stall - memcpy) / shards * 1e6, 2),
             "ckptd_with_shim_s": round(shim, 5),
             "shim_share": round(max(0.0, shim - stall) / shim, 3),
+            "ckptd_constant_s": round(const, 5),
+            "constant_ratio_vs_memcpy": round(const / memcpy, 3),
+            "constant_overhead_us_per_shard": round((const - memcpy) / shards * 1e6, 2),
+            "constant_with_shim_s": round(const_shim, 5),
+            "constant_shim_share": round(max(0.0, const_shim - const) / const_shim, 3),
             "megatron_dp_reshardable_s": round(mega, 4),
             "ratio_megatron_over_ckptd": round(mega / stall, 1),
             "ckptd_first_save_s": round(max(r[i]["first"] for r in results), 4),

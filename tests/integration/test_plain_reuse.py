@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from ckptd.client import CheckpointClient, Placement
+from ckptd.client.protocol import PROTOCOL_VERSION, ReportRequest
 from ckptd.client.reader import load
+from ckptd.writer.errors import StepCommittedError
 
 
 def _state(seed: int, a_dtype: torch.dtype = torch.float32, a_rows: int = 5) -> dict[str, torch.Tensor]:
@@ -29,9 +33,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exact(start_daemon, tmp_path):
+def _status(socket: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--socket", socket, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
+
+
+def _arena(client: CheckpointClient) -> tuple[int, int]:
+    """(leases, arena bytes in use) from the daemon's status report (what ``ckptd status --json`` prints)."""
+    r = client._request(ReportRequest(v=PROTOCOL_VERSION))
+    return r.leases, r.arena_bytes - r.arena_free_bytes  # type: ignore[attr-defined]
+
+
+# assume_constant_structure: plan saves wait for no answer and lease the next save's span ahead; a save of
+# another structure gives that lease back first (a leak would leave one lease per structure change)
+@pytest.mark.parametrize("constant", [False, True])
+def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exact(start_daemon, tmp_path, constant):
     d = start_daemon(str(tmp_path / "ckpt"), "d0")
-    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), assume_constant_structure=constant)
     plans: list[Any] = []
     steps = [
         _state(1), _state(2), _state(3),  # the 2nd save plans, the 3rd reuses
@@ -51,12 +71,20 @@ def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exa
         for k, v in saved.items():
             assert torch.equal(_bits(out[k]), _bits(v)), (step, k)
     # a plan save's span is kept whole for an in-memory restore, then freed once: the arena adds up
-    status = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--socket", d.socket, "--json"],
-                            capture_output=True, text=True, timeout=60)
-    report = json.loads(status.stdout)
-    # only the newest step's span stays (a few hundred bytes: one 4 KiB arena page)
-    assert 0 < report["arena_retained_bytes"] <= report["arena_bytes"] - report["arena_free_bytes"] <= 4096, report
+    report = _status(d.socket)
+    # only the newest step's span stays (a few hundred bytes: one 4 KiB arena page), plus under the promise
+    # the one lease granted ahead for the next save
+    used = report["arena_bytes"] - report["arena_free_bytes"]  # whole 4 KiB pages
+    assert 0 < report["arena_retained_bytes"] <= 4096, report
+    assert (report["leases"], used) == ((1, 8192) if constant else (0, 4096)), report
     client.close()
+    probe = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    for _ in range(100):  # the daemon frees a departed client's leases once it sees the connection end
+        if _arena(probe) == (0, 4096):
+            break
+        time.sleep(0.05)
+    assert _arena(probe) == (0, 4096)
+    probe.close()
     assert "double free" not in (Path(tmp_path) / "d0.log").read_text()
     assert plans[0] is None and plans[1] is not None and plans[2] is plans[1]
     assert plans[1].registered is not None and plans[1].registered[1] > 0
@@ -66,3 +94,23 @@ def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exa
     assert plans[7] is plans[6] and plans[8] is not plans[6]
     assert len({id(p) for p in plans[1:]}) == 4
     assert {m.key for m in plans[8].metas} == set(steps[8])
+
+
+def test_constant_structure_delivers_a_refused_save_at_wait_and_frees_its_lease(start_daemon, tmp_path):
+    """Under the promise a plan save does not wait for the daemon's answer: a save the daemon refuses (the
+    step already committed) returns a handle whose ``wait()`` raises the typed error, its lease is given
+    back, and the next save goes on."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", arena="16MiB")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), assume_constant_structure=True)
+    for step in (1, 2):  # the second save of a structure plans (and pipelines)
+        client.save(step, _state(step)).wait(60)
+    handle = client.save(2, _state(3))  # refused once the daemon reads it: step 2 committed
+    with pytest.raises(StepCommittedError):
+        handle.wait(60)
+    assert _arena(client)[0] <= 1  # at most the lease granted ahead for the next save: none leaked
+    state = _state(4)
+    client.save(3, state).wait(60)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(d.root, 3, out)
+    assert all(torch.equal(_bits(out[k]), _bits(v)) for k, v in state.items())
+    client.close()

@@ -26,6 +26,7 @@ from ckptd.client.handle import SaveHandle
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
 from ckptd.client.pinned import pin_host_memory
+from ckptd.client.pipeline import Pipeline, save_span
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
 from ckptd.client.protocol import (
@@ -109,6 +110,9 @@ class CheckpointClient:
 
     ``on_daemon_lost``: ``"warn"`` (default) fails only the save's handle when the daemon is gone, with one
     warning; ``"raise"`` raises :class:`DaemonUnavailableError` (see :mod:`ckptd.client.daemon_lost`).
+
+    ``assume_constant_structure=True``: each save stages what the previous one did (values change); plan
+    saves wait for no answer (:mod:`ckptd.client.pipeline`) and the Megatron save skips per-tensor checks.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class CheckpointClient:
         storage_options: Mapping[str, object] | None = None,
         on_daemon_lost: DaemonLostPolicy = "warn",
         job_id: str | None = None,
+        assume_constant_structure: bool = False,
     ) -> None:
         env = os.environ
         if on_daemon_lost not in DAEMON_LOST_POLICIES:
@@ -148,6 +153,8 @@ class CheckpointClient:
         self._handles: list[SaveHandle] = []
         self._sidecars_sent: set[str] = set()
         self._repeats = RepeatedPlans()  # the plain save path's plan, reused while the structure holds
+        self.assume_constant_structure = assume_constant_structure
+        self._pipe = Pipeline()  # answers read later, the lease granted ahead (assume_constant_structure)
         self._connect()
 
     # --- connection -------------------------------------------------------------------------------
@@ -226,11 +233,13 @@ class CheckpointClient:
     def _drop_if_dead(self) -> None:
         """Close the connection if the daemon hung up (it died or restarted), so the next request
         reconnects (and the embedded mode starts a new daemon) instead of failing on a dead socket."""
+        self._pipe.drain(self)  # answers still owed make the socket readable: read them first
         if self._sock is not None and peer_hung_up(self._sock):
             log.warning("rank %d: the daemon at %s went away; reconnecting", self.placement.rank, self.socket_path)
             self._close_socket()
 
     def _close_socket(self) -> None:
+        self._pipe.reset()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()
@@ -238,6 +247,7 @@ class CheckpointClient:
 
     def close(self) -> None:
         """Close the socket and unmap the arena (saves already handed over go on in the daemon)."""
+        self._pipe.drain(self)  # a save's refusal still reaches its handle
         self._close_socket()
         self._arena_t = None
         if self._arena is not None:
@@ -252,6 +262,8 @@ class CheckpointClient:
         self.close()
 
     def _request(self, msg: _Msg) -> Reply:
+        if self._pipe.owed:
+            self._pipe.drain(self)
         if self._sock is None:
             self._connect()  # reconnect; the embedded mode starts a new daemon if the old one is gone
         sock = self._sock
@@ -307,13 +319,18 @@ class CheckpointClient:
         *,
         sidecars: Sequence[str] = (),
         t0: float | None = None,
+        fetched: Sequence[torch.Tensor] | None = None,
+        pipelined: bool | None = None,
     ) -> SaveHandle:
         """Like :meth:`save_plan` for a compiled :class:`~ckptd.client.plan.StagePlan`: registered with the
         daemon once (again after it restarted), then per save one span lease, the plan's batched copies
         (``dynamic``: its per-save tensors, in order) and a request that names the plan. Raises
-        :class:`~ckptd.client.plan.StalePlanError` before leasing when a looked-up source changed."""
+        :class:`~ckptd.client.plan.StalePlanError` before leasing when a looked-up source changed.
+        ``fetched``: the plan's looked-up sources as the caller holds them (:meth:`StagePlan.fetch`);
+        ``pipelined``: wait for no answer (:mod:`ckptd.client.pipeline`; default: ``assume_constant_structure``)."""
         t0 = time.perf_counter() if t0 is None else t0
-        return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0))
+        return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0, fetched,
+                                                               pipelined))
 
     def _register_plan(self, plan: StagePlan) -> int:
         reply = _expect(self._request(plan.register_message(self.placement.rank)), PlanRegistered)
@@ -358,6 +375,7 @@ class CheckpointClient:
     def _lease(self, step: int, sizes: list[int], t0: float) -> LeaseGranted | SaveHandle:
         """Staging space for one save, or a skipped handle (policy ``skip`` with the arena still full)."""
         timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
+        self._pipe.release(self)  # a lease granted ahead and not used: give it back first
         try:
             grant = self._request(
                 LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=sizes, timeout_s=timeout)
@@ -388,22 +406,21 @@ class CheckpointClient:
 
     def _save_span(
         self, step: int, plan: StagePlan, dynamic: Sequence[torch.Tensor], objects: dict[str, Any],
-        sidecars: Sequence[str], t0: float,
+        sidecars: Sequence[str], t0: float, fetched: Sequence[torch.Tensor] | None = None,
+        pipelined: bool | None = None,
     ) -> SaveHandle:
         """One save through a registered plan: one span lease, the plan's batched copies, a request naming it."""
         docs = self._unsent(sidecars)
         encode_objects(objects)
-        sources = plan.sources(dynamic)
+        sources = plan.sources(dynamic, fetched)
+        if self.assume_constant_structure if pipelined is None else pipelined:
+            return save_span(self, step, plan, sources, objects, docs, t0)
         plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)
         grant = self._lease(step, [plan.span], t0)
         if isinstance(grant, SaveHandle):
             return grant
         try:
-            if self._arena_t is None:
-                raise DaemonUnavailableError("no staging arena mapped: the client is closed")
-            if plan.cuda and not self._pinned:
-                self._pin_arena()
-            plan.stage(self._arena_t, grant.offsets[0], sources)
+            self._stage_span(plan, grant.offsets[0], sources)
             req = self._save_request(step, grant, [], objects, docs, plan_id, t0)
             try:
                 reply = self._request(req)
@@ -414,6 +431,13 @@ class CheckpointClient:
             self._release(grant)
             raise
         return self._accepted(step, reply, t0)
+
+    def _stage_span(self, plan: StagePlan, base: int, sources: list[torch.Tensor]) -> None:
+        if self._arena_t is None:
+            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
+        if plan.cuda and not self._pinned:
+            self._pin_arena()
+        plan.stage(self._arena_t, base, sources)
 
     def _save_request(
         self, step: int, grant: LeaseGranted, shards: list[ShardMeta], objects: dict[str, Any],
@@ -467,7 +491,8 @@ class CheckpointClient:
         """Raise the first failure of an earlier save that no ``wait()`` delivered (each is delivered once)."""
         handles, self._handles = self._handles, []
         for i, h in enumerate(handles):
-            h._update(0.0)
+            if not h._polled:
+                h._update(0.0)
             if h.state is StepState.FAILED and h._error is not None:
                 if h._delivered or not self._must_raise(h):
                     continue

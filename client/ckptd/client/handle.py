@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ckptd.client.protocol import StepState
+from ckptd.client.protocol import StepState, StepStatus
 from ckptd.writer.errors import (
     CkptdError,
     DaemonUnavailableError,
@@ -34,6 +34,7 @@ class SaveHandle:
         self.skipped = skipped
         self.state: StepState = StepState.SKIPPED if skipped else StepState.PENDING
         self._error: CkptdError | None = None
+        self._polled = False  # its state is asked for with each pipelined save (client.pipeline), not per save
         self._delivered = False  # the error reached the caller (wait() raised it, or a warning told it)
 
     def _fail(self, error: CkptdError) -> SaveHandle:
@@ -48,6 +49,11 @@ class SaveHandle:
             st = self._client._status(self.step, wait_s)
         except DaemonUnavailableError as exc:  # the daemon died or restarted: this save is lost with it
             self._fail(DaemonUnavailableError(f"step {self.step}: lost the daemon before the commit: {exc}"))
+            return
+        self._apply(st)
+
+    def _apply(self, st: StepStatus) -> None:
+        if self.state.final:  # the daemon refused this save: its answer was read on the way (client.pipeline)
             return
         self.state = st.state
         if st.state is StepState.FAILED:

@@ -126,9 +126,13 @@ class ModuleWatch:
         self._params = [m._parameters for m in mods]
         self._subs = [m._modules for m in mods]
 
+    def params(self) -> list[torch.nn.Parameter]:
+        """Every param the modules hold now, in module order."""
+        return [p for p in itertools.chain.from_iterable(map(dict.values, self._params)) if p is not None]
+
     def fingerprint(self) -> tuple[Any, ...]:
         # map over C callables: the walk costs ~0.1 µs a param plus params_fingerprint's
-        params = [p for p in itertools.chain.from_iterable(map(dict.values, self._params)) if p is not None]
+        params = self.params()
         return (
             list(map(id, params)),
             list(map(id, itertools.chain.from_iterable(map(dict.values, self._subs)))),
@@ -221,9 +225,23 @@ class StagePlan:
             return 0
         return self.registered[1]
 
-    def sources(self, dynamic: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def sources(
+        self, dynamic: Sequence[torch.Tensor], fetched: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """This save's looked-up sources (fetched, then ``dynamic``), checked against the plan; call it
-        before leasing so a stale plan costs no staging space.
+        before leasing so a stale plan costs no staging space. ``fetched``: the fetched sources as the
+        caller holds them from an earlier :meth:`fetch` (under a constant-structure promise): no lookup."""
+        out = list(fetched) if fetched is not None else self.fetch()
+        if len(dynamic) != len(self._dynamic):
+            raise StalePlanError(f"{len(dynamic)} per-save tensors given, the plan has {len(self._dynamic)}")
+        for t, (d, _) in zip(dynamic, self._dynamic, strict=True):
+            if t.dtype != d.dtype or t.shape != d.shape:
+                raise StalePlanError(f"a per-save tensor is {t.dtype}{tuple(t.shape)}, planned {d.dtype}{d.shape}")
+            out.append(t)
+        return out
+
+    def fetch(self) -> list[torch.Tensor]:
+        """The sources looked up at each save (optimizer states), checked against the plan.
 
         Per optimizer one ``state.get`` per param, then per state name one ``map`` over C getters (the
         tensor, its dtype, its element count): ~0.3 µs a source. The element count, not the shape: a copy
@@ -241,12 +259,6 @@ class StagePlan:
                 if not ok:
                     raise StalePlanError(f"optimizer state {col.name!r} changed since the save was planned")
                 out += got
-        if len(dynamic) != len(self._dynamic):
-            raise StalePlanError(f"{len(dynamic)} per-save tensors given, the plan has {len(self._dynamic)}")
-        for t, (d, _) in zip(dynamic, self._dynamic, strict=True):
-            if t.dtype != d.dtype or t.shape != d.shape:
-                raise StalePlanError(f"a per-save tensor is {t.dtype}{tuple(t.shape)}, planned {d.dtype}{d.shape}")
-            out.append(t)
         return out
 
     def _group_fetches(self) -> None:

@@ -118,8 +118,10 @@ def save_checkpoint(
     Without ``args.async_save`` it returns once the step committed and the tracker file is written (like
     Megatron-LM's synchronous save); with it, as soon as the data is staged, and
     :func:`finalize_async_saves` writes the tracker later. ``args.no_save_optim`` saves the model alone,
-    ``args.no_save_rng`` skips RNG. Megatron-LM's other keyword arguments (``pipeline_rank``,
-    ``non_persistent_ckpt``, ...) are accepted and ignored: ckptd's layout does not depend on them.
+    ``args.no_save_rng`` skips RNG, ``args.ckpt_assume_constant_structure`` saves under that promise
+    (``assume_constant_structure`` of :func:`ckptd.client.megatron.save_checkpoint`). Megatron-LM's other
+    keyword arguments (``pipeline_rank``, ``non_persistent_ckpt``, ...) are accepted and ignored: ckptd's
+    layout does not depend on them.
     """
     from ckptd.client.megatron.save import save_checkpoint as ckptd_save
 
@@ -143,6 +145,7 @@ def save_checkpoint(
     handle = ckptd_save(
         session.client, int(iteration), list(model), None if _flag(args, "no_save_optim") else optimizer,
         extra={RECORD: record}, rng=not _flag(args, "no_save_rng"),
+        assume_constant_structure=True if _flag(args, "ckpt_assume_constant_structure") else None,
     )
     session.pending.append((int(iteration), handle))
     if not _flag(args, "async_save"):

@@ -291,6 +291,9 @@ def apply_optimizer_state(
         if copy_to_model:
             for opt in binding.dist.values():
                 introspect.copy_main_params_to_model(opt, sync_params)
+    from ckptd.client.megatron.staged import thaw  # staged imports this module
+
+    thaw(optimizer)  # fresh scalar tensors replaced the ones a constant-structure save holds
 
 
 def _apply_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mapping[str, Any]]) -> None:

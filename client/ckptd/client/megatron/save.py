@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptd.client.megatron import introspect
+from ckptd.client.megatron.constant import capture
 from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_modules, extra_states
 from ckptd.client.megatron.layout import Binding, bind, get_layout, rank_plan
 from ckptd.client.megatron.model import model_state
@@ -143,6 +144,7 @@ def save_checkpoint(
     *,
     extra: Mapping[str, object] | None = None,
     rng: bool = True,
+    assume_constant_structure: bool | None = None,
 ) -> SaveHandle:
     """Stage this rank's model shards, DP-local optimizer slices, RNG state and ``extra`` for ``step``.
 
@@ -170,15 +172,23 @@ def save_checkpoint(
     program) is planned on the first call and registered with the daemon; a later call checks the
     structure's fingerprint (see :mod:`.staged`), does the batched copies and two short socket round trips
     naming the plan. A change of structure plans again. No collective.
+
+    ``assume_constant_structure`` (default: the client's setting) promises that the model's params and the
+    optimizer's param groups and state tensors stay the same objects between saves (values change): a save
+    then skips the per-tensor checks and lookups, reading the tensors captured at the last checked save
+    behind a cheap whole-structure check, and waits for no answer from the daemon (its staging space is
+    granted with the previous save; a refusal reaches ``handle.wait()`` or the next save). What is still
+    read and checked: :mod:`ckptd.client.megatron.constant`.
     """
     if optimizer is None:  # model only (Megatron-LM's --no-save-optim): the per-shard path
         return _save_model_only(client, step, model_chunks, extra, rng)
     t0 = time.perf_counter()
+    constant = client.assume_constant_structure if assume_constant_structure is None else assume_constant_structure
     try:
-        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0)
+        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
     except StalePlanError:  # a state tensor changed under the plan in a way the fingerprint missed: replan once
         forget(optimizer)
-        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0)
+        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
 
 
 def _save_once(
@@ -189,6 +199,7 @@ def _save_once(
     extra: Mapping[str, object] | None,
     rng: bool,
     t0: float,
+    constant: bool = False,
 ) -> SaveHandle:
     p = client.placement
     layout = get_layout(model_chunks, optimizer)
@@ -199,23 +210,32 @@ def _save_once(
     if rng:
         rng_shards, objects[RNG_RECORD] = rng_state(p.rank, p.world_size)
     rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
-    states = owned_states(staged.owned) if staged is not None else {}
-    if (
-        staged is None
-        or staged.chunk_ids != tuple(id(c) for c in model_chunks)
-        or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
-    ):
-        staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
-        states = owned_states(staged.owned)
+    chunk_ids = tuple(id(c) for c in model_chunks)
+    frozen = staged.frozen if constant and staged is not None and staged.chunk_ids == chunk_ids else None
+    fetched = None
+    if staged is not None and frozen is not None and frozen.holds(binding, rng_keys):  # the promise, cheaply
+        objects[OPTIM_META] = frozen.optim_meta(binding)
+        fetched = frozen.fetched
+    else:
+        states = owned_states(staged.owned) if staged is not None else {}
+        if (
+            staged is None
+            or staged.chunk_ids != chunk_ids
+            or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
+        ):
+            staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
+            states = owned_states(staged.owned)
+        objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
+        staged.frozen = capture(staged, binding, states, rng_keys) if constant else None
     objects[MEGATRON_RECORD] = staged.record
-    objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
     modules_extra = extra_states(model_chunks, staged.extra_modules)
     if modules_extra:
         objects[EXTRA_STATE_RECORD] = modules_extra
     if extra is not None:
         objects[EXTRA] = dict(extra)
     return client.save_staged(
-        step, staged.plan, [s.data for s in rng_shards], objects, sidecars=[staged.layout_json], t0=t0
+        step, staged.plan, [s.data for s in rng_shards], objects, sidecars=[staged.layout_json], t0=t0,
+        fetched=fetched, pipelined=constant,
     )
 
 

@@ -49,6 +49,7 @@ class StagedSave:
     chunk_ids: tuple[int, ...] = ()
     # modules with an _extra_state (read every save; the list is covered by the watch's fingerprint)
     extra_modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    frozen: Any = None  # a constant.Frozen: what saves under assume_constant_structure read, captured once
 
 
 _STAGED: weakref.WeakKeyDictionary[object, StagedSave] = weakref.WeakKeyDictionary()
@@ -64,6 +65,14 @@ def remember(optimizer: object, staged: StagedSave) -> None:
 
 def forget(optimizer: object) -> None:
     _STAGED.pop(optimizer, None)
+
+
+def thaw(optimizer: object) -> None:
+    """Drop what saves under ``assume_constant_structure`` hold (a load replaced state tensors in place of
+    the held ones); the plan stays."""
+    staged = _STAGED.get(optimizer)
+    if staged is not None:
+        staged.frozen = None
 
 
 def owned_by_optimizer(binding: Binding, layout: MegatronLayout) -> dict[int, list[tuple[str, Owned]]]:
@@ -120,10 +129,6 @@ def optim_meta(
     """:func:`~ckptd.client.megatron.optimizer.optimizer_meta`'s value, computed in bulk."""
     meta: OptimizerMeta = {"layout_version": MEGATRON_LAYOUT_VERSION, "optimizers": {}}
     for oi, opt in sorted(binding.dist.items()):
-        groups = [
-            {k: _plain(v, f"param_groups[{i}].{k}") for k, v in g.items() if k != "params"}
-            for i, g in enumerate(introspect.inner_optimizer(opt).param_groups)
-        ]
         entries = staged.owned[oi]
         states = owned_states[oi]
         scalars: dict[str, Any] = {}
@@ -138,12 +143,28 @@ def optim_meta(
             if spec is None:  # not all 0-dim tensors of one dtype: the general path
                 return optimizer_meta(optimizer, layout, staged.scalar_names)
             scalars[name] = spec
-        entry: dict[str, Any] = {"param_groups": groups, "scalar_state": scalars}
-        scaler = introspect.grad_scaler(opt)
-        if scaler is not None:
-            entry["grad_scaler"] = _plain(scaler.state_dict(), "grad_scaler")
-        meta["optimizers"][str(oi)] = entry
+        meta["optimizers"][str(oi)] = optimizer_entry(opt, scalars)
     return meta
+
+
+def optimizer_entry(opt: object, scalars: dict[str, Any]) -> dict[str, Any]:
+    """One optimizer's plain data: its param groups (less the params), ``scalars``, its grad scaler."""
+    groups = [
+        {k: _plain(v, f"param_groups[{i}].{k}") for k, v in g.items() if k != "params"}
+        for i, g in enumerate(introspect.inner_optimizer(opt).param_groups)
+    ]
+    entry: dict[str, Any] = {"param_groups": groups, "scalar_state": scalars}
+    scaler = introspect.grad_scaler(opt)
+    if scaler is not None:
+        entry["grad_scaler"] = _plain(scaler.state_dict(), "grad_scaler")
+    return entry
+
+
+def scalar_spec(dtype: torch.dtype, pids: list[str], plain: list[Any]) -> dict[str, Any]:
+    """How one scalar state is stored: one value when every param has it, else each param's."""
+    if len(set(plain)) == 1:
+        return {"dtype": dtype_name(dtype), "value": plain[0]}
+    return {"dtype": dtype_name(dtype), "by_param": dict(zip(pids, plain, strict=True))}
 
 
 _PID = operator.itemgetter(0)
@@ -160,11 +181,7 @@ def _bulk(found: list[tuple[str, object]]) -> dict[str, Any] | None:
         return None
     if len(dtypes) != 1 or dims != {0}:
         return None
-    plain = list(map(torch.Tensor.item, values))
-    dtype = dtype_name(dtypes.pop())
-    if len(set(plain)) == 1:
-        return {"dtype": dtype, "value": plain[0]}
-    return {"dtype": dtype, "by_param": dict(zip(map(_PID, found), plain, strict=True))}
+    return scalar_spec(dtypes.pop(), list(map(_PID, found)), list(map(torch.Tensor.item, values)))
 
 
 _DTYPE = operator.attrgetter("dtype")

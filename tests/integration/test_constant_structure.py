@@ -1,0 +1,101 @@
+"""``assume_constant_structure=True``: the Megatron save reads the state tensors it captured, behind a cheap
+whole-structure check, and waits for no answer from the daemon.
+
+Real daemon process, two gloo ranks, the toy GPT (multi-bucket buffer) on the CPU shim. Saves with values
+changed by training in between go through the captured state (the capture is not renewed: the fast path
+ran) and each step reloads bit-exact (model tensors, main params, Adam states, the per-param ``step``, the
+param groups' learning rate). Then structure changes the promise rules out but the cheap check catches —
+a new param group, a param replaced by another tensor — are saved through the checked path (planned
+again) and reload bit-exact too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from test_save_plan import BUILD, _assert_same, _live, _param
+
+from ckptd.client import CheckpointClient
+from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.client.megatron.staged import cached
+from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+
+
+def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
+    client = CheckpointClient(socket, assume_constant_structure=True)
+    model, optimizer, train_step = build_gpt(**BUILD)
+    train_step(0)
+    saved: list[tuple[int, str, dict[str, Any]]] = []
+    handles = []
+    fast: dict[str, bool] = {}
+
+    def save(tag: str, keep: bool = True) -> None:
+        step = len(fast) + 1
+        before = cached(optimizer)
+        frozen = before.frozen if before is not None else None
+        handle = save_checkpoint(client, step, model, optimizer, extra={"tag": tag})
+        staged = cached(optimizer)
+        assert staged is not None
+        fast[tag] = frozen is not None and staged.frozen is frozen  # read what an earlier save captured
+        if keep:  # reloaded and compared by verify()
+            saved.append((step, tag, _live(model, optimizer)))
+        handles.append(handle)
+
+    def verify() -> None:  # every save so far commits and reloads bit-exact (a load drops the capture)
+        for h in handles:
+            h.wait(60)
+        while saved:
+            step, tag, at_save = saved.pop(0)
+            load_checkpoint(root, step, model, optimizer)
+            _assert_same(at_save, _live(model, optimizer), f"rank{rank} {tag}")
+        handles.clear()
+
+    save("first")
+    for i in range(1, 3):  # values change in place (params, states, step, lr): the capture holds
+        train_step(i)
+        for g in optimizer.chained_optimizers[0].optimizer.param_groups:
+            g["lr"] = 1e-3 * (i + 1)
+        save(f"trained{i}")
+    verify()
+    save("reloaded", keep=False)  # the load replaced the step tensors: checked, captured again
+    inner = optimizer.chained_optimizers[0].optimizer  # a new param group: caught, saved through the check
+    inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5, "weight_decay": 0.0})
+    save("group")
+    train_step(3)
+    save("after_group")
+    verify()
+    save("reloaded_again", keep=False)
+    with torch.no_grad():  # a param replaced by another tensor: caught by its address
+        p = _param(model, "layers.0.self_attention.linear_proj.bias")
+        p.data = p.data.clone() + 0.25
+    save("replaced")
+    verify()
+    client.close()
+    return fast
+
+
+def test_constant_structure_saves_reload_bit_exact_and_structure_changes_are_caught(
+    tmp_path: Path, module_sockdir: str
+) -> None:
+    root = str(tmp_path / "root")
+    daemon = DaemonProcess(root, os.path.join(module_sockdir, "const.sock"), "--arena-size", "64MiB",
+                           "--no-prefault", log_path=str(tmp_path / "daemon.log")).wait_ready()
+    try:
+        results = spawn_ranks(_saves, 2, daemon.socket, root)
+    finally:
+        daemon.stop(timeout=20)
+    for fast in results:
+        assert fast == {
+            "first": False, "trained1": True, "trained2": True, "reloaded": False, "group": False,
+            "after_group": True, "reloaded_again": False, "replaced": False,
+        }, fast
