@@ -119,7 +119,7 @@ def test_cuda_tensors_staged_with_one_d2h_copy(start_daemon, tmp_path):
     handle = client.save(1, {"x": x, "y": y})
     x.zero_()  # a true snapshot: overwritten right after save() returned
     handle.wait(60)
-    assert client._pinned
+    assert client._staging.pinned
     out_x, out_y = torch.zeros(8 << 20), torch.zeros(1024, dtype=torch.bfloat16)
     load(d.root, 1, {"x": out_x, "y": out_y})
     torch.manual_seed(0)

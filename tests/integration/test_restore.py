@@ -53,12 +53,12 @@ def _restart(rank: int, world: int, socket: str, root: str, saved: str) -> dict[
     source = arena_source(client, K)
     assert source is not None
     if rank == 0:
-        assert client._arena is not None
+        assert client._staging.mm is not None
         # a slice of an optimizer bucket that DP rank 0 reads itself (its slice starts at 0); model params
         # that lie inside a rank's own (fp32) main params are not read from the model arrays at all
         for shard in source.shards.values():
             if shard.key.startswith("optim/") and shard.global_offset[0] == 0 and shard.nbytes:
-                client._arena[shard.offset] ^= 0xFF
+                client._staging.mm[shard.offset] ^= 0xFF
                 break
     loaded = load_checkpoint(client, K, model, optimizer)
     out["damaged"] = (loaded.from_memory_bytes, _digest(model, optimizer) == saved)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import mmap
 import os
 import socket
 import time
@@ -25,7 +24,6 @@ from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
-from ckptd.client.pinned import pin_host_memory
 from ckptd.client.pipeline import Pipeline, save_span
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
@@ -54,6 +52,7 @@ from ckptd.client.protocol import (
     recv_exactly,
 )
 from ckptd.client.reuse import RepeatedPlans
+from ckptd.client.staging import StagingArena
 from ckptd.client.state import Plan, Shard, dtype_name, plan_state, replica_metas
 from ckptd.writer.errors import (
     BackpressureError,
@@ -80,7 +79,6 @@ StateDict = Mapping[str, object]
 _R = TypeVar("_R", bound=_Msg)
 _ERRORS = error_classes()
 _POLL_S = 0.5
-_MADV_POPULATE_WRITE = 23
 
 
 def _raise_reply(reply: ErrorReply) -> None:
@@ -146,9 +144,7 @@ class CheckpointClient:
         self._root = root
         self.job_id = job_id or job_identity(env)
         self._sock: socket.socket | None = None
-        self._arena: mmap.mmap | None = None
-        self._arena_t: torch.Tensor | None = None
-        self._pinned = False
+        self._staging = StagingArena()
         self._welcome: Welcome | None = None
         self._handles: list[SaveHandle] = []
         self._sidecars_sent: set[str] = set()
@@ -206,22 +202,7 @@ class CheckpointClient:
             self._close_socket()
             raise
         self._welcome = welcome
-        self._map_arena(welcome)
-
-    def _map_arena(self, welcome: Welcome) -> None:
-        self._arena_t = None
-        if self._arena is not None:
-            with contextlib.suppress(BufferError):
-                self._arena.close()
-        fd = os.open(welcome.arena_path, os.O_RDWR)
-        try:
-            self._arena = mmap.mmap(fd, welcome.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        with contextlib.suppress(OSError, AttributeError):
-            self._arena.madvise(_MADV_POPULATE_WRITE)  # map the daemon's pages now, not during save()
-        self._arena_t = torch.frombuffer(self._arena, dtype=torch.uint8)
-        self._pinned = False
+        self._staging.map(welcome.arena_path, welcome.arena_bytes)
 
     def _spawn_daemon(self, replacing: int = 0) -> None:
         if not self._root:
@@ -249,11 +230,7 @@ class CheckpointClient:
         """Close the socket and unmap the arena (saves already handed over go on in the daemon)."""
         self._pipe.drain(self)  # a save's refusal still reaches its handle
         self._close_socket()
-        self._arena_t = None
-        if self._arena is not None:
-            with contextlib.suppress(BufferError):
-                self._arena.close()
-            self._arena = None
+        self._staging.close()
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -395,7 +372,7 @@ class CheckpointClient:
         if isinstance(grant, SaveHandle):
             return grant
         try:
-            self._stage(plan.shards, grant.offsets)
+            self._staging.stage(plan.shards, grant.offsets)
             metas = [_meta(s, i) for i, s in enumerate(plan.shards)]
             reply = self._request(self._save_request(step, grant, metas, plan.objects, docs, 0, t0, plan.replicas))
             self._sidecars_sent.update(docs)
@@ -420,7 +397,7 @@ class CheckpointClient:
         if isinstance(grant, SaveHandle):
             return grant
         try:
-            self._stage_span(plan, grant.offsets[0], sources)
+            self._staging.stage_plan(plan, grant.offsets[0], sources)
             req = self._save_request(step, grant, [], objects, docs, plan_id, t0)
             try:
                 reply = self._request(req)
@@ -431,13 +408,6 @@ class CheckpointClient:
             self._release(grant)
             raise
         return self._accepted(step, reply, t0)
-
-    def _stage_span(self, plan: StagePlan, base: int, sources: list[torch.Tensor]) -> None:
-        if self._arena_t is None:
-            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
-        if plan.cuda and not self._pinned:
-            self._pin_arena()
-        plan.stage(self._arena_t, base, sources)
 
     def _save_request(
         self, step: int, grant: LeaseGranted, shards: list[ShardMeta], objects: dict[str, Any],
@@ -464,28 +434,6 @@ class CheckpointClient:
         handle = SaveHandle(self, step, accepted.nbytes, time.perf_counter() - t0)
         self._handles.append(handle)
         return handle
-
-    def _stage(self, shards: list[Shard], offsets: list[int]) -> None:
-        """Copy every shard into its slot: one memcpy each (or one D2H copy, then one stream sync)."""
-        arena = self._arena_t
-        if arena is None:
-            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
-        cuda = any(s.data.is_cuda for s in shards)
-        if cuda and not self._pinned:
-            self._pin_arena()
-        for shard, off in zip(shards, offsets, strict=True):
-            n = shard.nbytes
-            dst = arena[off : off + n].view(shard.data.dtype).view(shard.data.shape)
-            shard.stage_into(dst, non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream().synchronize()
-
-    def _pin_arena(self) -> None:
-        """Register the arena as pinned host memory once, so D2H copies go straight into it."""
-        if self._arena is None:
-            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
-        pin_host_memory(self._arena)
-        self._pinned = True
 
     def _raise_background_errors(self) -> None:
         """Raise the first failure of an earlier save that no ``wait()`` delivered (each is delivered once)."""

@@ -152,7 +152,7 @@ def save_span(
             return leased
         grant = leased
     try:
-        client._stage_span(plan, grant.offsets[0], sources)
+        client._staging.stage_plan(plan, grant.offsets[0], sources)
         req = client._save_request(step, grant, [], objects, docs, plan_id, t0)
         rank = client.placement.rank
         ahead = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=rank, sizes=[plan.span], timeout_s=0.0)

@@ -47,7 +47,7 @@ def arena_source(client: CheckpointClient, step: int) -> ArenaSource | None:
     except CkptdError as exc:  # an older daemon, or none: storage serves the load
         log.info("in-memory restore of step %d unavailable: %s", step, exc)
         return None
-    arena = client._arena
+    arena = client._staging.mm
     if not isinstance(reply, RestoreReply) or not reply.shards or arena is None:
         return None
     view = memoryview(arena)

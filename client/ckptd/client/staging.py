@@ -1,0 +1,75 @@
+"""The daemon's staging arena as one client maps it: the shared memory a save copies its shards into.
+
+The daemon owns the arena file (mode 0600, the job's user only); a client maps it once per connection,
+faults its pages in up front so ``save()`` does not pay for that, and registers it as pinned host memory
+the first time a CUDA tensor is staged, so device-to-host copies land in it directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from ckptd.client.pinned import pin_host_memory
+from ckptd.writer.errors import DaemonUnavailableError
+
+if TYPE_CHECKING:
+    from ckptd.client.plan import StagePlan
+    from ckptd.client.state import Shard
+
+_MADV_POPULATE_WRITE = 23
+
+
+class StagingArena:
+    """One mapping of the daemon's arena; :meth:`map` again after a reconnect, :meth:`close` when done."""
+
+    def __init__(self) -> None:
+        self.mm: mmap.mmap | None = None
+        self._tensor: torch.Tensor | None = None
+        self.pinned = False
+
+    def map(self, path: str, nbytes: int) -> None:
+        """Map the arena file at ``path`` (dropping an earlier mapping) and fault its pages in."""
+        self.close()
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError, AttributeError):
+            self.mm.madvise(_MADV_POPULATE_WRITE)  # map the daemon's pages now, not during save()
+        self._tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.pinned = False
+
+    def close(self) -> None:
+        self._tensor = None
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a view still exported: the GC unmaps it later
+                self.mm.close()
+            self.mm = None
+
+    def _bytes(self, cuda: bool) -> torch.Tensor:
+        if self._tensor is None or self.mm is None:
+            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
+        if cuda and not self.pinned:
+            pin_host_memory(self.mm)  # once per mapping
+            self.pinned = True
+        return self._tensor
+
+    def stage(self, shards: list[Shard], offsets: list[int]) -> None:
+        """Copy every shard into its slot: one memcpy each (or one D2H copy, then one stream sync)."""
+        cuda = any(s.data.is_cuda for s in shards)
+        arena = self._bytes(cuda)
+        for shard, off in zip(shards, offsets, strict=True):
+            dst = arena[off : off + shard.nbytes].view(shard.data.dtype).view(shard.data.shape)
+            shard.stage_into(dst, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def stage_plan(self, plan: StagePlan, base: int, sources: list[torch.Tensor]) -> None:
+        """Copy a registered plan's sources into its span at ``base``."""
+        plan.stage(self._bytes(plan.cuda), base, sources)
