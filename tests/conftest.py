@@ -76,6 +76,15 @@ def s3() -> Iterator[S3Server]:
 
 
 @pytest.fixture(scope="module")
+def s3_options(s3: S3Server) -> Iterator[dict[str, object]]:
+    """fsspec storage options for :func:`s3`, with its credentials in the environment for the module."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in s3.env().items():
+            mp.setenv(key, value)
+        yield {"endpoint_url": s3.endpoint_url, "region": "us-east-1", "addressing_style": "path"}
+
+
+@pytest.fixture(scope="module")
 def s3_auth() -> Iterator[S3Server]:
     """Like :func:`s3`, but checking signatures: only ``s3_auth.credentials`` are accepted."""
     from ckptd.testing.s3server import S3Server

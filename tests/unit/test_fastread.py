@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,14 +112,6 @@ def _s3_read(url: str, options: dict[str, object], template: dict[str, Shard], p
             await reader.run()
 
     asyncio.run(go())
-
-
-@pytest.fixture(scope="module")
-def s3_options(s3: S3Server) -> Iterator[dict[str, object]]:
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in s3.env().items():
-            mp.setenv(key, value)
-        yield {"endpoint_url": s3.endpoint_url, "region": "us-east-1", "addressing_style": "path"}
 
 
 @pytest.mark.s3

@@ -13,7 +13,6 @@ import itertools
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -139,14 +138,6 @@ def test_a_damaged_merged_chunk_raises(root: str, tmp_path: Path, damage: str) -
     for dp_rank in (0, 1):
         with pytest.raises(CorruptCheckpointError, match=chunk):
             _read(copy, dp_rank)
-
-
-@pytest.fixture(scope="module")
-def s3_options(s3: S3Server) -> Iterator[dict[str, object]]:
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in s3.env().items():
-            mp.setenv(key, value)
-        yield {"endpoint_url": s3.endpoint_url, "region": "us-east-1", "addressing_style": "path"}
 
 
 @pytest.mark.s3
