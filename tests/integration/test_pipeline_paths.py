@@ -42,10 +42,12 @@ def _check(root: str, step: int, state: dict[str, torch.Tensor]) -> None:
 
 
 def _failed(client: CheckpointClient, step: int) -> None:
-    """Wait until the daemon reports ``step`` failed (asked on another connection: delivers nothing)."""
+    """Wait until the daemon reports ``step`` failed (asked on another connection: delivers nothing). Under
+    the promise the save may not be read yet (``UNKNOWN``): it was sent, not answered."""
     deadline = time.monotonic() + 30
     while (st := client._status(step, 1.0)).state is not StepState.FAILED:
-        assert st.state is StepState.PENDING and time.monotonic() < deadline, st
+        assert st.state in (StepState.PENDING, StepState.UNKNOWN) and time.monotonic() < deadline, st
+        time.sleep(0.01)
     assert st.error_code == "StorageFullError", st
 
 
