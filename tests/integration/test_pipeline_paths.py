@@ -11,6 +11,9 @@ the answer read later is not a plain acceptance.
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ from test_plain_reuse import _bits, _state
 from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.protocol import StepState
 from ckptd.client.reader import load
-from ckptd.writer.errors import StepFailedError, StorageFullError
+from ckptd.writer.errors import DaemonUnavailableError, StepFailedError, StorageFullError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,3 +129,54 @@ def test_restarted_daemon_gets_each_plan_again_and_saves_commit_bit_exact(start_
     check(4)
     for c in clients:
         c.close()
+
+
+@pytest.mark.parametrize("waited", [True, False], ids=["wait", "unwaited"])
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_daemon_lost_before_reading_a_pipelined_save(start_daemon, tmp_path, caplog, policy, waited):
+    """The daemon dies (stopped, then killed) before it reads a save that waited for no answer: the save is
+    lost under ``on_daemon_lost`` as in the checked mode (one warning, or a raise), delivered once — by
+    ``wait()`` or, unwaited, by a save after a daemon is back (the status asked with the save before it) —
+    and the saves on the restarted daemon commit bit-exact."""
+    root = str(tmp_path / "ckpt")
+    d = start_daemon(root, "d0")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), assume_constant_structure=True,
+                              on_daemon_lost=policy, timeout_s=30)
+    for step in (1, 2):
+        client.save(step, _state(step)).wait(60)
+    os.kill(d.proc.pid, signal.SIGSTOP)  # reads nothing from here on
+    lost = client.save(3, _state(3))  # sent, not answered: returns at once
+    d.kill()
+    outcomes: dict[int, str] = {}
+    handles = {}
+    with caplog.at_level(logging.WARNING, logger="ckptd.client.client"):
+        if waited:
+            if policy == "raise":
+                with pytest.raises(DaemonUnavailableError):
+                    lost.wait(60)
+            else:
+                assert lost.wait(60) is lost
+        for step in range(4, 8):
+            if step == 5:
+                start_daemon(root, "d0")  # an operator restarts it
+            state = _state(step)
+            try:
+                handles[step] = (client.save(step, state), state)
+                outcomes[step] = handles[step][0].state.value
+            except DaemonUnavailableError:
+                outcomes[step] = "raised lost"
+            except StepFailedError as exc:
+                assert isinstance(exc.__cause__, DaemonUnavailableError), exc
+                outcomes[step] = "raised earlier"
+    assert lost.state is StepState.FAILED and isinstance(lost.exception(), DaemonUnavailableError)
+    step4 = "raised lost" if policy == "raise" else "failed"  # no daemon at all
+    late = {} if waited else {6: "raised earlier" if policy == "raise" else "pending"}
+    assert outcomes == {4: step4, 5: "pending", 6: "pending", 7: "pending", **late}, outcomes
+    warned = sorted(int(m.split("step ")[1].split()[0]) for m in
+                    (r.getMessage() for r in caplog.records) if "training goes on" in m)
+    assert warned == ([] if policy == "raise" else [3, 4]), warned  # once each
+    for step, (handle, state) in handles.items():
+        if step > 4:
+            handle.wait(60)
+            _check(root, step, state)
+    client.close()
