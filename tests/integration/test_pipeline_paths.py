@@ -6,7 +6,10 @@ the answer read later is not a plain acceptance.
   later ``save()`` (learned through the status requests sent with a later save); the saves after it commit.
 - The daemon restarts between saves (a new process on the same socket): it knows none of the plans. Each
   rank's save registers its plan again and commits bit-exact, also when the first rank to register on the
-  new daemon gets the id another rank's plan had on the old one.
+  new daemon gets the id another rank's plan had on the old one (the daemon refuses a plan of another rank:
+  before, that save was expanded with the other rank's layout and the step failed on overlapping shards).
+- The daemon dies before it reads a save: lost under ``on_daemon_lost`` ("warn": one warning per save;
+  "raise"), delivered once, and the saves on a restarted daemon commit.
 """
 
 from __future__ import annotations
