@@ -35,6 +35,7 @@ class SavePlan:
     sizes: list[int]
     span: int
     replicas: list[ReplicaMeta]  # the rank's non-main replica regions (replicas.py), sent once with the plan
+    rank: int  # the rank that registered it: a save of another rank naming it is refused
 
 
 def validate_plan(msg: RegisterPlan) -> None:
@@ -88,7 +89,8 @@ class PlanRegistry:
         """Validate ``msg`` and keep it; returns its id."""
         validate_plan(msg)
         plan = SavePlan(
-            self._next_id, list(msg.shards), list(msg.offsets), list(msg.sizes), msg.span, list(msg.replicas)
+            self._next_id, list(msg.shards), list(msg.offsets), list(msg.sizes), msg.span, list(msg.replicas),
+            msg.rank,
         )
         self._next_id += 1
         self._plans[plan.plan_id] = plan
@@ -115,6 +117,8 @@ class PlanRegistry:
         if req.replicas:
             raise InvalidRequestError(f"save of step {req.step} names plan {req.plan_id} and sends replicas too")
         plan = self.get(req.plan_id)
+        if plan.rank != req.rank:  # an id a client kept from an earlier daemon: never another rank's layout
+            raise PlanUnknownError(f"save plan {plan.plan_id} was registered by rank {plan.rank}, not {req.rank}")
         if len(lease.sizes) != 1 or lease.sizes[0] < plan.span:
             raise LeaseError(
                 f"plan {plan.plan_id} needs one slot of {plan.span} bytes; lease {lease.lease_id} has {lease.sizes[:4]}"
