@@ -67,7 +67,7 @@ def test_daemon_checks_replica_metas_and_keeps_a_plans_replicas() -> None:
     reps = [ReplicaMeta("k", "float32", [4], [0], [4])]
     registry = PlanRegistry()
     pid = registry.register(RegisterPlan(v=PROTOCOL_VERSION, rank=1, shards=[], offsets=[], sizes=[], span=0,
-                                         replicas=reps))
+                                         replicas=reps), owner=0)
     req = SaveRequest(v=PROTOCOL_VERSION, lease_id=1, step=2, rank=1, world_size=2, node=0, num_nodes=1,
                       local_world_size=2, shards=[], objects={}, plan_id=pid)
     expanded, _ = registry.expand(req, Lease(1, 0, [0], [64]))

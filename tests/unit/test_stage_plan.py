@@ -251,7 +251,7 @@ def test_registry_validates_once_and_expands_a_save_onto_its_span() -> None:
     msg = _register(shards)
     assert decode_request(encode(msg)[4:]) == msg  # round trip on the wire
     reg = PlanRegistry(max_plans=2)
-    pid = reg.register(msg)
+    pid = reg.register(msg, owner=1)
     save = SaveRequest(v=PROTOCOL_VERSION, lease_id=5, step=1, rank=0, world_size=1, node=0, num_nodes=1,
                        local_world_size=1, shards=[], objects={}, plan_id=pid)
     span = Lease(5, 1, [8192], [msg.span])
@@ -263,10 +263,25 @@ def test_registry_validates_once_and_expands_a_save_onto_its_span() -> None:
         reg.expand(save, Lease(6, 1, [0], [msg.span - 1]))  # a span too small
     with pytest.raises(LeaseError):
         reg.expand(msgspec.structs.replace(save, shards=msg.shards), span)  # plan and shards at once
-    reg.register(msg)
-    reg.register(msg)  # the oldest plan is dropped: its client registers it again
+    reg.register(msg, owner=1)
+    reg.register(msg, owner=1)  # the oldest plan is dropped: its client registers it again
     with pytest.raises(PlanUnknownError):
         reg.get(pid)
+
+
+def test_a_plan_id_names_the_plan_on_its_own_connection_only() -> None:
+    msg = _register([Shard("a", torch.zeros(10), (10,), (0,))])
+    reg = PlanRegistry()
+    pid = reg.register(msg, owner=1)
+    save = SaveRequest(v=PROTOCOL_VERSION, lease_id=5, step=1, rank=0, world_size=1, node=0, num_nodes=1,
+                       local_world_size=1, shards=[], objects={}, plan_id=pid)
+    with pytest.raises(PlanUnknownError, match="another connection"):  # same rank, a later connection
+        reg.expand(save, Lease(5, 2, [0], [msg.span]))
+    req, _ = reg.expand(save, Lease(5, 1, [0], [msg.span]))
+    assert req.shards == msg.shards
+    reg.forget(1)  # the connection closed
+    with pytest.raises(PlanUnknownError, match="not registered"):
+        reg.expand(save, Lease(5, 1, [0], [msg.span]))
 
 
 def test_invalid_plans_are_refused_at_registration() -> None:

@@ -35,7 +35,8 @@ class SavePlan:
     sizes: list[int]
     span: int
     replicas: list[ReplicaMeta]  # the rank's non-main replica regions (replicas.py), sent once with the plan
-    rank: int  # the rank that registered it: a save of another rank naming it is refused
+    rank: int  # the rank that registered it, for the error message
+    owner: int  # the connection that registered it: its id names it on that connection only
 
 
 def validate_plan(msg: RegisterPlan) -> None:
@@ -85,18 +86,28 @@ class PlanRegistry:
         self._next_id = 1
         self._max = max_plans
 
-    def register(self, msg: RegisterPlan) -> int:
-        """Validate ``msg`` and keep it; returns its id."""
+    def register(self, msg: RegisterPlan, owner: int) -> int:
+        """Validate ``msg`` and keep it for connection ``owner``; returns its id.
+
+        Clients register their plans once per connection, so an id means something only on the connection
+        that registered it; a client that kept an id from an earlier connection, or an earlier daemon whose
+        ids the new one hands out again, gets :class:`PlanUnknownError` and registers again.
+        """
         validate_plan(msg)
         plan = SavePlan(
             self._next_id, list(msg.shards), list(msg.offsets), list(msg.sizes), msg.span, list(msg.replicas),
-            msg.rank,
+            msg.rank, owner,
         )
         self._next_id += 1
         self._plans[plan.plan_id] = plan
         while len(self._plans) > self._max:
             self._plans.popitem(last=False)
         return plan.plan_id
+
+    def forget(self, owner: int) -> None:
+        """Drop the plans of connection ``owner`` (it closed: nobody can name them any more)."""
+        for pid in [pid for pid, plan in self._plans.items() if plan.owner == owner]:
+            del self._plans[pid]
 
     def get(self, plan_id: int) -> SavePlan:
         plan = self._plans.get(plan_id)
@@ -117,8 +128,11 @@ class PlanRegistry:
         if req.replicas:
             raise InvalidRequestError(f"save of step {req.step} names plan {req.plan_id} and sends replicas too")
         plan = self.get(req.plan_id)
-        if plan.rank != req.rank:  # an id a client kept from an earlier daemon: never another rank's layout
-            raise PlanUnknownError(f"save plan {plan.plan_id} was registered by rank {plan.rank}, not {req.rank}")
+        if plan.owner != lease.owner:  # never another connection's (another rank's) layout
+            who = f"rank {plan.rank}, not {req.rank}" if plan.rank != req.rank else "another connection"
+            raise PlanUnknownError(
+                f"save plan {plan.plan_id} was registered by {who}: an id holds on its own connection only"
+            )
         if len(lease.sizes) != 1 or lease.sizes[0] < plan.span:
             raise LeaseError(
                 f"plan {plan.plan_id} needs one slot of {plan.span} bytes; lease {lease.lease_id} has {lease.sizes[:4]}"

@@ -24,6 +24,7 @@ def check_replica_metas(replicas: Sequence[ReplicaMeta]) -> None:
         # a grid of ones: the region's bounds and rank are checked, any block is on the grid
         check_region(r.key, r.global_shape, r.global_offset, r.shape, [1] * len(r.global_shape))
 
+
 def node_replicas(saves: Iterable[RankSave]) -> list[ReplicaRecord]:
     """The replica regions of the node's saves that the node did not write itself (no main shard of the
     same key, global shape and dtype here), one record per region with the ranks holding it, sorted.

@@ -287,6 +287,8 @@ class Daemon:
         finally:
             self._clients -= 1
             self._conn_since.pop(conn, None)
+            if self.service is not None:
+                self.service.plans.forget(conn)
             freed = arena.release_owner(conn)
             if freed:
                 log.info("conn=%d: client left; released %d unused lease(s)", conn, freed)
@@ -333,7 +335,7 @@ class Daemon:
                 arena.release(held)
                 return Released(v=v, lease_id=req.lease_id)
             case RegisterPlan():
-                return PlanRegistered(v=v, plan_id=service.plans.register(req))
+                return PlanRegistered(v=v, plan_id=service.plans.register(req, conn))
             case StatusRequest():
                 state, err = await service.status(req.step, min(max(0.0, req.wait_s), MAX_STATUS_WAIT_S))
                 return StepStatus(
