@@ -21,7 +21,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import RankSave, StepJob
 from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
 from ckptd.daemon.restore import Retention
-from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
+from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, full_chunk, open_for_write
 from ckptd.writer.backends import Backend
 from ckptd.writer.format import (
     ChunkRecord,
@@ -127,6 +127,7 @@ class ShardWriter:
             key = f"{path}/{chunk_key(coords)}"
             async with self._chunk_slots:
                 if arr is None:
+                    block = full_chunk(block, chunks)  # an edge chunk is stored whole (zarr v3)
                     crc = await self._sink.put(key, block)
                 else:
                     crc = await checksum(block)

@@ -37,8 +37,8 @@ from ckptd.writer.errors import (
 )
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
+    CONTROL_LAYOUTS,
     FORMAT_VERSION,
-    READABLE_VERSIONS,
     ArrayRecord,
     CommitManifest,
     PartManifest,
@@ -200,7 +200,7 @@ class CheckpointWriter(CheckpointRoot):
         uploads under the step are aborted too: invisible to listings, but kept and billed until aborted.
         """
         prefix = step_dir(step)
-        for version in READABLE_VERSIONS:  # every marker first (a step of either format)
+        for version in CONTROL_LAYOUTS:  # every marker first (a step of either format)
             await self.backend.delete(commit_marker(step, version))
         await self.backend.delete_prefix(prefix)
         if self.backend.capabilities.multipart_cleanup:

@@ -17,9 +17,13 @@ import msgspec
 from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError
 from ckptd.writer.replicas import ReplicaRecord
 
-FORMAT_VERSION = 2
-#: format versions the readers accept (1: control objects beside the arrays; 2: inside ``_ckptd/``)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: format versions the readers accept (1: control objects beside the arrays; 2: inside ``_ckptd/``;
+#: 3: edge chunks stored at the full chunk shape, as zarr v3 requires — format 2 cut them to the array)
+READABLE_VERSIONS = (1, 2, 3)
+#: the places control objects have lived, oldest first: format 1 beside the arrays, formats 2 and 3
+#: in ``_ckptd/`` (readers look each object up in these, the current one first)
+CONTROL_LAYOUTS = (1, 2)
 
 COMMIT_MARKER = "COMMITTED"
 FAILED_MARKER = "FAILED"

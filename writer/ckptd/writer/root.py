@@ -27,8 +27,8 @@ from ckptd.writer.errors import (
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
     COMMIT_MARKER,
+    CONTROL_LAYOUTS,
     FORMAT_VERSION,
-    READABLE_VERSIONS,
     CommitManifest,
     PartManifest,
     check_sidecar,
@@ -84,7 +84,7 @@ class CheckpointRoot:
         return None
 
     async def is_committed(self, step: int) -> bool:
-        for version in READABLE_VERSIONS[::-1]:  # the current layout first: one request for new steps
+        for version in CONTROL_LAYOUTS[::-1]:  # the current layout first: one request for new steps
             if await self.backend.exists(commit_marker(step, version)):
                 return True
         return False
@@ -101,7 +101,7 @@ class CheckpointRoot:
 
     async def latest_hint(self) -> int | None:
         """What the ``latest`` object says (``None`` if absent or unreadable)."""
-        data = await self._get_any([latest_key(v) for v in READABLE_VERSIONS[::-1]])
+        data = await self._get_any([latest_key(v) for v in CONTROL_LAYOUTS[::-1]])
         try:
             return int(data) if data else None
         except ValueError:
@@ -125,7 +125,7 @@ class CheckpointRoot:
 
     async def read_commit(self, step: int) -> CommitManifest:
         """The commit manifest of a committed step; :class:`UncommittedStepError` if it never committed."""
-        data = await self._get_any([commit_marker(step, v) for v in READABLE_VERSIONS[::-1]])
+        data = await self._get_any([commit_marker(step, v) for v in CONTROL_LAYOUTS[::-1]])
         if data is None:
             if await self.backend.list_dir(step_dir(step)):
                 raise UncommittedStepError(f"step {step} under {self.url} never committed: it is not a checkpoint")
@@ -149,7 +149,7 @@ class CheckpointRoot:
 
     async def read_sidecar(self, name: str) -> str:
         """A content-addressed document (e.g. a layout sidecar), checked against its hash."""
-        data = await self._get_any([sidecar_key(name, v) for v in READABLE_VERSIONS[::-1]])
+        data = await self._get_any([sidecar_key(name, v) for v in CONTROL_LAYOUTS[::-1]])
         if data is None:
             raise CheckpointNotFoundError(f"sidecar {name} not found under {self.url}")
         text = data.decode()
@@ -175,7 +175,7 @@ class CheckpointRoot:
 
     async def read_merged_manifest(self, step: int) -> CommitManifest | None:
         """The merge manifest of ``step`` (``ckptd merge``), or ``None`` if it was never merged."""
-        data = await self._get_any([merged_marker(step, v) for v in READABLE_VERSIONS[::-1]])
+        data = await self._get_any([merged_marker(step, v) for v in CONTROL_LAYOUTS[::-1]])
         if data is None:
             return None
         try:
