@@ -5,7 +5,8 @@ zarr-python and as the tensors the rank saved. zarr-python lists the root and ev
 turned into errors.
 
 One real save serves both roots: one gloo rank trains the toy Megatron GPT (bf16, distributed optimizer) and
-saves to a local daemon and an S3 daemon (default packing: small arrays are one whole-array chunk there),
+saves to a local daemon and an S3 daemon (``--codec zstd``, and default packing: small arrays are one
+whole-array chunk there; the merge writes raw chunks on both),
 plus plain tensors of every stored dtype, some with edge chunks that the array's end cuts (zarr v3 stores
 those whole: format 3). Then ``ckptd merge`` runs on both roots.
 """
@@ -44,6 +45,14 @@ S3_PREFIX = "tstore"
 S3_FLAGS = ["--addressing-style", "path", "--region", "us-east-1"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _tensorstore() -> None:
+    try:
+        import tensorstore  # noqa: F401
+    except ImportError:
+        unavailable("tensorstore is not installed (the test extra pins it)")
+
+
 def _extras() -> dict[str, Any]:
     """Plain tensors of every stored dtype; ``chunk_shape`` smaller than the array leaves edge chunks."""
     g = torch.Generator().manual_seed(7)
@@ -64,6 +73,7 @@ def _extras() -> dict[str, Any]:
             "i8": torch.arange(-6, 6, dtype=torch.int8).view(3, 4),
             "u8": torch.arange(250, 256, dtype=torch.uint8),
             "f8": torch.linspace(-2, 2, 8).to(torch.float8_e4m3fn),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),  # a 0-d array: one chunk named "c"
         }
     }
 
@@ -97,7 +107,7 @@ def _global_arrays(state: dict[str, Any]) -> dict[str, np.ndarray]:
             whole[tuple(slice(o, o + n) for o, n in zip(value.global_offset, block.shape, strict=True))] = block
         elif isinstance(value, torch.Tensor):
             full[path] = value.clone()
-    return {key: np.ascontiguousarray(_stored(t)) for key, t in full.items()}
+    return {key: np.array(_stored(t)) for key, t in full.items()}  # ascontiguousarray would make 0-d 1-d
 
 
 def _rank_save(rank: int, world: int, sockets: list[str], step: int) -> dict[str, np.ndarray]:
@@ -135,7 +145,7 @@ def saved(
     flags = ["--arena-size", "64MiB", "--no-prefault"]
     local = DaemonProcess(local_root, os.path.join(module_sockdir, "local.sock"), *flags,
                           log_path=str(tmp / "local.log"))
-    remote = DaemonProcess(s3_root, os.path.join(module_sockdir, "s3.sock"), *flags, *S3_FLAGS,
+    remote = DaemonProcess(s3_root, os.path.join(module_sockdir, "s3.sock"), *flags, *S3_FLAGS, "--codec", "zstd",
                            "--endpoint-url", s3.endpoint_url, env=env, log_path=str(tmp / "s3.log"))
     try:
         local.wait_ready()
@@ -155,7 +165,7 @@ def saved(
 
 
 def _check(url: str, options: dict[str, Any] | None, group: Callable[[str], zarr.Group],
-           kvstore: Callable[[str], dict[str, Any]], expected: dict[str, np.ndarray]) -> None:
+           kvstore: Callable[[str], dict[str, Any]], expected: dict[str, np.ndarray]) -> dict[str, zarr.Array]:
     """zarr-python lists without a warning; tensorstore reads every array as zarr-python and the rank did;
     ckptd's own load and verify read the same step (edge chunks stored whole since format 3)."""
     import tensorstore as ts
@@ -191,6 +201,7 @@ def _check(url: str, options: dict[str, Any] | None, group: Callable[[str], zarr
         assert _stored(loaded[key]).tobytes() == expected[key].tobytes(), f"ckptd's load of {key}"
     if options is None:  # on S3 the same code reads through another store: left to tests/integration/test_s3.py
         assert asyncio.run(_verify(url, options)) > 0
+    return arrays
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -223,15 +234,14 @@ def test_tensorstore_reads_s3_root_as_zarr_does(
 ) -> None:
     fs_options = {"endpoint_url": s3.endpoint_url, "key": s3.credentials.access_key_id,
                   "secret": s3.credentials.secret_access_key}
-    _check(f"s3://{BUCKET}/{S3_PREFIX}", s3_options,
-           lambda path: zarr.open_group(f"s3://{BUCKET}/{S3_PREFIX}/{path}", mode="r", storage_options=fs_options),
-           lambda path: {"driver": "s3", "bucket": BUCKET, "path": f"{S3_PREFIX}/{path}",
-                         "endpoint": s3.endpoint_url, "aws_region": s3.region}, saved[1])
+    url = f"s3://{BUCKET}/{S3_PREFIX}"
+    arrays = _check(
+        url, s3_options, lambda path: zarr.open_group(f"{url}/{path}", mode="r", storage_options=fs_options),
+        lambda path: {"driver": "s3", "bucket": BUCKET, "path": f"{S3_PREFIX}/{path}", "endpoint": s3.endpoint_url,
+                      "aws_region": s3.region},
+        saved[1],
+    )
+    codecs = {name: [c.to_dict()["name"] for c in arr.metadata.codecs] for name, arr in arrays.items()}
+    assert codecs["extra/bf16_edge"] == ["bytes", "zstd", "crc32c"]  # the daemon's --codec
+    assert codecs["model/embedding.word_embeddings.weight"] == ["bytes", "zstd", "crc32c"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _tensorstore() -> None:
-    try:
-        import tensorstore  # noqa: F401
-    except ImportError:
-        unavailable("tensorstore is not installed (the test extra pins it)")

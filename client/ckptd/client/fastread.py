@@ -160,7 +160,7 @@ class ChunkReader:
         for key, dst, offset in self.slow:
             arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
             data = await read_region(arr, offset, tuple(dst.shape))
-            src = torch.from_numpy(np.ascontiguousarray(data))
+            src = torch.from_numpy(np.ascontiguousarray(data).reshape(tuple(dst.shape)))  # 0-d stays 0-d
             dst.copy_(src.view(dst.dtype) if src.dtype != dst.dtype else src)
         for staging, dst in self.copies:
             dst.copy_(staging)

@@ -112,7 +112,7 @@ def optimizer_shards(
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
         entries = tuple(binding.owned[(buf.index, bucket.index)])
-        gaps = _gaps(entries, s)
+        gaps = padding_gaps(entries, s)
         for name in (MAIN_PARAM, *names):
             key = layout.bucket_key(buf, bucket, name)
             ref = _state_ref(entries, name) if entries else _any_main(binding)
@@ -124,7 +124,8 @@ def optimizer_shards(
     return out
 
 
-def _gaps(entries: Sequence[Owned], numel: int) -> tuple[tuple[int, int], ...]:
+def padding_gaps(entries: Sequence[Owned], numel: int) -> tuple[tuple[int, int], ...]:
+    """The ``[lo, hi)`` ranges of a bucket slice of ``numel`` elements that no owned param covers (padding)."""
     gaps, pos = [], 0
     for o in sorted(entries, key=lambda e: e.lo):
         if o.lo > pos:

@@ -28,7 +28,7 @@ import torch
 
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import bind
-from ckptd.client.megatron.optimizer import _gaps
+from ckptd.client.megatron.optimizer import padding_gaps
 from ckptd.client.state import torch_dtype
 from ckptd.writer.errors import ShardLayoutError, StateMismatchError
 from ckptd.writer.format import MAIN_PARAM, split_bucket_key
@@ -119,7 +119,7 @@ def _target(
         for t, o in zip(live, entries, strict=True)
     ):
         flat = torch.empty(s, dtype=dtype, device=entries[0].main.device)
-        for lo, hi in _gaps(entries, s):  # padding: zero, whatever the read writes (or not) there
+        for lo, hi in padding_gaps(entries, s):  # padding: zero, whatever the read writes (or not) there
             flat[lo:hi].zero_()
         out.pending.append((key, flat, entries, state))
         return flat[:n]
