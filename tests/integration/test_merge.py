@@ -31,6 +31,7 @@ from ckptd.client.megatron import (
     view_of,
 )
 from ckptd.testing.fixtures import megatron_owned_state
+from ckptd.testing.interop import check_readers
 from ckptd.testing.launch import run_ranks
 from ckptd.writer.format import sidecar_name
 
@@ -119,6 +120,7 @@ def test_merged_state_equals_live_optimizer(start_daemon, tmp_path, world, build
     summary = json.loads(out.stdout)
     assert summary["tasks"] >= (2 if "bucket_size" in build else 1) and not summary["already_merged"]
     assert _check_merged_equals_live(root, results) > 0
+    check_readers(root, merged=True)  # zarr-python and tensorstore read both layouts alike, without warnings
     again = json.loads(subprocess.run([*CLI, "merge", root, "--json"], capture_output=True, text=True,
                                       check=True).stdout)
     assert again["already_merged"]
