@@ -55,6 +55,7 @@ def _state() -> dict[str, Any]:
         "u8": torch.arange(250, 256, dtype=torch.uint8),
         "f8": torch.linspace(-2, 2, 8).to(torch.float8_e4m3fn),
         "scalar": torch.tensor(2.5, dtype=torch.float64),  # a 0-d array: one chunk named "c"
+        "empty": torch.zeros(0, 4),  # no chunk at all
         "step": 1,
     }
 

@@ -135,3 +135,14 @@ def test_in_memory_restore_checks_whole_edge_chunks(tmp_path: Path) -> None:
     asyncio.run(go())
     _assert_loaded(out)
     assert memory.rejected == [] and memory.served_bytes == len(arena)
+
+
+def test_zero_size_blocks_have_a_grid_and_zero_extents_are_typed_errors() -> None:
+    from ckptd.client.state import Shard, validate_shard
+    from ckptd.writer.errors import ShardLayoutError
+
+    empty = Shard("e", torch.zeros(0, 4), (0, 4), (0, 0))
+    assert empty.grid == (1, 4)
+    validate_shard(empty)  # was a ZeroDivisionError
+    with pytest.raises(ShardLayoutError, match="extent below 1"):
+        fmt.check_region("w", (8,), (0,), (8,), (0,))

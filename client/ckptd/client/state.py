@@ -61,7 +61,9 @@ class Shard:
 
     @property
     def grid(self) -> tuple[int, ...]:
-        return self.chunk_shape if self.chunk_shape is not None else tuple(self.data.shape)
+        if self.chunk_shape is not None:
+            return self.chunk_shape
+        return tuple(max(1, n) for n in self.data.shape)  # a zero-size block still has a valid (empty) grid
 
     @property
     def nbytes(self) -> int:

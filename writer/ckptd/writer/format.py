@@ -18,11 +18,9 @@ from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDt
 from ckptd.writer.replicas import ReplicaRecord
 
 FORMAT_VERSION = 3
-#: format versions the readers accept (1: control objects beside the arrays; 2: inside ``_ckptd/``;
-#: 3: edge chunks stored at the full chunk shape, as zarr v3 requires — format 2 cut them to the array)
+#: 1: control objects beside the arrays; 2: in ``_ckptd/``; 3: edge chunks stored whole (zarr v3), not cut
 READABLE_VERSIONS = (1, 2, 3)
-#: the places control objects have lived, oldest first: format 1 beside the arrays, formats 2 and 3
-#: in ``_ckptd/`` (readers look each object up in these, the current one first)
+#: where control objects live, by format: 1 beside the arrays, 2 (and 3) in ``_ckptd/``; readers try both
 CONTROL_LAYOUTS = (1, 2)
 
 COMMIT_MARKER = "COMMITTED"
@@ -248,6 +246,8 @@ def check_region(
             f"local shape {tuple(local)}"
         )
     for axis, (n, o, m, c) in enumerate(zip(shape, offset, local, chunks, strict=True)):
+        if c < 1:
+            raise ShardLayoutError(f"{key}: chunk grid {tuple(chunks)} has an extent below 1 on axis {axis}")
         if o < 0 or m < 0 or o + m > n:
             raise ShardLayoutError(
                 f"{key}: region [{o}, {o + m}) on axis {axis} lies outside global shape {tuple(shape)}"
