@@ -24,7 +24,8 @@ from ckptd.writer.format import CONTROL_DIR, step_dir
 
 @dataclass(frozen=True)
 class S3Access:
-    """Where an ``s3://bucket/prefix`` root is served (credentials: the environment's, for tensorstore)."""
+    """Where an ``s3://bucket/prefix`` root is served (tensorstore takes the credentials from the environment:
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``)."""
 
     endpoint_url: str
     region: str
@@ -51,7 +52,10 @@ def kvstore(url: str, path: str, s3: S3Access | None = None) -> dict[str, Any]:
         return {"driver": "file", "path": os.path.join(url, path, "")}
     bucket, prefix = _split(url)
     return {"driver": "s3", "bucket": bucket, "path": f"{prefix}/{path}/" if prefix else f"{path}/",
-            "endpoint": s3.endpoint_url, "aws_region": s3.region}
+            "endpoint": s3.endpoint_url, "aws_region": s3.region,
+            # the environment's keys; the default chain also works but logs (C++, to stderr) that it found no
+            # profile and no web identity
+            "aws_credentials": {"type": "environment"}}
 
 
 def check_readers(
