@@ -15,7 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptd.writer import format as fmt
-from ckptd.writer.errors import InvalidKeyError, InvalidRequestError, ShardLayoutError, UnsupportedDtypeError
+from ckptd.writer.errors import (
+    InvalidKeyError,
+    InvalidRequestError,
+    ShardLayoutError,
+    UnsupportedDtypeError,
+    UnsupportedFormatError,
+)
 from ckptd.writer.format import (
     ArrayRecord,
     ChunkRecord,
@@ -328,6 +334,17 @@ def test_parts_of_a_valid_tiling_merge(
     assert [s.offset for s in w.shards] == sorted(s.offset for s in w.shards)
     # the commit manifest survives its JSON encoding
     assert fmt.decode_commit(fmt.encode_json(commit)) == commit
+
+
+def test_a_manifest_of_a_newer_format_is_refused_by_name() -> None:
+    commit = merge_parts(make_parts((8,), (4,), 1, 2))
+    for version in fmt.READABLE_VERSIONS:
+        old = msgspec.structs.replace(commit, format=version)
+        assert fmt.decode_commit(fmt.encode_json(old)).format == version
+    newer = msgspec.structs.replace(commit, format=fmt.FORMAT_VERSION + 1)
+    expected = f"format {fmt.FORMAT_VERSION + 1}; this ckptd reads formats 1, 2, 3"
+    with pytest.raises(UnsupportedFormatError, match=expected):
+        fmt.decode_commit(fmt.encode_json(newer))
 
 
 @given(tilings(), st.integers(1, 3), st.integers(1, 2), st.data())

@@ -147,6 +147,10 @@ class CorruptCheckpointError(CkptdError, ValueError):
     """Stored bytes disagree with their checksums or manifests."""
 
 
+class UnsupportedFormatError(CorruptCheckpointError):
+    """The checkpoint is stored in a format version newer than this ckptd reads."""
+
+
 class StateMismatchError(CkptdError, KeyError):
     """The template to load into differs from the checkpoint (missing/extra key, shape or dtype)."""
 

@@ -7,14 +7,20 @@ stages a byte, and tests can check it exhaustively. ``docs/format.md`` is the pr
 from __future__ import annotations
 
 import hashlib
-import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
-from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError
+from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError, UnsupportedFormatError
+from ckptd.writer.grid import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES  # the grid is part of the format
+from ckptd.writer.grid import check_region as check_region
+from ckptd.writer.grid import chunk_count as chunk_count
+from ckptd.writer.grid import chunk_key as chunk_key
+from ckptd.writer.grid import chunk_selection_of as chunk_selection_of
+from ckptd.writer.grid import plan_chunks as plan_chunks
+from ckptd.writer.grid import region_chunks as region_chunks
 from ckptd.writer.replicas import ReplicaRecord
 
 FORMAT_VERSION = 3
@@ -33,7 +39,6 @@ SIDECAR_DIR = "_sidecars"
 # group meets nothing but zarr nodes (zarr-python warns about any other object in a group's folder).
 CONTROL_DIR = "_ckptd"
 ARRAY_ATTR = "ckptd"
-DEFAULT_CHUNK_BYTES = 16 << 20
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what step_dir() writes
 # how users name a step: a number, ckptd's stored name, or Megatron-LM's folder name (iter_0000100)
@@ -213,85 +218,6 @@ def supported_dtypes() -> list[str]:
     return sorted(_STORAGE_DTYPES)
 
 
-# --- chunk grids ----------------------------------------------------------------------------------
-def plan_chunks(base: Sequence[int], item: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
-    """Chunk shape for an array whose writers own blocks of shape ``base``.
-
-    Every writer's region is a whole number of chunks, so no chunk has two writers (two writers of one
-    chunk lose updates). Large blocks are split along their leading axes by the smallest divisor that
-    brings a chunk under ``target_bytes``; the result depends only on its arguments, so every rank and
-    node derives the same grid without talking to the others.
-    """
-    chunks = [max(1, int(n)) for n in base]
-    for axis, n in enumerate(chunks):
-        rest = math.prod(chunks[axis + 1 :]) * item
-        if math.prod(chunks) * item <= target_bytes:
-            break
-        for k in range(2, n + 1):
-            if n % k == 0 and (n // k) * rest <= target_bytes:
-                chunks[axis] = n // k
-                break
-        else:
-            chunks[axis] = 1
-    return tuple(chunks)
-
-
-def check_region(
-    key: str, shape: Sequence[int], offset: Sequence[int], local: Sequence[int], chunks: Sequence[int]
-) -> None:
-    """A writer's region must lie inside the array and start and end on chunk boundaries."""
-    if not (len(shape) == len(offset) == len(local) == len(chunks)):
-        raise ShardLayoutError(
-            f"{key}: rank mismatch: global_shape {tuple(shape)}, global_offset {tuple(offset)}, "
-            f"local shape {tuple(local)}"
-        )
-    for axis, (n, o, m, c) in enumerate(zip(shape, offset, local, chunks, strict=True)):
-        if c < 1:
-            raise ShardLayoutError(f"{key}: chunk grid {tuple(chunks)} has an extent below 1 on axis {axis}")
-        if o < 0 or m < 0 or o + m > n:
-            raise ShardLayoutError(
-                f"{key}: region [{o}, {o + m}) on axis {axis} lies outside global shape {tuple(shape)}"
-            )
-        if o % c or ((o + m) % c and o + m != n):
-            raise ShardLayoutError(
-                f"{key}: region [{o}, {o + m}) on axis {axis} does not follow the chunk grid {tuple(chunks)}; "
-                "shards of one tensor must be equal blocks (the last one along an axis may be shorter)"
-            )
-
-
-def region_chunks(offset: Sequence[int], local: Sequence[int], chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    """Chunk coordinates covered by an aligned region, in C order."""
-    ranges = [range(o // c, -(-(o + m) // c)) for o, m, c in zip(offset, local, chunks, strict=True)]
-    yield from _product(ranges)
-
-
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for tail in _product(ranges[1:]):
-            yield (head, *tail)
-
-
-def chunk_selection_of(
-    coords: Sequence[int], chunks: Sequence[int], shape: Sequence[int], origin: Sequence[int]
-) -> tuple[slice, ...]:
-    """A chunk's extent, relative to a region of the array that starts at ``origin``."""
-    return tuple(
-        slice(c * n - o, min((c + 1) * n, s) - o) for c, n, s, o in zip(coords, chunks, shape, origin, strict=True)
-    )
-
-
-def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:
-    return math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True)) if shape else 1
-
-
-def chunk_key(coords: Sequence[int]) -> str:
-    """zarr v3 default chunk key encoding (separator '/')."""
-    return "c/" + "/".join(str(c) for c in coords) if coords else "c"
-
-
 # --- manifests ------------------------------------------------------------------------------------
 class ChunkRecord(msgspec.Struct, frozen=True):
     coords: list[int]
@@ -353,7 +279,14 @@ def decode_part(data: bytes) -> PartManifest:
 
 
 def decode_commit(data: bytes) -> CommitManifest:
-    return msgspec.json.decode(data, type=CommitManifest)
+    """A commit (or merge) manifest; :class:`UnsupportedFormatError` for a format this reader predates."""
+    manifest = msgspec.json.decode(data, type=CommitManifest)
+    if manifest.format not in READABLE_VERSIONS:
+        raise UnsupportedFormatError(
+            f"step {manifest.step} is stored in format {manifest.format}; this ckptd reads formats "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade ckptd to read it"
+        )
+    return manifest
 
 
 def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:

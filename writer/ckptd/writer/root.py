@@ -132,6 +132,8 @@ class CheckpointRoot:
             raise CheckpointNotFoundError(f"no checkpoint for step {step} under {self.url}")
         try:
             return decode_commit(data)
+        except CkptdError:  # a newer format: its own error, not "unreadable"
+            raise
         except Exception as exc:
             raise CorruptCheckpointError(f"step {step}: unreadable {COMMIT_MARKER}: {exc}") from exc
 
