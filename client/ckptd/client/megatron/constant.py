@@ -35,6 +35,7 @@ import torch
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.layout import Binding
 from ckptd.client.megatron.optimizer import OptimizerMeta
+from ckptd.client.megatron.rehome import home_scalars
 from ckptd.client.megatron.staged import StagedSave, optimizer_entry, scalar_spec
 from ckptd.writer.format import MEGATRON_LAYOUT_VERSION
 
@@ -50,6 +51,7 @@ class _Scalar:
     dtype: torch.dtype
     pids: list[str]
     tensors: list[torch.Tensor]
+    flat: torch.Tensor | None = None  # the tensors are its elements, in order (re-homed): one .tolist()
 
 
 @dataclass
@@ -87,7 +89,9 @@ class Frozen:
         meta: OptimizerMeta = {"layout_version": MEGATRON_LAYOUT_VERSION, "optimizers": {}}
         for oi, opt in sorted(binding.dist.items()):
             scalars = {
-                s.name: scalar_spec(s.dtype, s.pids, list(map(torch.Tensor.item, s.tensors)))
+                s.name: scalar_spec(
+                    s.dtype, s.pids, s.flat.tolist() if s.flat is not None else list(map(torch.Tensor.item, s.tensors))
+                )
                 for s in self.scalars.get(oi, ())
             }
             meta["optimizers"][str(oi)] = optimizer_entry(opt, scalars)
@@ -103,16 +107,20 @@ def capture(
     for oi, entries in staged.owned.items():
         scalars[oi] = []
         for name in staged.scalar_names:
-            found = [(pid, d[name]) for (pid, _), d in zip(entries, states[oi], strict=True) if d and name in d]
+            found = [(pid, o, d[name]) for (pid, o), d in zip(entries, states[oi], strict=True) if d and name in d]
             if not found:
                 continue
-            tensors = [v for _, v in found]
+            tensors = [v for _, _, v in found]
             if not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in tensors):
                 return None
             dtypes = set(map(_DTYPE, tensors))
             if len(dtypes) != 1:
                 return None
-            scalars[oi].append(_Scalar(name, dtypes.pop(), [pid for pid, _ in found], tensors))
+            # one 1-D tensor of them all (their views become the params' state): one .tolist() a save
+            flat = home_scalars([o for _, o, _ in found], tensors, name)
+            if flat is not None:
+                tensors = [o.state[name] for _, o, _ in found]  # type: ignore[misc]
+            scalars[oi].append(_Scalar(name, dtypes.pop(), [pid for pid, _, _ in found], tensors, flat))
     params = staged.watch.params()
     inner = _inner(binding)
     return Frozen(
