@@ -68,7 +68,7 @@ def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     homed = {name: {v[name].untyped_storage().data_ptr() for v in inner.state.values()}
              for name in ("exp_avg", "exp_avg_sq", "step")}
     for i in range(1, 3):  # values change in place (params, states, step, lr): the capture holds
-        for m, opt, train in ((model, optimizer, train_step), (twin, twin_optimizer, twin_step)):
+        for opt, train in ((optimizer, train_step), (twin_optimizer, twin_step)):
             train(i)
             for g in opt.chained_optimizers[0].optimizer.param_groups:
                 g["lr"] = 1e-3 * (i + 1)

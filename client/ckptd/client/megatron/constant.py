@@ -119,7 +119,7 @@ def capture(
             # one 1-D tensor of them all (their views become the params' state): one .tolist() a save
             flat = home_scalars([o for _, o, _ in found], tensors, name)
             if flat is not None:
-                tensors = [o.state[name] for _, o, _ in found]  # type: ignore[misc]
+                tensors = [o.state[name] for _, o, _ in found]
             scalars[oi].append(_Scalar(name, dtypes.pop(), [pid for pid, _, _ in found], tensors, flat))
     params = staged.watch.params()
     inner = _inner(binding)
