@@ -12,6 +12,7 @@ again) and reload bit-exact too.
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,10 @@ def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
             _assert_same(at_save, _live(model, optimizer), f"rank{rank} {tag}")
         handles.clear()
 
-    save("first")  # re-homes the optimizer's states: one flat tensor per (bucket slice, state), one `step` tensor
     inner = optimizer.chained_optimizers[0].optimizer
+    torch_allocated = [weakref.ref(v[k]) for v in inner.state.values() for k in ("exp_avg", "exp_avg_sq", "step")]
+    save("first")  # re-homes the optimizer's states: one flat tensor per (bucket slice, state), one `step` tensor
+    fast["freed"] = not any(r() is not None for r in torch_allocated)  # no second copy of the states stays
     homed = {name: {v[name].untyped_storage().data_ptr() for v in inner.state.values()}
              for name in ("exp_avg", "exp_avg_sq", "step")}
     for i in range(1, 3):  # values change in place (params, states, step, lr): the capture holds
@@ -113,4 +116,5 @@ def test_constant_structure_saves_reload_bit_exact_and_structure_changes_are_cau
         assert fast == {
             "first": False, "trained1": True, "trained2": True, "reloaded": False, "group": False,
             "after_group": True, "reloaded_again": False, "replaced": False, "homed": True, "twin_separate": True,
+            "freed": True,
         }, fast

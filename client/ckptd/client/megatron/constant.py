@@ -4,11 +4,15 @@ The promise (Megatron-LM's ``--ckpt-assume-constant-structure``): between saves 
 param tensors and the optimizer the same param groups and state tensors; values change (training updates
 them in place). Under it a save skips the per-tensor structure fingerprint and the per-param state lookups
 (:mod:`.staged`): the optimizer's state tensors and per-param scalar states (``step``) are captured after
-a checked save and read straight from there.
+a checked save and read straight from there. The planning save re-homed the per-element states into one
+flat tensor per (bucket slice, state) (:mod:`.rehome`: the plan stages each in one byte copy and holds it,
+so nothing is captured for them) and the capture re-homes each per-param scalar state into one 1-D tensor
+per (optimizer, name) (read with one ``.tolist()``).
 
 Still read at every save, whatever the promise: every value staged (the copy reads the live tensors), the
-per-param ``step`` (one ``.item()`` each, all of them), the param groups' plain data (learning rate,
-weight decay...), the grad scaler, the modules' ``_extra_state``, the RNG states and ``extra``.
+per-param ``step`` (all of them, in one ``.tolist()`` once re-homed), the param groups' plain data
+(learning rate, weight decay...), the grad scaler, the ``_extra_state`` of the modules that can have one
+(:func:`~.extra_state.extra_state_modules`), the RNG states and ``extra``.
 
 Still checked at every save, cheaply (:meth:`Frozen.holds`, ~0.1 µs a param): the model params' addresses
 (a param whose ``.data`` was replaced, cast or resized), each inner optimizer's ``state`` dict by identity
@@ -18,7 +22,7 @@ keys. A difference saves through the checked path, which plans again when the st
 captures anew: such a save is correct, only not faster. Not checked: a state tensor of an unchanged
 ``state`` dict replaced one by one (``state[p]["exp_avg"] = t``), or a module's param swapped for another
 Parameter that the optimizer does not hold (Megatron's DDP would not train it either); the save would
-stage the tensors captured before. A held state tensor resized in place fails its copy
+stage the tensors captured (or re-homed) before; the next checked save catches the first by address. A held state tensor resized in place fails its copy
 (:class:`~ckptd.client.plan.StalePlanError`), and the save plans again.
 """
 
@@ -64,8 +68,7 @@ class Frozen:
     ptrs: list[int]
     states: list[dict[Any, Any]]  # each inner optimizer's state dict (held: its identity is compared)
     sizes: list[int]
-    groups: list[list[int]]  # ids of every param of each inner optimizer's groups, group by group
-    alive: list[list[torch.Tensor]]  # those params, held so that no new tensor can take one's id
+    alive: list[list[torch.Tensor]]  # every param of each inner optimizer's groups, group by group
     group_counts: list[int]
     rng_keys: object
 
@@ -80,7 +83,7 @@ class Frozen:
             and all(o.state is s for o, s in zip(inner, self.states, strict=True))
             and [len(o.state) for o in inner] == self.sizes
             and [len(o.param_groups) for o in inner] == self.group_counts
-            and [_group_ids(o) for o in inner] == self.groups
+            and all(map(_same, map(_members, inner), self.alive))
         )
 
     def optim_meta(self, binding: Binding) -> OptimizerMeta:
@@ -126,8 +129,7 @@ def capture(
     return Frozen(
         fetched=staged.plan.fetch(), scalars=scalars, params=list(params),
         ptrs=list(map(torch.Tensor.data_ptr, params)), states=[o.state for o in inner],
-        sizes=[len(o.state) for o in inner], groups=[_group_ids(o) for o in inner],
-        alive=[list(itertools.chain.from_iterable(map(_PARAMS, o.param_groups))) for o in inner],
+        sizes=[len(o.state) for o in inner], alive=[_members(o) for o in inner],
         group_counts=[len(o.param_groups) for o in inner], rng_keys=rng_keys,
     )
 
@@ -136,5 +138,10 @@ def _inner(binding: Binding) -> list[torch.optim.Optimizer]:
     return [introspect.inner_optimizer(opt) for _, opt in sorted(binding.dist.items())]
 
 
-def _group_ids(optimizer: torch.optim.Optimizer) -> list[int]:
-    return list(map(id, itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
+def _members(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+
+
+def _same(now: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
+    """The same tensor objects in the same order (held: no new tensor can take one's place by id)."""
+    return len(now) == len(held) and all(map(operator.is_, now, held))

@@ -224,6 +224,9 @@ def _save_once(
             or staged.chunk_ids != chunk_ids
             or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
         ):
+            # what the old plan holds (captured tensors, re-homed states) goes before re-homing allocates
+            staged = frozen = None
+            forget(optimizer)
             staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
             states = owned_states(staged.owned)
         objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
