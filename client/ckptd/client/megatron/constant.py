@@ -22,8 +22,9 @@ keys. A difference saves through the checked path, which plans again when the st
 captures anew: such a save is correct, only not faster. Not checked: a state tensor of an unchanged
 ``state`` dict replaced one by one (``state[p]["exp_avg"] = t``), or a module's param swapped for another
 Parameter that the optimizer does not hold (Megatron's DDP would not train it either); the save would
-stage the tensors captured (or re-homed) before; the next checked save catches the first by address. A held state tensor resized in place fails its copy
-(:class:`~ckptd.client.plan.StalePlanError`), and the save plans again.
+stage the tensors captured (or re-homed) before; the next checked save catches the first by address. A
+held state tensor resized in place fails its copy (:class:`~ckptd.client.plan.StalePlanError`), and the
+save plans again.
 """
 
 from __future__ import annotations
