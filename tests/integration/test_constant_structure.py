@@ -65,9 +65,12 @@ def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
         handles.clear()
 
     inner = optimizer.chained_optimizers[0].optimizer
-    torch_allocated = [weakref.ref(v[k]) for v in inner.state.values() for k in ("exp_avg", "exp_avg_sq", "step")]
+    torch_allocated = [(v, k, weakref.ref(v[k])) for v in inner.state.values()
+                       for k in ("exp_avg", "exp_avg_sq", "step")]
     save("first")  # re-homes the optimizer's states: one flat tensor per (bucket slice, state), one `step` tensor
-    fast["freed"] = not any(r() is not None for r in torch_allocated)  # no second copy of the states stays
+    # no second copy of the states stays: each tensor torch allocated is freed, or is still the state (a slice
+    # that one param fills is its own flat tensor)
+    fast["freed"] = all(r() is None or r() is v[k] for v, k, r in torch_allocated)
     homed = {name: {v[name].untyped_storage().data_ptr() for v in inner.state.values()}
              for name in ("exp_avg", "exp_avg_sq", "step")}
     for i in range(1, 3):  # values change in place (params, states, step, lr): the capture holds
