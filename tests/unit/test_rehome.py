@@ -84,6 +84,12 @@ def test_separate_scalars_are_not_taken_for_one_flat_tensor() -> None:
     assert elements_of([flat[1], flat[2], flat[3]]).tolist() == [1.0, 2.0, 3.0]  # type: ignore[union-attr]
     assert elements_of([flat[1], flat[3]]) is None
     assert elements_of([flat[2], flat[1]]) is None  # not in order
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p, q])
+    shared = torch.tensor(3.0)  # one step tensor for every param (Megatron's own load does this): not split
+    opt.state[p]["step"] = opt.state[q]["step"] = shared
+    owned = _owned(opt, [p, q])
+    assert home_scalars(owned, [shared, shared], "step") is None and opt.state[q]["step"] is shared
 
 
 def test_a_held_flat_state_is_one_copy_and_a_replaced_state_is_refused() -> None:

@@ -53,6 +53,8 @@ def rehome_states(binding: Binding, layout: MegatronLayout, names: Sequence[str]
                 and t.shape == o.main.shape for t, o in zip(live, entries, strict=True)
             ):
                 continue  # a param without this state (before its first step), or another dtype: piecewise
+            if len(set(map(torch.Tensor.data_ptr, live))) != len(live):  # type: ignore[arg-type]
+                continue  # params sharing a tensor: splitting it would change what the optimizer computes
             if flat_alias(live, entries, s, first.dtype) is not None:
                 continue  # already one flat tensor at the slice's offsets
             flat = fresh_flat(entries, s, first.dtype)
@@ -68,7 +70,8 @@ def rehome_states(binding: Binding, layout: MegatronLayout, names: Sequence[str]
 def home_scalars(owners: Sequence[Owned], tensors: Sequence[torch.Tensor], name: str) -> torch.Tensor | None:
     """One 1-D tensor whose elements are ``tensors`` (0-dim, one dtype; ``owners[i]``'s state ``name``), in
     order: the one they are views of already, else a new one whose views become the owners' state. None when
-    they are not all 0-dim tensors of one dtype and device (left as they are)."""
+    they are not all 0-dim tensors of one dtype and device, or some of them are one tensor shared by several
+    params (left as they are)."""
     if not tensors:
         return None
     first = tensors[0]
@@ -80,6 +83,8 @@ def home_scalars(owners: Sequence[Owned], tensors: Sequence[torch.Tensor], name:
     flat = elements_of(tensors)
     if flat is not None:
         return flat
+    if len(set(map(torch.Tensor.data_ptr, tensors))) != len(tensors):
+        return None  # one tensor shared by several params (incremented once by each): not split
     flat = torch.stack([t.detach() for t in tensors])
     for i, o in enumerate(owners):
         o.inner.state[o.main][name] = flat[i]
