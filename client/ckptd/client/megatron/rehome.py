@@ -61,7 +61,7 @@ def rehome_states(binding: Binding, layout: MegatronLayout, names: Sequence[str]
             with torch.no_grad():
                 for t, o in zip(live, entries, strict=True):
                     flat[o.lo : o.hi].copy_(t.reshape(-1))  # type: ignore[attr-defined]
-            del live, first  # the state dicts hold the old tensors' last references: installing frees them
+            del live, first, t  # the state dicts hold the old tensors' last references: installing frees them
             install_views(flat, entries, name)
             moved.append(layout.bucket_key(buf, bucket, name))
     return moved
