@@ -12,6 +12,7 @@ again) and reload bit-exact too.
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from test_save_plan import BUILD, _assert_same, _live, _param
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.client.megatron.layout import rank_plan
 from ckptd.client.megatron.staged import cached
 from ckptd.testing.launch import DaemonProcess
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
@@ -34,7 +36,9 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     client = CheckpointClient(socket, assume_constant_structure=True)
     model, optimizer, train_step = build_gpt(**BUILD)
+    twin, twin_optimizer, twin_step = build_gpt(**BUILD, initialize_parallel=False)  # never saved
     train_step(0)
+    twin_step(0)
     saved: list[tuple[int, str, dict[str, Any]]] = []
     handles = []
     fast: dict[str, bool] = {}
@@ -60,15 +64,32 @@ def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
             _assert_same(at_save, _live(model, optimizer), f"rank{rank} {tag}")
         handles.clear()
 
-    save("first")
+    inner = optimizer.chained_optimizers[0].optimizer
+    torch_allocated = [(v, k, weakref.ref(v[k])) for v in inner.state.values()
+                       for k in ("exp_avg", "exp_avg_sq", "step")]
+    save("first")  # re-homes the optimizer's states: one flat tensor per (bucket slice, state), one `step` tensor
+    # no second copy of the states stays: each tensor torch allocated is freed, or is still the state (a slice
+    # that one param fills is its own flat tensor)
+    fast["freed"] = all(r() is None or r() is v[k] for v, k, r in torch_allocated)
+    homed = {name: {v[name].untyped_storage().data_ptr() for v in inner.state.values()}
+             for name in ("exp_avg", "exp_avg_sq", "step")}
     for i in range(1, 3):  # values change in place (params, states, step, lr): the capture holds
-        train_step(i)
-        for g in optimizer.chained_optimizers[0].optimizer.param_groups:
-            g["lr"] = 1e-3 * (i + 1)
+        for opt, train in ((optimizer, train_step), (twin_optimizer, twin_step)):
+            train(i)
+            for g in opt.chained_optimizers[0].optimizer.param_groups:
+                g["lr"] = 1e-3 * (i + 1)
         save(f"trained{i}")
+    # Adam stepped the re-homed states in place, and trained exactly as the twin whose states torch allocated
+    _assert_same(_live(model, optimizer), _live(twin, twin_optimizer), f"rank{rank} re-homed vs twin")
+    binding = rank_plan(optimizer).binding
+    assert binding is not None
+    buckets = sum(1 for entries in binding.owned.values() if entries)
+    fast["homed"] = {k: len(v) for k, v in homed.items()} == {"exp_avg": buckets, "exp_avg_sq": buckets, "step": 1}
+    fast["twin_separate"] = len({v["exp_avg"].untyped_storage().data_ptr()
+                                 for v in twin_optimizer.chained_optimizers[0].optimizer.state.values()}) > 2
     verify()
     save("reloaded", keep=False)  # the load replaced the step tensors: checked, captured again
-    inner = optimizer.chained_optimizers[0].optimizer  # a new param group: caught, saved through the check
+    # a new param group: caught, saved through the check
     inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5, "weight_decay": 0.0})
     save("group")
     train_step(3)
@@ -97,5 +118,6 @@ def test_constant_structure_saves_reload_bit_exact_and_structure_changes_are_cau
     for fast in results:
         assert fast == {
             "first": False, "trained1": True, "trained2": True, "reloaded": False, "group": False,
-            "after_group": True, "reloaded_again": False, "replaced": False,
+            "after_group": True, "reloaded_again": False, "replaced": False, "homed": True, "twin_separate": True,
+            "freed": True,
         }, fast

@@ -1,7 +1,9 @@
 """A registered save plan is reused while the structure holds and replaced the moment it changes.
 
 Real daemon process, two gloo ranks, the toy GPT (multi-bucket buffer) on the CPU shim. One client saves
-through a sequence of structure changes — a model param replaced by another tensor, a param cast to
+through a sequence of structure changes — an optimizer state replaced by the user's own tensor (the plan
+stages the flat tensor the states were re-homed into: the lookup's address check catches it), a model param
+replaced by another tensor, a param cast to
 another dtype, a new param group in the optimizer, another model whose buckets are sized differently —
 and after every save the live state is scrambled and the step loaded back into it: every model tensor,
 main param, optimizer state and param group must equal the state at save time, bit for bit. A stale plan
@@ -108,6 +110,10 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     save_and_reload("first")
     train_step(1)  # values change in place: the plan holds
     save_and_reload("same")
+    inner = optimizer.chained_optimizers[0].optimizer  # a re-homed state replaced by the user's own tensor:
+    state = inner.state[next(iter(inner.state))]  # caught by its address (the plan stages the flat tensor)
+    state["exp_avg"] = state["exp_avg"].clone() + 0.5
+    save_and_reload("state_replaced")
     with torch.no_grad():  # a param replaced by another tensor (its old storage stays in the grad buffer)
         p = _param(model, "layers.0.self_attention.linear_proj.bias")
         p.data = p.data.clone() + 0.25
@@ -117,7 +123,6 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
         for q in _params(model, "mlp.linear_fc2.bias"):
             q.data = q.data.double() + 0.125
     save_and_reload("dtype")
-    inner = optimizer.chained_optimizers[0].optimizer  # a new param group
     inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5, "weight_decay": 0.0})
     save_and_reload("group")
     old_plan = plans["group"][0]
@@ -144,7 +149,7 @@ def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Pat
         assert r["first"] == r["same"], r
         assert r["replaced"] == r["replaced_again"], r
         # every structure change planned (and registered) anew
-        ids = [r[t][1] for t in ("first", "replaced", "dtype", "group", "buckets")]
+        ids = [r[t][1] for t in ("first", "state_replaced", "replaced", "dtype", "group", "buckets")]
         assert len(set(ids)) == len(ids) and all(ids), ids
         assert r["old_plan_keys"] != r["new_plan_keys"]  # other bucket keys
         assert any("bucket1/" in k for k in r["new_plan_keys"])

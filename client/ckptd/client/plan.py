@@ -59,6 +59,9 @@ class Piece(NamedTuple):
     src: torch.Tensor | None = None
     fetch: Fetch | None = None
     nbytes: int = 0  # zeros: this many bytes
+    # a static ``src`` that is the memory of these lookups' tensors (re-homed optimizer states): each save
+    # checks they still resolve to the tensors planned (address, dtype, element count), and copies ``src``
+    held: tuple[Fetch, ...] = ()
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -73,6 +76,7 @@ class _Column(NamedTuple):
     rows: list[int]
     dtypes: list[torch.dtype]
     numels: list[int]
+    ptrs: list[int] | None = None  # held (checked at these addresses, not copied: a static source stages them)
 
 
 # per optimizer: the params whose state is looked up, and one column per state name
@@ -162,6 +166,7 @@ class StagePlan:
     fingerprint: object
     _static: list[tuple[torch.Tensor, _Dst]] = field(default_factory=list)
     _fetched: list[tuple[Fetch, _Dst, _Dst]] = field(default_factory=list)  # (lookup, source as planned, slot)
+    _held: list[tuple[Fetch, torch.Tensor]] = field(default_factory=list)  # (lookup, tensor as planned)
     _dynamic: list[tuple[_Dst, _Dst]] = field(default_factory=list)  # (source as planned, slot)
     _zeros: list[_Dst] = field(default_factory=list)
     _views: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=OrderedDict)
@@ -254,11 +259,14 @@ class StagePlan:
                 try:
                     got = list(map(operator.itemgetter(col.name), map(dicts.__getitem__, col.rows)))
                     ok = list(map(_DTYPE, got)) == col.dtypes and list(map(torch.Tensor.numel, got)) == col.numels
+                    if ok and col.ptrs is not None:  # held: still the views the static source stages
+                        ok = list(map(torch.Tensor.data_ptr, got)) == col.ptrs
                 except (KeyError, TypeError, AttributeError):  # gone, its param has no state, not a tensor
                     ok = False
                 if not ok:
                     raise StalePlanError(f"optimizer state {col.name!r} changed since the save was planned")
-                out += got
+                if col.ptrs is None:
+                    out += got
         return out
 
     def _group_fetches(self) -> None:
@@ -266,13 +274,16 @@ class StagePlan:
         column of C-level lookups per (optimizer, state name) at each save (:meth:`sources`)."""
         owners: dict[int, tuple[torch.optim.Optimizer, dict[int, int], list[torch.Tensor]]] = {}
         cols: dict[tuple[int, str], list[tuple[Fetch, _Dst, _Dst]]] = {}
-        for e in self._fetched:
-            f = e[0]
+        held: dict[tuple[int, str], list[tuple[Fetch, torch.Tensor]]] = {}
+        for f in itertools.chain((e[0] for e in self._fetched), (h[0] for h in self._held)):
             _, index, keys = owners.setdefault(id(f.owner), (f.owner, {}, []))
             if id(f.key) not in index:
                 index[id(f.key)] = len(keys)
                 keys.append(f.key)
-            cols.setdefault((id(f.owner), f.name), []).append(e)
+        for e in self._fetched:
+            cols.setdefault((id(e[0].owner), e[0].name), []).append(e)
+        for h in self._held:
+            held.setdefault((id(h[0].owner), h[0].name), []).append(h)
         groups: _Groups = []
         fetched: list[tuple[Fetch, _Dst, _Dst]] = []  # in the order sources() returns them
         for oid, (owner, index, keys) in owners.items():
@@ -284,6 +295,13 @@ class StagePlan:
                         [numel(d.shape) for _, d, _ in entries],
                     ))
                     fetched += entries
+            for (o, name), hs in held.items():
+                if o == oid:
+                    ts = [t for _, t in hs]
+                    columns.append(_Column(
+                        name, [index[id(f.key)] for f, _ in hs], list(map(_DTYPE, ts)),
+                        list(map(torch.Tensor.numel, ts)), list(map(torch.Tensor.data_ptr, ts)),
+                    ))
             groups.append((owner, keys, columns))
         self._fetched = fetched
         self._groups = groups
@@ -383,6 +401,7 @@ def build_stage_plan(
     runs = _Runs(plan)
     for i in plain:
         runs.add(pieces[i][0].src, offsets[i])  # type: ignore[arg-type]
+        _hold(plan, pieces[i][0])
     runs.flush()
     for i, ps in enumerate(pieces):
         if i not in spans:
@@ -428,6 +447,7 @@ def _compile_pieces(plan: StagePlan, runs: _Runs, pieces: list[Piece], base: int
     for p in pieces:
         rel = base + p.lo
         if p.src is not None:
+            _hold(plan, p)
             if p.src.dtype == dtype and _byte_span(p.src) is not None:
                 runs.add(p.src, rel)
             else:
@@ -443,6 +463,15 @@ def _compile_pieces(plan: StagePlan, runs: _Runs, pieces: list[Piece], base: int
         elif p.nbytes:
             plan._zeros.append(_Dst(rel, torch.uint8, (p.nbytes,)))
     runs.flush()
+
+
+def _hold(plan: StagePlan, piece: Piece) -> None:
+    """Record the tensors a static piece holds (their lookups, checked at each save)."""
+    for f in piece.held:
+        t = f.owner.state.get(f.key, {}).get(f.name)
+        if not isinstance(t, torch.Tensor):
+            raise StalePlanError(f"no optimizer state {f.name!r} to plan a save of")
+        plan._held.append((f, t))
 
 
 class PlanCache:

@@ -4,11 +4,15 @@ The promise (Megatron-LM's ``--ckpt-assume-constant-structure``): between saves 
 param tensors and the optimizer the same param groups and state tensors; values change (training updates
 them in place). Under it a save skips the per-tensor structure fingerprint and the per-param state lookups
 (:mod:`.staged`): the optimizer's state tensors and per-param scalar states (``step``) are captured after
-a checked save and read straight from there.
+a checked save and read straight from there. The planning save re-homed the per-element states into one
+flat tensor per (bucket slice, state) (:mod:`.rehome`: the plan stages each in one byte copy and holds it,
+so nothing is captured for them) and the capture re-homes each per-param scalar state into one 1-D tensor
+per (optimizer, name) (read with one ``.tolist()``).
 
 Still read at every save, whatever the promise: every value staged (the copy reads the live tensors), the
-per-param ``step`` (one ``.item()`` each, all of them), the param groups' plain data (learning rate,
-weight decay...), the grad scaler, the modules' ``_extra_state``, the RNG states and ``extra``.
+per-param ``step`` (all of them, in one ``.tolist()`` once re-homed), the param groups' plain data
+(learning rate, weight decay...), the grad scaler, the ``_extra_state`` of the modules that can have one
+(:func:`~.extra_state.extra_state_modules`), the RNG states and ``extra``.
 
 Still checked at every save, cheaply (:meth:`Frozen.holds`, ~0.1 µs a param): the model params' addresses
 (a param whose ``.data`` was replaced, cast or resized), each inner optimizer's ``state`` dict by identity
@@ -18,8 +22,9 @@ keys. A difference saves through the checked path, which plans again when the st
 captures anew: such a save is correct, only not faster. Not checked: a state tensor of an unchanged
 ``state`` dict replaced one by one (``state[p]["exp_avg"] = t``), or a module's param swapped for another
 Parameter that the optimizer does not hold (Megatron's DDP would not train it either); the save would
-stage the tensors captured before. A held state tensor resized in place fails its copy
-(:class:`~ckptd.client.plan.StalePlanError`), and the save plans again.
+stage the tensors captured (or re-homed) before; the next checked save catches the first by address. A
+held state tensor resized in place fails its copy (:class:`~ckptd.client.plan.StalePlanError`), and the
+save plans again.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.layout import Binding
 from ckptd.client.megatron.optimizer import OptimizerMeta
+from ckptd.client.megatron.rehome import home_scalars
 from ckptd.client.megatron.staged import StagedSave, optimizer_entry, scalar_spec
 from ckptd.writer.format import MEGATRON_LAYOUT_VERSION
 
@@ -50,6 +56,7 @@ class _Scalar:
     dtype: torch.dtype
     pids: list[str]
     tensors: list[torch.Tensor]
+    flat: torch.Tensor | None = None  # the tensors are its elements, in order (re-homed): one .tolist()
 
 
 @dataclass
@@ -62,8 +69,7 @@ class Frozen:
     ptrs: list[int]
     states: list[dict[Any, Any]]  # each inner optimizer's state dict (held: its identity is compared)
     sizes: list[int]
-    groups: list[list[int]]  # ids of every param of each inner optimizer's groups, group by group
-    alive: list[list[torch.Tensor]]  # those params, held so that no new tensor can take one's id
+    alive: list[list[torch.Tensor]]  # every param of each inner optimizer's groups, group by group
     group_counts: list[int]
     rng_keys: object
 
@@ -78,7 +84,7 @@ class Frozen:
             and all(o.state is s for o, s in zip(inner, self.states, strict=True))
             and [len(o.state) for o in inner] == self.sizes
             and [len(o.param_groups) for o in inner] == self.group_counts
-            and [_group_ids(o) for o in inner] == self.groups
+            and all(map(_same, map(_members, inner), self.alive))
         )
 
     def optim_meta(self, binding: Binding) -> OptimizerMeta:
@@ -87,7 +93,9 @@ class Frozen:
         meta: OptimizerMeta = {"layout_version": MEGATRON_LAYOUT_VERSION, "optimizers": {}}
         for oi, opt in sorted(binding.dist.items()):
             scalars = {
-                s.name: scalar_spec(s.dtype, s.pids, list(map(torch.Tensor.item, s.tensors)))
+                s.name: scalar_spec(
+                    s.dtype, s.pids, s.flat.tolist() if s.flat is not None else list(map(torch.Tensor.item, s.tensors))
+                )
                 for s in self.scalars.get(oi, ())
             }
             meta["optimizers"][str(oi)] = optimizer_entry(opt, scalars)
@@ -103,23 +111,26 @@ def capture(
     for oi, entries in staged.owned.items():
         scalars[oi] = []
         for name in staged.scalar_names:
-            found = [(pid, d[name]) for (pid, _), d in zip(entries, states[oi], strict=True) if d and name in d]
+            found = [(pid, o, d[name]) for (pid, o), d in zip(entries, states[oi], strict=True) if d and name in d]
             if not found:
                 continue
-            tensors = [v for _, v in found]
+            tensors = [v for _, _, v in found]
             if not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in tensors):
                 return None
             dtypes = set(map(_DTYPE, tensors))
             if len(dtypes) != 1:
                 return None
-            scalars[oi].append(_Scalar(name, dtypes.pop(), [pid for pid, _ in found], tensors))
+            # one 1-D tensor of them all (their views become the params' state): one .tolist() a save
+            flat = home_scalars([o for _, o, _ in found], tensors, name)
+            if flat is not None:
+                tensors = [o.state[name] for _, o, _ in found]
+            scalars[oi].append(_Scalar(name, dtypes.pop(), [pid for pid, _, _ in found], tensors, flat))
     params = staged.watch.params()
     inner = _inner(binding)
     return Frozen(
         fetched=staged.plan.fetch(), scalars=scalars, params=list(params),
         ptrs=list(map(torch.Tensor.data_ptr, params)), states=[o.state for o in inner],
-        sizes=[len(o.state) for o in inner], groups=[_group_ids(o) for o in inner],
-        alive=[list(itertools.chain.from_iterable(map(_PARAMS, o.param_groups))) for o in inner],
+        sizes=[len(o.state) for o in inner], alive=[_members(o) for o in inner],
         group_counts=[len(o.param_groups) for o in inner], rng_keys=rng_keys,
     )
 
@@ -128,5 +139,10 @@ def _inner(binding: Binding) -> list[torch.optim.Optimizer]:
     return [introspect.inner_optimizer(opt) for _, opt in sorted(binding.dist.items())]
 
 
-def _group_ids(optimizer: torch.optim.Optimizer) -> list[int]:
-    return list(map(id, itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
+def _members(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+
+
+def _same(now: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
+    """The same tensor objects in the same order (held: no new tensor can take one's place by id)."""
+    return len(now) == len(held) and all(map(operator.is_, now, held))

@@ -63,8 +63,20 @@ class BucketSliceShard(Shard):
 
     def stage_pieces(self) -> list[Piece]:
         """What :meth:`stage_into` copies, for a compiled :class:`~ckptd.client.plan.StagePlan`: each owned
-        param's main shard (static) or state (looked up per save), and the padding to zero."""
+        param's main shard (static) or state (looked up per save), and the padding to zero. A state whose
+        per-param tensors are views of one flat tensor laid out like the slice (re-homed by
+        :mod:`~ckptd.client.megatron.rehome`, or left so by a load) is one static piece over that tensor,
+        padding included (zeroed when it was made; the optimizer writes only the views), holding the
+        lookups: each save's check finds every state still at its place, else the save plans again."""
+        from ckptd.client.megatron.targets import flat_alias  # targets imports this module
+
         isz = self.data.element_size()
+        if self.state != MAIN_PARAM and self.entries:
+            live = [o.get(self.state) for o in self.entries]
+            flat = flat_alias(live, self.entries, self.data.shape[0], self.data.dtype)
+            if flat is not None:
+                held = tuple(Fetch(o.inner, o.main, self.state) for o in self.entries)
+                return [Piece(0, src=flat, held=held)]
         out = [Piece(lo * isz, nbytes=(hi - lo) * isz) for lo, hi in self.gaps]
         for o in self.entries:
             if self.state == MAIN_PARAM:

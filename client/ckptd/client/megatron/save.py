@@ -16,6 +16,7 @@ from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_mo
 from ckptd.client.megatron.layout import Binding, bind, get_layout, rank_plan
 from ckptd.client.megatron.model import model_state
 from ckptd.client.megatron.optimizer import optimizer_shards, state_names
+from ckptd.client.megatron.rehome import rehome_states
 from ckptd.client.megatron.rng import rng_state
 from ckptd.client.megatron.staged import (
     StagedSave,
@@ -223,6 +224,9 @@ def _save_once(
             or staged.chunk_ids != chunk_ids
             or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
         ):
+            # what the old plan holds (captured tensors, re-homed states) goes before re-homing allocates
+            staged = frozen = None
+            forget(optimizer)
             staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
             states = owned_states(staged.owned)
         objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
@@ -250,6 +254,7 @@ def _plan_staged(
     """Plan the save from scratch (the fingerprint changed): shards, layout, copy program, plain-data walk."""
     rank_plan(optimizer).save = None  # the shard plan is rebuilt too, whatever its own check says
     elem_names, scalar_names = state_names(binding)
+    moved = rehome_states(binding, layout, elem_names)  # one flat tensor per (bucket slice, state): one copy each
     plan = save_plan(model_chunks, optimizer, rank, elem_names)
     owned = owned_by_optimizer(binding, layout)
     watch = ModuleWatch(model_chunks)
@@ -262,8 +267,8 @@ def _plan_staged(
     )
     remember(optimizer, staged)
     logger.info(
-        "rank %d: staged plan: %d shards in %d copies, span %.1f MiB",
-        rank, len(stage_plan.metas), stage_plan.copies, stage_plan.span / 2**20,
+        "rank %d: staged plan: %d shards in %d copies, span %.1f MiB (%d optimizer states re-homed)",
+        rank, len(stage_plan.metas), stage_plan.copies, stage_plan.span / 2**20, len(moved),
     )
     return staged
 

@@ -8,8 +8,9 @@ that appeared after the first step), and the RNG keys. Any difference plans the 
 up per save (optimizer states) are also checked against the plan before the lease.
 
 The optimizer's plain data (``optim_meta``) changes every step (``step``, the learning rate), so it is
-recomputed per save, but in bulk: one ``torch.stack`` per scalar state over every owned param instead of
-one ``.item()`` and one JSON dump each.
+recomputed per save, but in bulk: the per-param scalar states (Adam's ``step``) are re-homed into one 1-D
+tensor per (optimizer, name) (:mod:`.rehome`), checked by address with one ``map`` and read with one
+``.tolist()``, instead of one ``.item()`` and one JSON dump each.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ckptd.client.megatron import introspect
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import Binding
 from ckptd.client.megatron.optimizer import OptimizerMeta, _param_id, _plain, optimizer_meta
+from ckptd.client.megatron.rehome import home_scalars
 from ckptd.client.plan import ModuleWatch, StagePlan, groups_fingerprint, params_fingerprint
 from ckptd.client.state import dtype_name
 from ckptd.writer.format import MEGATRON_LAYOUT_VERSION
@@ -50,6 +52,9 @@ class StagedSave:
     # modules with an _extra_state (read every save; the list is covered by the watch's fingerprint)
     extra_modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     frozen: Any = None  # a constant.Frozen: what saves under assume_constant_structure read, captured once
+    # (DistributedOptimizer index, scalar state name) -> the 1-D tensor its per-param values are re-homed
+    # into, and their addresses (one .tolist() a save while every value is still there)
+    scalar_flats: dict[tuple[int, str], tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
 
 
 _STAGED: weakref.WeakKeyDictionary[object, StagedSave] = weakref.WeakKeyDictionary()
@@ -134,12 +139,14 @@ def optim_meta(
         scalars: dict[str, Any] = {}
         for name in staged.scalar_names:
             try:  # the common case: every owned param keeps the state
-                found = list(zip(map(_PID, entries), map(operator.itemgetter(name), states), strict=True))
+                values = list(map(operator.itemgetter(name), states))
+                keep = entries
             except (KeyError, TypeError):
-                found = [(pid, d[name]) for (pid, _), d in zip(entries, states, strict=True) if d and name in d]
-            if not found:
+                keep = [e for e, d in zip(entries, states, strict=True) if d and name in d]
+                values = [d[name] for d in states if d and name in d]
+            if not values:
                 continue
-            spec = _bulk(found)
+            spec = _bulk(staged, (oi, name), keep, values)
             if spec is None:  # not all 0-dim tensors of one dtype: the general path
                 return optimizer_meta(optimizer, layout, staged.scalar_names)
             scalars[name] = spec
@@ -170,18 +177,31 @@ def scalar_spec(dtype: torch.dtype, pids: list[str], plain: list[Any]) -> dict[s
 _PID = operator.itemgetter(0)
 
 
-def _bulk(found: list[tuple[str, object]]) -> dict[str, Any] | None:
+def _bulk(
+    staged: StagedSave, where: tuple[int, str], owned: list[tuple[str, Owned]], values: list[Any]
+) -> dict[str, Any] | None:
     """One scalar state over every param that keeps it, when all are 0-dim tensors of one dtype: one
-    ``map`` per check and one ``.item()`` each (``torch.stack`` of many 0-dim tensors costs more)."""
-    values: list[Any] = [v for _, v in found]
+    ``map`` per check and one ``.tolist()`` of the 1-D tensor they are elements of (checked by address:
+    re-homed there, :func:`~ckptd.client.megatron.rehome.home_scalars`, when they are not: a load made
+    fresh ones), else one ``.item()`` each."""
     try:
         dtypes = set(map(_DTYPE, values))
         dims = set(map(torch.Tensor.dim, values))
+        ptrs = list(map(torch.Tensor.data_ptr, values))
     except (AttributeError, TypeError):  # not all tensors
         return None
     if len(dtypes) != 1 or dims != {0}:
         return None
-    return scalar_spec(dtypes.pop(), list(map(_PID, found)), list(map(torch.Tensor.item, values)))
+    dtype = dtypes.pop()
+    held = staged.scalar_flats.get(where)
+    if held is None or held[1] != ptrs:  # the held tensor's memory: nothing else can sit at these addresses
+        flat = home_scalars([o for _, o in owned], values, where[1])
+        held = None if flat is None else (flat, list(map(torch.Tensor.data_ptr, flat.unbind())))
+        if held is None:
+            staged.scalar_flats.pop(where, None)
+            return scalar_spec(dtype, list(map(_PID, owned)), list(map(torch.Tensor.item, values)))
+        staged.scalar_flats[where] = held
+    return scalar_spec(dtype, list(map(_PID, owned)), held[0].tolist())
 
 
 _DTYPE = operator.attrgetter("dtype")

@@ -68,10 +68,24 @@ class SliceTargets:
     def install(self) -> None:
         """Make each filled flat tensor's views the owned params' state (call after the read succeeded)."""
         for key, flat, entries, state in self.pending:
-            for o in entries:
-                o.inner.state[o.main][state] = flat[o.lo : o.hi].view(o.main.shape)
+            install_views(flat, entries, state)
             self.in_place.add(key)
         self.pending = []
+
+
+def install_views(flat: torch.Tensor, entries: Sequence[Owned], state: str) -> None:
+    """Make ``flat``'s views (each owner's ``[lo, hi)``, in its param's shape) the owners' ``state``."""
+    for o in entries:
+        o.inner.state[o.main][state] = flat[o.lo : o.hi].view(o.main.shape)
+
+
+def fresh_flat(entries: Sequence[Owned], s: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new 1-D tensor of ``s`` elements on the owners' device, laid out like the stored bucket slice:
+    the padding between (and after) the owners' ranges zeroed, their ranges left for the caller to fill."""
+    flat = torch.empty(s, dtype=dtype, device=entries[0].main.device)
+    for lo, hi in padding_gaps(entries, s):  # padding: zero, whatever the read writes (or not) there
+        flat[lo:hi].zero_()
+    return flat
 
 
 def slice_targets(
@@ -118,9 +132,7 @@ def _target(
         t is None or (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == o.main.shape)
         for t, o in zip(live, entries, strict=True)
     ):
-        flat = torch.empty(s, dtype=dtype, device=entries[0].main.device)
-        for lo, hi in padding_gaps(entries, s):  # padding: zero, whatever the read writes (or not) there
-            flat[lo:hi].zero_()
+        flat = fresh_flat(entries, s, dtype)
         out.pending.append((key, flat, entries, state))
         return flat[:n]
     return torch.empty(n, dtype=dtype)
