@@ -125,8 +125,6 @@ def scatter(targets: Sequence[tuple[Strided, np.ndarray]], piece: np.ndarray, a:
     for region, dst in targets:
         if region.stop <= a or region.offset >= b:
             continue
-        for index, block in blocks(region, a, b):
-            src = np.lib.stride_tricks.as_strided(
-                piece[block.offset - a :], block.sizes, tuple(t * item for t in block.strides), writeable=False
-            )
-            dst[index] = src
+        for index, block in blocks(region, a, b):  # a view of the piece: ndarray() costs far less than as_strided
+            dst[index] = np.ndarray(block.sizes, piece.dtype, piece, (block.offset - a) * item,
+                                    tuple(t * item for t in block.strides))
