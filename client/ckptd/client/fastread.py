@@ -8,7 +8,9 @@ the 4-byte checksum into a small buffer beside it; on object stores ranged GETs 
 :data:`PART_BYTES`, at most ``concurrency`` requests in flight) whose bodies are read piece by piece straight
 into that run (:meth:`~ckptd.writer.backends.Backend.read_into`: the one copy left is out of the HTTP
 client's receive buffer). Chunks that only partly overlap the region (a DP slice clipped to another padding, a TP region
-that cuts chunks) go through a scratch buffer of one chunk. Every chunk's crc32c is checked against both
+that cuts chunks) go through a scratch buffer of one chunk; strided regions of 1-D arrays
+(:meth:`ChunkReader.add_gather`, a TP half of a row-parallel param) read each chunk once through a cached
+scratch piece (:mod:`ckptd.client.gather`). Every chunk's crc32c is checked against both
 the stored trailer and the commit manifest's record, in worker threads, before the load returns;
 :class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. Compressed arrays (and
 big-endian hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
