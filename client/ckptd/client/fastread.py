@@ -8,9 +8,9 @@ the 4-byte checksum into a small buffer beside it; on object stores ranged GETs 
 :data:`PART_BYTES`, at most ``concurrency`` requests in flight) whose bodies are read piece by piece straight
 into that run (:meth:`~ckptd.writer.backends.Backend.read_into`: the one copy left is out of the HTTP
 client's receive buffer). Chunks that only partly overlap the region (a DP slice clipped to another padding, a TP region
-that cuts chunks) go through a scratch buffer of one chunk; strided regions of 1-D arrays
-(:meth:`ChunkReader.add_gather`, a TP half of a row-parallel param) read each chunk once through a cached
-scratch piece (:mod:`ckptd.client.gather`). Every chunk's crc32c is checked against both
+that cuts chunks) go through a scratch buffer of one chunk; regions of 1-D arrays (bucket slices; strided
+ones through :meth:`ChunkReader.add_gather`, a TP half of a row-parallel param) read each chunk once, a
+partial one through a cached scratch piece (:mod:`ckptd.client.gather`). Every chunk's crc32c is checked against both
 the stored trailer and the commit manifest's record, in worker threads, before the load returns;
 :class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. Compressed arrays (and
 big-endian hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
@@ -123,6 +123,11 @@ class ChunkReader:
         if rec.codec != "raw" or sys.byteorder != "little":
             self.slow.append((key, dst, tuple(offset)))
             return
+        if len(rec.shape) == 1 and dst.dim() == 1 and dst.device.type == "cpu" and \
+                dtype_name(dst.dtype) == rec.torch_dtype:  # a bucket slice: its partial chunks (a slice at
+            # another DP) through the cached scratch piece rather than a fresh buffer of a whole chunk each
+            self.add_gather(key, dst, Strided(offset[0], (dst.numel(),), (1,)))
+            return
         target = dst
         if dst.device.type != "cpu" or not dst.is_contiguous():
             target = torch.empty(dst.shape, dtype=dst.dtype)
@@ -185,7 +190,8 @@ class ChunkReader:
             end = job.start + job.chunk.nbytes // job.item
             for i, (region, dst) in enumerate(targets):
                 lo, hi = max(region.offset, job.start), min(region.stop, end)
-                if not (region.is_run() and dst.flags.c_contiguous and (hi - lo) * job.item >= _RUN) or any(
+                long = (hi - lo) * job.item >= _RUN or (lo, hi) == (job.start, end)
+                if not (region.is_run() and dst.flags.c_contiguous and long) or any(
                     other.offset < hi and other.stop > lo for k, (other, _d) in enumerate(targets) if k != i
                 ):
                     job.scattered.append((region, dst))
