@@ -8,7 +8,9 @@ the 4-byte checksum into a small buffer beside it; on object stores ranged GETs 
 :data:`PART_BYTES`, at most ``concurrency`` requests in flight) whose bodies are read piece by piece straight
 into that run (:meth:`~ckptd.writer.backends.Backend.read_into`: the one copy left is out of the HTTP
 client's receive buffer). Chunks that only partly overlap the region (a DP slice clipped to another padding, a TP region
-that cuts chunks) go through a scratch buffer of one chunk. Every chunk's crc32c is checked against both
+that cuts chunks) go through a scratch buffer of one chunk; regions of 1-D arrays (bucket slices; strided
+ones through :meth:`ChunkReader.add_gather`, a TP half of a row-parallel param) read each chunk once, a
+partial one through a cached scratch piece (:mod:`ckptd.client.gather`). Every chunk's crc32c is checked against both
 the stored trailer and the commit manifest's record, in worker threads, before the load returns;
 :class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. Compressed arrays (and
 big-endian hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
@@ -24,17 +26,20 @@ import asyncio
 import math
 import os
 import sys
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import crc32c
 import numpy as np
 import torch
 
+from ckptd.client.gather import Strided, normalize, scatter
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
+from ckptd.client.state import dtype_name
 from ckptd.writer.arrays import chunk_selection, full_chunk, open_array, read_region
-from ckptd.writer.errors import CorruptCheckpointError, StorageNotFoundError
+from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError, StorageNotFoundError
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
     ArrayRecord,
@@ -54,6 +59,7 @@ CHUNK_CONCURRENCY = 8
 PART_BYTES = 8 << 20
 _CRC = 4
 _PIECE = 1 << 20  # read + checksum granularity (fits the CPU cache)
+_RUN = 64 << 10  # a gathered region's contiguous run at least this long is read straight into place
 
 
 @dataclass
@@ -65,6 +71,13 @@ class _Job:
     src: tuple[slice, ...] = ()  # ... and the part of the chunk that lands there
     chunk_shape: tuple[int, ...] = ()
     item: int = 1
+    # gather case (:meth:`ChunkReader.add_gather`): the chunk's first element in its 1-D array, and the
+    # (region, destination) pairs it holds elements of; read piece by piece through a scratch buffer
+    start: int = 0
+    gather: list[tuple[Strided, np.ndarray]] | None = None
+    # ... of which (local reads) the long runs read straight into place: (first byte, end, destination bytes)
+    runs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    scattered: list[tuple[Strided, np.ndarray]] = field(default_factory=list)  # ... and the rest
 
 
 class ChunkReader:
@@ -89,6 +102,8 @@ class ChunkReader:
         # in-memory restore: regions that are exactly a shard the daemon kept are copied from its arena
         self.memory = memory if memory is not None and memory.step == commit.step else None
         self.from_memory: list[tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]] = []
+        self.gathers: dict[str, _Job] = {}  # chunk path -> the regions it holds elements of
+        self._chunks: dict[str, dict[int, ChunkRecord]] = {}  # 1-D array -> its chunks by index
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
         """Fill ``dst`` with the region of array ``key`` that starts at ``offset`` (shape: ``dst.shape``).
@@ -108,6 +123,11 @@ class ChunkReader:
         if rec.codec != "raw" or sys.byteorder != "little":
             self.slow.append((key, dst, tuple(offset)))
             return
+        if len(rec.shape) == 1 and dst.dim() == 1 and dst.device.type == "cpu" and \
+                dtype_name(dst.dtype) == rec.torch_dtype:  # a bucket slice: its partial chunks (a slice at
+            # another DP) through the cached scratch piece rather than a fresh buffer of a whole chunk each
+            self.add_gather(key, dst, Strided(offset[0], (dst.numel(),), (1,)))
+            return
         target = dst
         if dst.device.type != "cpu" or not dst.is_contiguous():
             target = torch.empty(dst.shape, dtype=dst.dtype)
@@ -116,6 +136,75 @@ class ChunkReader:
         flat = target.detach().view(-1).view(torch.uint8).numpy()
         typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
         self._plan(rec, typed, flat, tuple(offset), item)
+
+    def add_gather(self, key: str, dst: torch.Tensor, region: Strided) -> None:
+        """Fill ``dst`` (a CPU tensor of shape ``region.sizes``, any strides, the array's dtype) with the
+        elements ``region`` locates in the 1-D array ``key``.
+
+        Every stored chunk holding any of them is read once for all the regions added before :meth:`run`
+        (and checksummed whole); a chunk that one contiguous region fills entirely is read straight into the
+        destination, any other piece by piece through a scratch buffer of :data:`_PIECE` bytes that stays
+        in the CPU cache, from which :func:`~ckptd.client.gather.scatter` copies each region's elements into
+        place. Chunks holding none are not read."""
+        rec = self.arrays[key]
+        if len(rec.shape) != 1 or region.offset < 0 or region.stop > rec.shape[0]:
+            raise StateMismatchError(f"{key}: elements [{region.offset}, {region.stop}) lie outside {tuple(rec.shape)}")
+        if rec.torch_dtype != dtype_name(dst.dtype):
+            raise StateMismatchError(f"{key}: stored as {rec.torch_dtype}, the destination is {dst.dtype}")
+        if tuple(dst.shape) != region.sizes:
+            raise StateMismatchError(f"{key}: the destination has shape {tuple(dst.shape)}, the region {region.sizes}")
+        if region.numel == 0:
+            return
+        item = itemsize(rec.torch_dtype)
+        norm = None
+        if rec.codec == "raw" and sys.byteorder == "little" and dst.device.type == "cpu":
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
+            norm = normalize(region, dst.detach().view(ints).numpy().view(f"u{item}" if item > 1 else "u1"))
+        if norm is None:  # compressed, another device or an odd view: read its span, then copy the elements
+            span = torch.empty(region.stop - region.offset, dtype=dst.dtype)
+            self.add(key, span, (region.offset,))
+            self.copies.append((span.as_strided(region.sizes, region.strides, 0), dst))
+            return
+        chunks = self._chunks.get(key)
+        if chunks is None:  # a 1-D array's chunks by index, once per array
+            chunks = self._chunks[key] = {ch.coords[0]: ch for shard in rec.shards for ch in shard.chunks}
+        size = rec.chunks[0]
+        for c in range(region.offset // size, (region.stop - 1) // size + 1):
+            ch = chunks.get(c)
+            if ch is None:
+                raise CorruptCheckpointError(f"{key}: chunk {c} is not in the manifest")
+            path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
+            job = self.gathers.get(path)
+            if job is None:
+                job = self.gathers[path] = _Job(path, ch, None, item=item, start=c * size, gather=[])
+            job.gather.append(norm)  # type: ignore[union-attr]
+        self.fast_bytes += region.numel * item
+
+    def _gather_jobs(self) -> list[_Job]:
+        """The gather jobs: a chunk that one contiguous region fills whole becomes a direct read; in the
+        others, a region's long contiguous run that no other region's span touches is read straight into
+        place (``runs``), the rest goes through the scratch piece (``scattered``)."""
+        jobs = []
+        for job in self.gathers.values():
+            targets = job.gather or []
+            end = job.start + job.chunk.nbytes // job.item
+            for i, (region, dst) in enumerate(targets):
+                lo, hi = max(region.offset, job.start), min(region.stop, end)
+                long = (hi - lo) * job.item >= _RUN or (lo, hi) == (job.start, end)
+                if not (region.is_run() and dst.flags.c_contiguous and long) or any(
+                    other.offset < hi and other.stop > lo for k, (other, _d) in enumerate(targets) if k != i
+                ):
+                    job.scattered.append((region, dst))
+                    continue
+                run = dst.reshape(-1)[lo - region.offset : hi - region.offset].view(np.uint8)
+                if (lo, hi) == (job.start, end):  # the whole chunk
+                    job = _Job(job.path, job.chunk, run)
+                    break
+                job.runs.append(((lo - job.start) * job.item, (hi - job.start) * job.item, run))
+            job.runs.sort(key=lambda r: r[0])
+            jobs.append(job)
+        self.gathers = {}
+        return jobs
 
     def _plan(self, rec: ArrayRecord, typed: np.ndarray, flat: np.ndarray, offset: tuple[int, ...], item: int) -> None:
         local = typed.shape
@@ -156,7 +245,7 @@ class ChunkReader:
                 self.add(key, dst, offset)
             self.memory = memory
         self._gets = asyncio.Semaphore(self.concurrency)
-        await bounded_map(self._one, self.jobs, limit=self.concurrency)
+        await bounded_map(self._one, self.jobs + self._gather_jobs(), limit=self.concurrency)
         for key, dst, offset in self.slow:
             arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
             data = await read_region(arr, offset, tuple(dst.shape))
@@ -279,8 +368,10 @@ def _check(job: _Job, data: memoryview, trailer: bytes, crc: int | None = None) 
         raise CorruptCheckpointError(
             f"{job.path}: chunk holds {data.nbytes + len(trailer)} bytes, the manifest recorded {want} + {_CRC}"
         )
-    if crc is None:
-        crc = int(crc32c.crc32c(data))
+    _check_crc(job, int(crc32c.crc32c(data)) if crc is None else crc, trailer)
+
+
+def _check_crc(job: _Job, crc: int, trailer: bytes) -> None:
     stored = int.from_bytes(trailer, "little")
     if crc != stored or crc != job.chunk.crc32c:
         raise CorruptCheckpointError(
@@ -300,6 +391,11 @@ def _read_local(path: str, job: _Job) -> None:
             raise CorruptCheckpointError(
                 f"{path}: chunk holds {size} bytes, the manifest recorded {job.chunk.nbytes} + {_CRC}"
             )
+        trailer = bytearray(_CRC)
+        _preadv_all(fd, [memoryview(trailer)], path, job.chunk.nbytes)
+        if job.gather is not None:
+            _check_crc(job, _read_gather(fd, path, job), bytes(trailer))
+            return
         scratch = job.direct if job.direct is not None else np.empty(job.chunk.nbytes, dtype=np.uint8)
         body = scratch.data
         # read and checksum piece by piece: each piece is checksummed while it is still in the CPU cache
@@ -309,13 +405,48 @@ def _read_local(path: str, job: _Job) -> None:
             _preadv_all(fd, [piece], path, pos)
             crc = crc32c.crc32c(piece, crc)
             pos += piece.nbytes
-        trailer = bytearray(_CRC)
-        _preadv_all(fd, [memoryview(trailer)], path, body.nbytes)
     finally:
         os.close(fd)
     _check(job, body, bytes(trailer), crc)
     if job.direct is None:
         _scatter(job, body)
+
+
+_local = threading.local()  # each worker thread's scratch piece, kept: its pages stay touched and cached
+
+
+def _read_gather(fd: int, path: str, job: _Job) -> int:
+    """Read a gather job's chunk piece by piece — its long runs straight into place, the rest into this
+    thread's scratch piece — checksum each piece's parts in order and copy the other regions' elements out
+    of the scratch; returns the chunk's crc32c. The destinations are written before the chunk's checksum
+    is compared (as a direct read's are): a mismatch fails the whole load."""
+    scratch: np.ndarray | None = getattr(_local, "piece", None)
+    if scratch is None or len(scratch) < _PIECE:
+        scratch = _local.piece = np.empty(_PIECE, dtype=np.uint8)
+    dtype = f"u{job.item}" if job.item > 1 else "u1"
+    crc, pos, nbytes = 0, 0, job.chunk.nbytes
+    runs, r = job.runs, 0
+    while pos < nbytes:
+        end = min(pos + _PIECE, nbytes)
+        parts, at = [], pos
+        while at < end:  # the piece's bytes in order: runs into place, gaps into the scratch at their offset
+            while r < len(runs) and runs[r][1] <= at:
+                r += 1
+            if r < len(runs) and runs[r][0] <= at:
+                lo, hi, dst = runs[r]
+                stop = min(hi, end)
+                parts.append(dst[at - lo : stop - lo].data)
+            else:
+                stop = min(runs[r][0], end) if r < len(runs) else end
+                parts.append(scratch[at - pos : stop - pos].data)
+            at = stop
+        _preadv_all(fd, list(parts), path, pos)
+        for part in parts:
+            crc = crc32c.crc32c(part, crc)
+        if job.scattered:
+            scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
+        pos = end
+    return int(crc)
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> None:
@@ -338,6 +469,9 @@ def _verify(job: _Job, body: memoryview, trailer: bytes) -> None:
 
 
 def _scatter(job: _Job, body: memoryview) -> None:
+    if job.gather is not None:
+        scatter(job.gather, np.frombuffer(body, dtype=f"u{job.item}" if job.item > 1 else "u1"), job.start)
+        return
     if job.dst is None:  # the scratch case always has a destination
         raise CorruptCheckpointError(f"{job.path}: no destination for a partial chunk")
     src = np.frombuffer(body, dtype=job.dst.dtype).reshape(job.chunk_shape)

@@ -166,7 +166,10 @@ async def load_checkpoint_async(
 
     regions, dtypes = _optimizer_regions(commit, layout, optimizer)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
-    targets = slice_targets(optimizer, layout, regions, dtypes)
+    memory = arena_source(client, commit.step) if client is not None else None
+    # separate live main params (bf16 model) are read into one by one, from storage (the arena copy takes
+    # whole slices)
+    targets = slice_targets(optimizer, layout, regions, dtypes, parts=memory is None)
 
     # 2. the model and RNG buffers in place, then the optimizer slices straight into the optimizer's tensors
     # where they lie as stored (else into new flat state tensors, or fresh ones to copy from). A model param
@@ -174,10 +177,9 @@ async def load_checkpoint_async(
     # optimizer's read, which comes second so the main params win where they share memory with the model, as
     # after Megatron's own load. What the node's daemon still holds of this step comes from its arena
     # (checked against the manifest).
-    memory = arena_source(client, commit.step) if client is not None else None
     reader = await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory)
-    for key, dst in targets.slices.items():
-        reader.add(key, dst, (regions[key][0],))
+    for key in targets.slices:
+        targets.add_reads(reader, key, regions[key][0])
     await reader.run()
     targets.install()
     slices: dict[str, Any] = dict(targets.slices)

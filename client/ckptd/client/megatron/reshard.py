@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptd.client.fastread import ChunkReader
+from ckptd.client.gather import Strided
 from ckptd.client.megatron.layout import view_of
 from ckptd.client.state import torch_dtype
 from ckptd.writer.errors import StateMismatchError
@@ -151,23 +152,25 @@ async def dp_optimizer_slices(
     No merge needed: ``saved`` holds one layout sidecar per saved model-parallel rank, which says for every
     saved param where its state sits in the stored padded buckets and where its pieces sit in model space.
     Each of this rank's params is assembled from the saved params that cover its model pieces (another TP
-    splits a param differently; another PP, bucket size or DP moves it to another bucket), reading only
-    those saved params' ranges (through :class:`~ckptd.client.fastread.ChunkReader`), then copied into this
-    rank's slice of its own bucket. Works for any TP/PP/DP and bucket layout; the merged layout
-    (:func:`merged_optimizer_slices`) gives the same result.
+    splits a param differently; another PP, bucket size or DP moves it to another bucket): each overlap is
+    a strided region of a saved bucket (a TP half of a row-parallel param takes every row's half), read by
+    :meth:`~ckptd.client.fastread.ChunkReader.add_gather` straight into the param's place in this rank's
+    slice of its own bucket. One reader for all states: each stored chunk holding any needed element is
+    read once and checksummed whole; chunks holding none are skipped. Works for any TP/PP/DP and bucket
+    layout; the merged layout (:func:`merged_optimizer_slices`) gives the same result.
 
     ``dest`` (optional) holds the slices to fill, by key (:mod:`~ckptd.client.megatron.targets`: often the
     optimizer's own memory); only the params' ranges are written there (padding is left as it is). Keys
-    it lacks get fresh zeroed tensors. The states are read one after the other into one set of read
-    buffers, and a param this rank holds whole is assembled straight in its place in the slice.
+    it lacks get fresh zeroed tensors. A param that straddles this rank's slice boundary (DP > 1) is
+    assembled in a scratch tensor and its part copied after the read.
     """
     arrays = {rec.name: rec for rec in commit.arrays}
     index = _saved_index(saved)
     states = saved_states(commit, saved)
 
-    # 1. which saved param ranges this rank needs, for which of its param pieces
+    # 1. which saved params this rank needs, for which of its param pieces
     plans: list[tuple[BufferLayout, BucketLayout, list[tuple[ParamLayout, list[tuple[ModelPiece, _SavedPiece]]]]]] = []
-    wanted: dict[tuple[str, int, int], None] = {}
+    wanted: set[str] = set()  # the saved buckets read
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
@@ -184,11 +187,10 @@ async def dp_optimizer_slices(
                     )
                 for sp in _cover(piece, found):
                     sources.append((piece, sp))
-                    wanted[(sp.prefix, sp.lo, sp.hi)] = None
+                    wanted.add(sp.prefix)
             touched.append((p, sources))
         plans.append((buf, bucket, touched))
-    spans = _spans(wanted)
-    for prefix, _lo, _hi in spans:
+    for prefix in sorted(wanted):
         for state in states:
             if prefix + state not in arrays:
                 raise StateMismatchError(f"{prefix + state}: not in checkpoint step {commit.step}")
@@ -200,75 +202,46 @@ async def dp_optimizer_slices(
             given = dest.get(key) if dest is not None else None
             slices[key] = given if given is not None else torch.zeros(buf.slice_numel(bucket), dtype=torch_dtype(dtype))
 
-    # 2. per state: read the wanted ranges of each saved bucket merged into spans (params sit back to back, a
-    # padding apart), one buffer per span reused by every state, so each stored chunk is read once and the
-    # buffers' pages are touched once; every chunk checksummed. 3. assemble each param's state in this layout
-    # straight into this rank's slice of its bucket
+    # 2. every state of every param at once: each stored chunk that holds any element this rank needs is read
+    # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
+    # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
     reader = ChunkReader(root, commit)
-    buffers: dict[tuple[str, int, int], torch.Tensor] = {}
-    for state, dtype in states.items():
-        got: dict[tuple[str, int, int], torch.Tensor] = {}
-        for (prefix, lo, hi), members in spans.items():
-            span = buffers.get((prefix, lo, hi))
-            if span is None or span.dtype != torch_dtype(dtype):
-                span = buffers[(prefix, lo, hi)] = torch.empty(hi - lo, dtype=torch_dtype(dtype))
-            reader.add(prefix + state, span, (lo,))
-            for a, b in members:
-                got[(prefix, a, b)] = span[a - lo : b - lo]
-        await reader.run()
+    straddling: list[tuple[torch.Tensor, torch.Tensor]] = []  # (part of a slice, part of a scratch param)
+    regions = {(id(piece), id(sp)): _source_region(piece, sp) for _b, _k, touched in plans
+               for _p, sources in touched for piece, sp in sources}
+    for state in states:
         for buf, bucket, touched in plans:
-            _assemble(slices[layout.bucket_key(buf, bucket, state)], buf, bucket, touched, got)
+            out = slices[layout.bucket_key(buf, bucket, state)]
+            s = buf.slice_numel(bucket)
+            lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
+            for p, sources in touched:
+                a, b = p.start - bucket.start, p.end - bucket.start
+                i, j = max(a, lo), min(b, hi)
+                if (i, j) == (a, b):  # this rank holds all of it: in place
+                    value = out[a - lo : b - lo].view(p.shape)
+                else:
+                    value = torch.empty(p.shape, dtype=out.dtype)
+                    straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
+                for piece, sp in sources:
+                    d_sel, region = regions[(id(piece), id(sp))]
+                    reader.add_gather(sp.prefix + state, _block(view_of(piece, value), piece)[d_sel], region)
+    await reader.run()
+    for dst, src in straddling:
+        dst.copy_(src)
     return slices
 
 
-def _assemble(
-    out: torch.Tensor,
-    buf: BufferLayout,
-    bucket: BucketLayout,
-    touched: list[tuple[ParamLayout, list[tuple[ModelPiece, _SavedPiece]]]],
-    got: Mapping[tuple[str, int, int], torch.Tensor],
-) -> None:
-    """Each touched param's state from the saved ranges in ``got``, into its range of the slice ``out``."""
-    s = buf.slice_numel(bucket)
-    lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
-    for p, sources in touched:
-        a, b = p.start - bucket.start, p.end - bucket.start
-        i, j = max(a, lo), min(b, hi)
-        whole = (i, j) == (a, b)  # this rank holds all of it: assemble in place
-        value = out[a - lo : b - lo].view(p.shape) if whole else torch.empty(p.shape, dtype=out.dtype)
-        for piece, sp in sources:
-            inter = _overlap(piece, sp.piece)
-            if inter is None:
-                continue
-            src = _block(view_of(sp.piece, got[(sp.prefix, sp.lo, sp.hi)].view(sp.param.shape)), sp.piece)
-            dst = _block(view_of(piece, value), piece)
-            d_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, piece.global_offset, strict=True))
-            s_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, sp.piece.global_offset, strict=True))
-            dst[d_sel] = src[s_sel]
-        if not whole:
-            out[i - lo : j - lo] = value.reshape(-1)[i - a : j - a]
-
-
-SPAN_GAP = 1 << 18  # elements: wanted ranges closer than this are read as one span
-
-
-def _spans(wanted: Iterable[tuple[str, int, int]]) -> dict[tuple[str, int, int], list[tuple[int, int]]]:
-    """Ranges of one saved bucket merged into spans ``(prefix, lo, hi) -> the ranges inside``: one read per
-    span instead of one per param, so a chunk holding several wanted params is fetched once."""
-    spans: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
-    current: tuple[str, int, int] | None = None
-    members: list[tuple[int, int]] = []
-    for prefix, a, b in sorted(wanted):
-        if current is not None and prefix == current[0] and a <= current[2] + SPAN_GAP:
-            current = (prefix, current[1], max(current[2], b))
-            members.append((a, b))
-            continue
-        if current is not None:
-            spans[current] = members
-        current, members = (prefix, a, b), [(a, b)]
-    if current is not None:
-        spans[current] = members
-    return spans
+def _source_region(piece: ModelPiece, sp: _SavedPiece) -> tuple[tuple[slice, ...], Strided]:
+    """Where ``piece``'s overlap with the saved piece ``sp`` sits: its selection of ``piece`` and its elements
+    in the saved bucket (worked out on a meta tensor, so the views' own arithmetic says where)."""
+    inter = _overlap(piece, sp.piece)
+    if inter is None:  # _cover chose sp for its overlap
+        raise StateMismatchError(f"{piece.key}: saved piece at {sp.piece.global_offset} does not overlap")
+    d_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, piece.global_offset, strict=True))
+    s_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, sp.piece.global_offset, strict=True))
+    meta = torch.empty(sp.param.shape, device="meta")
+    src = _block(view_of(sp.piece, meta), sp.piece)[s_sel]
+    return d_sel, Strided(sp.lo + int(src.storage_offset()), tuple(int(n) for n in src.shape), tuple(src.stride()))
 
 
 def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None:

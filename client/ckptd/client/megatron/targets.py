@@ -11,10 +11,13 @@ their slice offsets (padding between). The loader reads it into one 1-D destinat
   after the read): a state the optimizer does not have yet (a fresh job loads before its first step) or
   keeps as separate per-param tensors (torch Adam's ``zeros_like``). The old tensors are dropped; the
   optimizer steps views just as well (Adam's foreach/fused kernels take lists of tensors);
-- otherwise (fp32 main params of a bf16 model, a state kept in another dtype) into a fresh tensor that
+- **into the live tensors one by one** (``parts``; same-layout loads that opt in): the fp32 main params of a
+  bf16 model are one separate tensor per param, each read as its own run of the slice (runs that share a
+  stored chunk: that chunk is read once, :meth:`~ckptd.client.fastread.ChunkReader.add_gather`);
+- otherwise (a state kept in another dtype, a load from the daemon's memory) into a fresh tensor that
   :func:`~ckptd.client.megatron.optimizer.apply_optimizer_state` copies from, as before.
 
-Only the first two skip the second copy; the choice is per (bucket, state). A load at another layout
+Only the last takes a second copy; the choice is per (bucket, state). A load at another layout
 (:func:`~ckptd.client.megatron.reshard.dp_optimizer_slices`) writes into the same destinations.
 """
 
@@ -23,9 +26,11 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from ckptd.client.gather import Strided
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import bind
 from ckptd.client.megatron.optimizer import padding_gaps
@@ -33,6 +38,9 @@ from ckptd.client.state import torch_dtype
 from ckptd.writer.errors import ShardLayoutError, StateMismatchError
 from ckptd.writer.format import MAIN_PARAM, split_bucket_key
 from ckptd.writer.layout import MegatronLayout
+
+if TYPE_CHECKING:
+    from ckptd.client.fastread import ChunkReader
 
 
 @dataclass
@@ -45,7 +53,19 @@ class SliceTargets:
     pending: list[tuple[str, torch.Tensor, Sequence[Owned], str]] = field(default_factory=list)
     # (device, first byte, end) of every main param written in place: a model param there needs no read
     main_memory: list[tuple[torch.device, int, int]] = field(default_factory=list)
+    # key -> (offset in the slice, the live 1-D tensor there), for keys read into separate live tensors; their
+    # ``slices`` entry is a zero-stride stand-in of the slice's length (nothing to copy from it)
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     _starts: list[int] = field(default_factory=list)
+
+    def add_reads(self, reader: ChunkReader, key: str, start: int) -> None:
+        """Have ``reader`` fill ``key``'s destination from the stored array's element ``start`` on."""
+        parts = self.parts.get(key)
+        if parts is None:
+            reader.add(key, self.slices[key], (start,))
+            return
+        for lo, t in parts:
+            reader.add_gather(key, t, Strided(start + lo, (t.numel(),), (1,)))
 
     def covers(self, t: torch.Tensor) -> bool:
         """Whether the in-place main params span all of ``t``'s memory (an fp32 model's params are views of
@@ -89,11 +109,13 @@ def fresh_flat(entries: Sequence[Owned], s: int, dtype: torch.dtype) -> torch.Te
 
 
 def slice_targets(
-    optimizer: object, layout: MegatronLayout, regions: Mapping[str, tuple[int, int]], dtypes: Mapping[str, str]
+    optimizer: object, layout: MegatronLayout, regions: Mapping[str, tuple[int, int]], dtypes: Mapping[str, str],
+    *, parts: bool = False,
 ) -> SliceTargets:
     """Destinations for ``regions`` (``{optimizer key: (start, stop)}``, already clipped to the stored arrays)
-    of stored torch dtype ``dtypes[key]``. Raises :class:`ShardLayoutError` when a region is shorter than an
-    owned param needs (nothing is written yet)."""
+    of stored torch dtype ``dtypes[key]``; with ``parts``, main params that are separate tensors are read
+    into one by one (:meth:`SliceTargets.add_reads` plans the reads). Raises :class:`ShardLayoutError` when a
+    region is shorter than an owned param needs (nothing is written yet)."""
     binding = bind(optimizer, layout)
     buckets = {layout.bucket_prefix(buf, bucket): (buf, bucket) for buf, bucket in layout.buckets()}
     out = SliceTargets()
@@ -110,7 +132,16 @@ def slice_targets(
                 f"{key}: {short.param.name} needs elements [{short.lo}, {short.hi}) of this rank's slice, but "
                 f"the checkpoint holds only {n}"
             )
-        out.slices[key] = _target(out, key, entries, state, buf.slice_numel(bucket), n, torch_dtype(dtypes[key]))
+        dtype = torch_dtype(dtypes[key])
+        if parts and state == MAIN_PARAM and entries and all(
+            o.main.dtype == dtype and o.main.device.type == "cpu" and o.main.is_contiguous()
+            and o.main.numel() == o.hi - o.lo for o in entries
+        ) and flat_alias([o.main for o in entries], entries, buf.slice_numel(bucket), dtype) is None:
+            out.parts[key] = [(o.lo, o.main.view(-1)) for o in entries]
+            out.in_place.add(key)
+            out.slices[key] = torch.zeros((), dtype=dtype).expand(n)
+            continue
+        out.slices[key] = _target(out, key, entries, state, buf.slice_numel(bucket), n, dtype)
     return out
 
 
