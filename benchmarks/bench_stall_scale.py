@@ -15,7 +15,8 @@ Stall: wall time of the call the training loop blocks on, slowest rank, median o
 ``overhead_us_per_shard`` is (stall - memcpy) / shards per rank.
 
 Sizes: ``FULL`` by default, ``REDUCED`` with ``CKPTD_BENCH_REDUCED=1``, or any list with
-``CKPTD_BENCH_STALL_SIZES=layers x hidden x heads,...`` (e.g. ``2x256x4,96x32x4``).
+``CKPTD_BENCH_STALL_SIZES=layers x hidden x heads,...`` (e.g. ``2x256x4,96x32x4``);
+``CKPTD_BENCH_STALL_ARENA`` sets the daemon's arena (default 256MiB; wider models need more).
 ``CKPTD_BENCH_STALL_MEGATRON=0`` leaves out Megatron's own save (its fields are NaN);
 ``CKPTD_BENCH_STALL_REPEATS=N`` times N saves per variant instead of 5.
 """
@@ -149,7 +150,8 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
     world = 2
     root = os.path.join(workdir, "stall-scale")
     sock = os.path.join(workdir, "stall-scale.sock")
-    daemon = DaemonProcess(root, sock, "--arena-size", "256MiB", "--keep", "1",
+    arena = os.environ.get("CKPTD_BENCH_STALL_ARENA", "256MiB")  # wider models (chosen sizes) need more
+    daemon = DaemonProcess(root, sock, "--arena-size", arena, "--keep", "1",
                            log_path=os.path.join(workdir, "stall-scale-daemon.log"))
     try:
         daemon.wait_ready(300)
