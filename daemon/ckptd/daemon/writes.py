@@ -21,7 +21,7 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import RankSave, StepJob
 from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
 from ckptd.daemon.restore import Retention
-from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, full_chunk, open_for_write
+from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
 from ckptd.writer.backends import Backend
 from ckptd.writer.format import (
     ChunkRecord,
@@ -126,13 +126,14 @@ class ShardWriter:
             block = data[chunk_selection_of(coords, chunks, meta.global_shape, meta.global_offset)]
             key = f"{path}/{chunk_key(coords)}"
             async with self._chunk_slots:
-                if arr is None:
-                    block = full_chunk(block, chunks)  # an edge chunk is stored whole (zarr v3)
-                    crc = await self._sink.put(key, block)
+                if arr is None:  # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
+                    crc = await self._sink.put(key, block, chunks)
+                    nbytes = math.prod(chunks) * block.itemsize
                 else:
                     crc = await checksum(block)
                     await arr.setitem(chunk_selection(coords, chunks, meta.global_shape), block)
-            records[i] = ChunkRecord(list(coords), block.nbytes, crc)
+                    nbytes = block.nbytes
+            records[i] = ChunkRecord(list(coords), nbytes, crc)
             job.written_keys.append(key)
 
         async with asyncio.TaskGroup() as tg:

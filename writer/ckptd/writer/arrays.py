@@ -90,14 +90,18 @@ class ChunkSink:
         self.local_root = backend.local_root
         self.fsync_each = fsync_each and backend.capabilities.needs_fsync
 
-    async def put(self, key: str, block: np.ndarray) -> int:
-        """Write one chunk; returns the crc32c of its (decoded) bytes.
+    async def put(self, key: str, block: np.ndarray, chunks: Sequence[int] | None = None) -> int:
+        """Write one chunk; returns the crc32c of its (decoded) bytes. With ``chunks`` (the array's chunk
+        shape) an edge chunk — ``block`` cut by the array's end — is stored whole (:func:`full_chunk`):
+        its stored size is then ``prod(chunks)`` elements.
 
-        Checksumming and copying run in worker threads, never in the event loop that serves the ranks.
+        Padding, checksumming and copying run in worker threads, never in the event loop that serves the
+        ranks.
         """
         if self.local_root is not None:
-            return await asyncio.to_thread(_put_local, os.path.join(self.local_root, key), block, self.fsync_each)
-        body, crc = await asyncio.to_thread(_encode, block)
+            path = os.path.join(self.local_root, key)
+            return await asyncio.to_thread(_put_local, path, block, self.fsync_each, chunks)
+        body, crc = await asyncio.to_thread(_encode, block, chunks)
         await self.backend.put_body(key, body)
         return crc
 
@@ -109,17 +113,18 @@ def _little_endian(block: np.ndarray) -> np.ndarray:
     return block
 
 
-def _encode(block: np.ndarray) -> tuple[bytearray, int]:
-    """The chunk object: the one copy out of the arena, with the crc32c appended."""
-    view = _little_endian(block).data.cast("B")
+def _encode(block: np.ndarray, chunks: Sequence[int] | None = None) -> tuple[bytearray, int]:
+    """The chunk object: the one copy out of the arena (an edge chunk padded to ``chunks``), with the crc32c
+    appended."""
+    view = _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
     crc = int(crc32c.crc32c(view))
     body = bytearray(view)
     body.extend(crc.to_bytes(4, "little"))
     return body, crc
 
 
-def _put_local(path: str, block: np.ndarray, sync: bool = True) -> int:
-    view = _little_endian(block).data.cast("B")
+def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence[int] | None = None) -> int:
+    view = _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
     crc = int(crc32c.crc32c(view))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

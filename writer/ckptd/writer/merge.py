@@ -43,7 +43,6 @@ from zarr.abc.store import Store
 from ckptd.writer.arrays import (
     ChunkSink,
     array_metadata,
-    full_chunk,
     open_array,
     read_region,
     write_control_doc,
@@ -383,9 +382,9 @@ async def _merge_task(
             chunks: list[ChunkRecord] = []
             for coords in region_chunks(pl.piece.global_offset, piece.shape, merged.chunks):
                 sel = chunk_selection_of(coords, merged.chunks, merged.shape, pl.piece.global_offset)
-                block = full_chunk(piece[sel], merged.chunks)  # an edge chunk is stored whole (zarr v3)
-                crc = await sink.put(f"{prefix}/{pl.array}/{chunk_key(coords)}", block)
-                chunks.append(ChunkRecord(list(coords), block.nbytes, crc))
+                # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
+                crc = await sink.put(f"{prefix}/{pl.array}/{chunk_key(coords)}", piece[sel], merged.chunks)
+                chunks.append(ChunkRecord(list(coords), math.prod(merged.chunks) * piece.itemsize, crc))
             out.setdefault(pl.array, []).append(
                 ShardRecord(-1, list(pl.piece.global_offset), list(piece.shape), chunks)
             )
