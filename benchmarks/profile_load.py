@@ -3,11 +3,12 @@
     PYTHONPATH=... python benchmarks/profile_load.py [--size LAYERSxHIDDENxHEADSxVOCAB] [--repeats N] [--prof DIR]
 
 Saves once through a daemon (TP1 x DP2, fp32, bench_load's ``_save``), then in new ranks: the raw parallel
-read of the step's files, ckptd's same-layout load from storage and the in-memory restore, both warm, the
-storage load cold (the step's files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then
-at TP2 x DP1 the merge-free load; slowest rank, median of ``--repeats``. With ``--prof`` rank 0 writes one
-cProfile per mode (``<mode>.prof``) after the timed runs. The CPU shim's ``TorchFunctionMode`` is taken off
-around ckptd's calls, as bench_load does (on a GPU there is no shim). Prints one JSON line.
+read of the step's files (into one reused buffer, and into place as bench_load's ``raw_place``), ckptd's
+same-layout load from storage and the in-memory restore, both warm, the storage load cold (the step's
+files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then at TP2 x DP1 the merge-free load;
+slowest rank, median of ``--repeats``. With ``--prof`` rank 0 writes one cProfile per mode
+(``<mode>.prof``) after the timed runs. The CPU shim's ``TorchFunctionMode`` is taken off around ckptd's
+calls, as bench_load does (on a GPU there is no shim). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
             with open(path, "rb", buffering=0) as fh:
                 fh.readinto(view[: os.path.getsize(path)])
 
+    sizes = [os.path.getsize(f) for f in mine]
+    place = torch.ones(sum(sizes), dtype=torch.uint8)  # every byte its own home, as a load's (pre-faulted)
+
+    def raw_place() -> None:
+        view, at = memoryview(place.numpy()), 0
+        for path, n in zip(mine, sizes, strict=True):
+            with open(path, "rb", buffering=0) as fh:
+                fh.readinto(view[at : at + n])
+            at += n
+
     def ckptd() -> None:
         with suspended():
             load_checkpoint(root, STEP, model, optimizer)
@@ -80,7 +91,7 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
     def cold() -> None:
         ckptd()  # timed: the caller evicted before
 
-    run = {"raw_read": raw_read, "ckptd": ckptd, "memory": memory, "cold": cold}
+    run = {"raw_read": raw_read, "raw_place": raw_place, "ckptd": ckptd, "memory": memory, "cold": cold}
     out: dict[str, list[float]] = {}
     phases = _time_phases()
     for mode in modes:
@@ -97,7 +108,7 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
         for name, spent in phases.items():
             out[f"{mode}:{name}"] = [statistics.median(spent[-repeats:])] if spent else [0.0]
             spent.clear()
-        if prof and rank == 0 and mode not in ("raw_read", "cold"):
+        if prof and rank == 0 and mode not in ("raw_read", "raw_place", "cold"):
             pr = cProfile.Profile()
             pr.enable()
             run[mode]()
@@ -119,7 +130,8 @@ def _time_phases() -> dict[str, list[float]]:
     spent: dict[str, list[float]] = {}
     for name in ("read_flat_async", "fill_async", "apply_optimizer_state", "drop_unsaved_state",
                  "dp_optimizer_slices", "plan_reads", "arena_source", "get_layout", "_optimizer_regions",
-                 "plan_rank_state", "model_template", "decode_layout", "slice_targets"):
+                 "plan_rank_state", "model_template", "decode_layout", "slice_targets", "run_sync",
+                 "load_checkpoint_async", "load_checkpoint", "open_root"):
         fn = getattr(load, name, None)
         if fn is None:
             continue
@@ -177,15 +189,17 @@ def main() -> None:
     try:
         daemon.wait_ready(300)
         saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
-        same = run_ranks(_rank, 2, workdir, cfg, ["raw_read", "ckptd", "memory", "cold"], args.repeats, sock, args.prof,
-                         timeout_s=3600)
+        modes = ["raw_read", "raw_place", "ckptd", "memory", "cold"]
+        same = run_ranks(_rank, 2, workdir, cfg, modes, args.repeats, sock, args.prof, timeout_s=3600)
     finally:
         daemon.stop(120)
     tp = run_ranks(_rank, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], args.repeats, sock, args.prof, timeout_s=3600)
     row = {"bench": "profile_load", "size": args.size, "params": saved[0]["params"],
-           "raw_read_warm_s": _slowest(same, "raw_read"), "ckptd_warm_s": _slowest(same, "ckptd"),
+           "raw_read_warm_s": _slowest(same, "raw_read"),
+           "raw_place_warm_s": _slowest(same, "raw_place"), "ckptd_warm_s": _slowest(same, "ckptd"),
            "memory_restore_s": _slowest(same, "memory"), "other_tp_warm_s": _slowest(tp, "ckptd")}
     row["ratio_ckptd_vs_raw_warm"] = round(row["ckptd_warm_s"] / row["raw_read_warm_s"], 3)
+    row["ratio_ckptd_vs_raw_place_warm"] = round(row["ckptd_warm_s"] / row["raw_place_warm_s"], 3)
     row["ratio_other_tp_vs_same_warm"] = round(row["other_tp_warm_s"] / row["ckptd_warm_s"], 3)
     row["ckptd_cold_s"] = _slowest(same, "cold")
     row["ratio_cold_over_memory"] = round(row["ckptd_cold_s"] / row["memory_restore_s"], 3)

@@ -30,7 +30,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import crc32c
 import numpy as np
 import torch
 
@@ -39,6 +38,7 @@ from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
 from ckptd.client.state import dtype_name
 from ckptd.writer.arrays import chunk_selection, full_chunk, open_array, read_region
+from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError, StorageNotFoundError
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
@@ -292,7 +292,7 @@ class ChunkReader:
                 if block.nbytes != ch.nbytes and ch.nbytes == whole:  # an edge chunk, stored whole (format 3)
                     block = full_chunk(block, rec.chunks)
                 block = np.ascontiguousarray(block)
-                if block.nbytes != ch.nbytes or int(crc32c.crc32c(block.data.cast("B"))) != ch.crc32c:
+                if block.nbytes != ch.nbytes or int(crc32c(block.data.cast("B"))) != ch.crc32c:
                     return False
         if target is not dst:
             dst.copy_(target)
@@ -344,7 +344,7 @@ def _copy_crc(dst: np.ndarray, src: np.ndarray, start: int, stop: int) -> int:
     for a in range(start, stop, _PIECE):
         b = min(a + _PIECE, stop)
         dst[a:b] = src[a:b]
-        crc = crc32c.crc32c(dst[a:b].data, crc)
+        crc = crc32c(dst[a:b].data, crc)
     return int(crc)
 
 
@@ -368,7 +368,7 @@ def _check(job: _Job, data: memoryview, trailer: bytes, crc: int | None = None) 
         raise CorruptCheckpointError(
             f"{job.path}: chunk holds {data.nbytes + len(trailer)} bytes, the manifest recorded {want} + {_CRC}"
         )
-    _check_crc(job, int(crc32c.crc32c(data)) if crc is None else crc, trailer)
+    _check_crc(job, int(crc32c(data)) if crc is None else crc, trailer)
 
 
 def _check_crc(job: _Job, crc: int, trailer: bytes) -> None:
@@ -403,7 +403,7 @@ def _read_local(path: str, job: _Job) -> None:
         while pos < body.nbytes:
             piece = body[pos : pos + _PIECE]
             _preadv_all(fd, [piece], path, pos)
-            crc = crc32c.crc32c(piece, crc)
+            crc = crc32c(piece, crc)
             pos += piece.nbytes
     finally:
         os.close(fd)
@@ -442,7 +442,7 @@ def _read_gather(fd: int, path: str, job: _Job) -> int:
             at = stop
         _preadv_all(fd, list(parts), path, pos)
         for part in parts:
-            crc = crc32c.crc32c(part, crc)
+            crc = crc32c(part, crc)
         if job.scattered:
             scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
         pos = end

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import crc32c
 import numpy as np
 import zarr
 import zarr.api.asynchronous as zasync
@@ -27,6 +26,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import MemoryStore, StorePath
 
 from ckptd.writer.backends import Backend
+from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
 from ckptd.writer.format import ARRAY_ATTR, ArrayRecord, ChunkRecord, itemsize, storage_dtype
 
@@ -69,8 +69,8 @@ async def checksum(data: np.ndarray) -> int:
     """crc32c of an array's raw bytes (the decoded chunk, as the manifest records it)."""
     view = np.ascontiguousarray(data).data.cast("B")
     if view.nbytes >= _CRC_THREAD_MIN:
-        return await asyncio.to_thread(crc32c.crc32c, view)
-    return int(crc32c.crc32c(view))
+        return await asyncio.to_thread(crc32c, view)
+    return int(crc32c(view))
 
 
 class ChunkSink:
@@ -117,7 +117,7 @@ def _encode(block: np.ndarray, chunks: Sequence[int] | None = None) -> tuple[byt
     """The chunk object: the one copy out of the arena (an edge chunk padded to ``chunks``), with the crc32c
     appended."""
     view = _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
-    crc = int(crc32c.crc32c(view))
+    crc = int(crc32c(view))
     body = bytearray(view)
     body.extend(crc.to_bytes(4, "little"))
     return body, crc
@@ -125,7 +125,7 @@ def _encode(block: np.ndarray, chunks: Sequence[int] | None = None) -> tuple[byt
 
 def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence[int] | None = None) -> int:
     view = _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
-    crc = int(crc32c.crc32c(view))
+    crc = int(crc32c(view))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -233,7 +233,7 @@ async def _verify_cut_chunk(store: Store, key: str, name: str, ch: ChunkRecord) 
     buf = await store.get(key, prototype=default_buffer_prototype())
     raw = b"" if buf is None else buf.to_bytes()
     body, trailer = raw[:-4], raw[-4:]
-    crc = int(crc32c.crc32c(body))
+    crc = int(crc32c(body))
     if len(raw) != ch.nbytes + 4 or crc != int.from_bytes(trailer, "little") or crc != ch.crc32c:
         raise CorruptCheckpointError(
             f"{name}: chunk {ch.coords} holds {len(raw)} bytes with crc32c {crc:#010x}; the manifest recorded "

@@ -8,7 +8,7 @@ One async core (:func:`load_checkpoint_async`) reads everything through one open
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -177,10 +177,11 @@ async def load_checkpoint_async(
     # optimizer's read, which comes second so the main params win where they share memory with the model, as
     # after Megatron's own load. What the node's daemon still holds of this step comes from its arena
     # (checked against the manifest).
-    reader = await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory)
-    for key in targets.slices:
-        targets.add_reads(reader, key, regions[key][0])
-    await reader.run()
+    def optimizer_reads(reader: ChunkReader) -> None:
+        for key in targets.slices:
+            targets.add_reads(reader, key, regions[key][0])
+
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory, then=optimizer_reads)
     targets.install()
     slices: dict[str, Any] = dict(targets.slices)
     slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
@@ -204,16 +205,29 @@ async def _fill_model(
     template: Mapping[str, Any],
     targets: SliceTargets,
     memory: ArenaSource | None = None,
-) -> ChunkReader:
+    *,
+    then: Callable[[ChunkReader], None] | None = None,
+) -> None:
     """Read the template's tensors in place, except those inside this rank's in-place main params (an fp32
-    model's params share the grad buffer with them): the optimizer's read, which must come after this one,
-    writes those. Returns the reader (reusable for the optimizer's read)."""
+    model's params share the grad buffer with them): the optimizer's read writes those. ``then`` adds that
+    read to the same reader. Model tensors that touch the main params (a param across a DP slice's edge)
+    are read first, on their own, so the main params win where they share memory; everything else is read
+    in one pass with the optimizer's (no idle tail between two passes)."""
     reader = ChunkReader(ckpt, commit, memory=memory)
-    for shard in plan_reads(commit, template):
-        if not targets.covers(shard.data):
-            reader.add(shard.key, shard.data, shard.global_offset)
+    shards = [sh for sh in plan_reads(commit, template) if not targets.covers(sh.data)]
+    first = shards if then is None else [sh for sh in shards if targets.touches(sh.data)]
+    for sh in first:
+        reader.add(sh.key, sh.data, sh.global_offset)
+    if first:
+        await reader.run()
+    if then is None:
+        return
+    held = set(map(id, first))
+    for sh in shards:
+        if id(sh) not in held:
+            reader.add(sh.key, sh.data, sh.global_offset)
+    then(reader)
     await reader.run()
-    return reader
 
 
 async def _load_merged(

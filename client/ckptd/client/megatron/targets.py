@@ -72,11 +72,8 @@ class SliceTargets:
         the same grad buffer as its main params): then the optimizer's read fills ``t`` as well."""
         if not t.is_contiguous() or t.numel() == 0 or not self.main_memory:
             return False
-        if len(self._starts) != len(self.main_memory):  # disjoint ranges: sorted once, then bisected
-            self.main_memory.sort(key=lambda r: r[1])
-            self._starts = [a for _d, a, _b in self.main_memory]
         lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        i = bisect.bisect_right(self._starts, lo)  # the ranges of one device are disjoint: the one that
+        i = bisect.bisect_right(self._sorted(), lo)  # the ranges of one device are disjoint: the one that
         # starts last at or before ``lo`` is the candidate; ranges of other devices may sit between
         while i > 0:
             d, a, b = self.main_memory[i - 1]
@@ -84,6 +81,30 @@ class SliceTargets:
                 return a <= lo and hi <= b
             i -= 1
         return False
+
+    def touches(self, t: torch.Tensor) -> bool:
+        """Whether any byte of ``t``'s span (first to last element, strides included) lies in the in-place
+        main params: then ``t``'s read and the optimizer's must not run at once (the main params win)."""
+        if t.numel() == 0 or not self.main_memory:
+            return False
+        span = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+        lo = t.data_ptr()
+        hi = lo + span * t.element_size()
+        i = bisect.bisect_left(self._sorted(), hi)  # the ranges that start before ``hi``; of one device's
+        # (disjoint, sorted) the last one is the only candidate
+        while i > 0:
+            d, _a, b = self.main_memory[i - 1]
+            if d == t.device:
+                return b > lo
+            i -= 1
+        return False
+
+    def _sorted(self) -> list[int]:
+        """The main-param ranges' first bytes, ascending (the ranges sorted once, then bisected)."""
+        if len(self._starts) != len(self.main_memory):
+            self.main_memory.sort(key=lambda r: r[1])
+            self._starts = [a for _d, a, _b in self.main_memory]
+        return self._starts
 
     def install(self) -> None:
         """Make each filled flat tensor's views the owned params' state (call after the read succeeded)."""
