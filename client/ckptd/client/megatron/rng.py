@@ -28,10 +28,28 @@ def rng_state(rank: int, world: int) -> tuple[list[Shard], RngPlain]:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     plain: RngPlain = {
-        "python": [version, list(internal), gauss],
-        "numpy": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+        "python": [version, _plain_words("python", internal), gauss],
+        "numpy": [str(name), _plain_words("numpy", np.asarray(keys)), int(pos), int(has_gauss), float(cached)],
     }
     return shards, plain
+
+
+_words: dict[str, tuple[tuple[int, ...] | np.ndarray, list[int]]] = {}  # generator -> last state words, as saved
+
+
+def _plain_words(generator: str, words: tuple[int, ...] | np.ndarray) -> list[int]:
+    """The 624-word state as a list of ints: the list of the last save when the words are unchanged (a
+    generator the training loop does not draw from), else a new one. Comparing is one C loop; building the
+    list allocates 624 ints, a cost on every save's critical path. (``get_state`` hands out a copy: it can
+    be held.)"""
+    held = _words.get(generator)
+    if held is not None:
+        before = held[0]
+        if np.array_equal(before, words) if isinstance(words, np.ndarray) else before == words:
+            return held[1]
+    out = words.tolist() if isinstance(words, np.ndarray) else list(words)
+    _words[generator] = (words, out)
+    return out
 
 
 def rng_template(commit: CommitManifest, source: int) -> dict[str, Shard]:
