@@ -38,6 +38,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckptd.testing.launch import DaemonProcess, run_ranks
@@ -105,6 +106,34 @@ def _save(rank: int, world: int, socket_path: str, workdir: str, cfg: dict[str, 
     return {"params": sum(p.numel() for c in model for p in c.parameters()), "megatron_save_error": megatron_ok}
 
 
+def raw_readers(root: str, rank: int, world: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The two raw baselines of this rank's share of the step's files (every ``world``-th, from ``rank``):
+    each file into one reused buffer of the largest file's size, and each into its own part of one
+    pre-faulted buffer of all of them (every byte a home of its own, as a load's)."""
+    import torch
+
+    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}")) for f in fs)
+    mine = files[rank::world]
+    sizes = [os.path.getsize(f) for f in mine]
+    buf = torch.empty(max(sizes, default=1), dtype=torch.uint8)
+    place = torch.ones(max(sum(sizes), 1), dtype=torch.uint8)  # pre-faulted, as a live model's memory is
+
+    def reused() -> None:
+        view = memoryview(buf.numpy())
+        for path, n in zip(mine, sizes, strict=True):
+            with open(path, "rb", buffering=0) as fh:
+                fh.readinto(view[:n])
+
+    def into_place() -> None:
+        view, at = memoryview(place.numpy()), 0
+        for path, n in zip(mine, sizes, strict=True):
+            with open(path, "rb", buffering=0) as fh:
+                fh.readinto(view[at : at + n])
+            at += n
+
+    return reused, into_place
+
+
 def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[str], repeats: int,
            cold_paths: list[str], socket_path: str = "") -> dict[str, Any]:
     import torch
@@ -116,25 +145,8 @@ def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list
     model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **cfg)
     train_step(0)  # live optimizer state exists (as in a restarted job before its load)
     root = os.path.join(workdir, "load-ckptd")
-    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}")) for f in fs)
-    mine = files[rank::world]
-    sizes = [os.path.getsize(f) for f in mine]
-    buf = torch.empty(max(sizes, default=1), dtype=torch.uint8)
-    place = torch.ones(max(sum(sizes), 1), dtype=torch.uint8)  # pre-faulted, as a live model's memory is
+    raw_read, raw_place = raw_readers(root, rank, world)
     out: dict[str, Any] = {"cold_method": ""}
-
-    def raw_place() -> None:
-        view, at = memoryview(place.numpy()), 0
-        for path, n in zip(mine, sizes, strict=True):
-            with open(path, "rb", buffering=0) as fh:
-                fh.readinto(view[at : at + n])
-            at += n
-
-    def raw_read() -> None:
-        view = memoryview(buf.numpy())
-        for path in mine:
-            with open(path, "rb", buffering=0) as fh:
-                fh.readinto(view[: os.path.getsize(path)])
 
     def megatron_load() -> None:
         from megatron.core import dist_checkpointing

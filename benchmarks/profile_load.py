@@ -26,7 +26,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_load import STEP, _save  # noqa: E402
+from bench_load import STEP, _save, raw_readers  # noqa: E402
 from bench_megatron import _gpt_params  # noqa: E402
 
 from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
@@ -36,7 +36,6 @@ MiB = 1 << 20
 
 def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[str], repeats: int,
           sock: str, prof: str) -> dict[str, list[float]]:
-    import torch
     import torch.distributed as dist
 
     from ckptd.client import CheckpointClient
@@ -48,25 +47,8 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
     train_step(0)
     root = os.path.join(workdir, "load-ckptd")
     files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}")) for f in fs)
-    mine = files[rank::world]
-    buf = torch.empty(max((os.path.getsize(f) for f in mine), default=1), dtype=torch.uint8)
+    raw_read, raw_place = raw_readers(root, rank, world)
     client = CheckpointClient(sock, timeout_s=600) if "memory" in modes else None
-
-    def raw_read() -> None:
-        view = memoryview(buf.numpy())
-        for path in mine:
-            with open(path, "rb", buffering=0) as fh:
-                fh.readinto(view[: os.path.getsize(path)])
-
-    sizes = [os.path.getsize(f) for f in mine]
-    place = torch.ones(sum(sizes), dtype=torch.uint8)  # every byte its own home, as a load's (pre-faulted)
-
-    def raw_place() -> None:
-        view, at = memoryview(place.numpy()), 0
-        for path, n in zip(mine, sizes, strict=True):
-            with open(path, "rb", buffering=0) as fh:
-                fh.readinto(view[at : at + n])
-            at += n
 
     def ckptd() -> None:
         with suspended():
