@@ -16,6 +16,14 @@ import torch
 
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.megatron import introspect
+from ckptd.client.megatron.checks import (
+    Record,
+    check_no_extra_keys,
+    check_parallel_sizes,
+    check_structure,
+    saved_records,
+    uniform_scalars,
+)
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
@@ -24,13 +32,11 @@ from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_
 from ckptd.client.megatron.targets import SliceTargets, slice_targets
 from ckptd.client.reader import fill_async, plan_reads
 from ckptd.client.restore import ArenaSource, arena_source
-from ckptd.client.state import Shard, dtype_name
-from ckptd.writer.errors import CkptdError, InvalidRequestError, LayoutMismatchError, StateMismatchError
+from ckptd.client.state import dtype_name
+from ckptd.writer.errors import CkptdError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
     LAYOUT_FIELD,
     MAIN_PARAM,
-    MEGATRON_CHECKPOINT_VERSION,
-    MEGATRON_RECORD,
     MODEL_PREFIX,
     OPTIM_META,
     OPTIM_PREFIX,
@@ -48,7 +54,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Record = dict[str, Any]  # a saved rank's ``megatron`` record (plain data)
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ async def load_checkpoint_async(
     With ``client``, a same-layout load first asks its daemon for the step's shards kept in memory
     (in-memory restore, :mod:`ckptd.client.restore`) and reads the rest from storage."""
     commit = await ckpt.read_commit(await ckpt.resolve(step))  # N, "latest", "step_N" or "iter_NNNNNNN"
-    records = _saved_records(commit)
+    records = saved_records(commit)
     if optimizer is None:
         return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng)
     layout = get_layout(model_chunks, optimizer)
@@ -133,7 +138,7 @@ async def load_checkpoint_async(
     template = model_template(model_chunks)
     reason: CkptdError | None = None
     try:
-        _check_parallel_sizes(commit.step, records, layout)
+        check_parallel_sizes(commit.step, records, layout)
         if not same_mp:
             raise LayoutMismatchError(
                 f"step {commit.step} holds no rank with TP rank {layout.tp_rank} and PP rank {layout.pp_rank}"
@@ -150,9 +155,9 @@ async def load_checkpoint_async(
         # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
         plan_reads(commit, template)
         if strict:
-            _check_no_extra_keys(commit, saved_layout, template)
+            check_no_extra_keys(commit, saved_layout, template)
         try:
-            _check_structure(saved_layout, layout)
+            check_structure(saved_layout, layout)
         except StateMismatchError as exc:
             reason = exc
     if reason is not None:
@@ -256,7 +261,7 @@ async def _load_merged(
     await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)  # first: the main params win (fp32)
     slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout, targets.slices))
     targets.install()
-    slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
+    slices[OPTIM_META] = [uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
     return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
                   source="its merged layout", in_place=targets.in_place)
 
@@ -315,7 +320,7 @@ async def _load_resharded(
     await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
     slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout, targets.slices))
     targets.install()
-    slices[OPTIM_META] = [_uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
+    slices[OPTIM_META] = [uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
     return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
                   source="its DP layout without a merge", in_place=targets.in_place)
 
@@ -390,89 +395,6 @@ def _slice_regions(
 def _coords(layout: MegatronLayout) -> tuple[int, int, int, int, int]:
     """(tp, pp, tp_size, pp_size, dp) of the live rank, as :func:`plan_rank_state` takes them."""
     return layout.tp_rank, layout.pp_rank, layout.tp_size, layout.pp_size, layout.dp_rank
-
-
-# --- checks (pure) --------------------------------------------------------------------------------------
-def _saved_records(commit: CommitManifest) -> dict[int, Record]:
-    out = {}
-    for rank, objects in commit.objects.items():
-        rec = objects.get(MEGATRON_RECORD) if isinstance(objects, Mapping) else None
-        if isinstance(rec, Mapping):
-            if rec.get("version") != MEGATRON_CHECKPOINT_VERSION:
-                raise InvalidRequestError(f"step {commit.step}: unsupported Megatron record {rec.get('version')!r}")
-            out[int(rank)] = dict(rec)
-    if not out:
-        raise StateMismatchError(f"step {commit.step} was not written by save_checkpoint: no Megatron layout record")
-    return out
-
-
-def _uniform_scalars(meta: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Scalar per-param state must be one value for all params to carry over to another layout."""
-    for opt in meta.get("optimizers", {}).values():
-        for name, value in opt.get("scalar_state", {}).items():
-            if isinstance(value, Mapping) and "by_param" in value:
-                raise LayoutMismatchError(
-                    f"scalar optimizer state {name!r} differs between params; it cannot be mapped onto another "
-                    "parallel layout"
-                )
-    return meta
-
-
-def _check_parallel_sizes(step: int, records: Mapping[int, Record], layout: MegatronLayout) -> None:
-    sizes = {(rec["tp_size"], rec["pp_size"]) for rec in records.values()}
-    if sizes != {(layout.tp_size, layout.pp_size)}:
-        saved = ", ".join(f"TP={t} PP={p}" for t, p in sorted(sizes))
-        raise LayoutMismatchError(
-            f"step {step} was saved with {saved}; this model runs TP={layout.tp_size} PP={layout.pp_size}. Its "
-            "optimizer state is in the DP layout, which loads only with the same TP/PP (any DP). To change TP/PP, "
-            f"build the merged (fully reshardable) layout first: `ckptd merge ROOT --step {step}`, then load that"
-        )
-
-
-def _check_no_extra_keys(commit: CommitManifest, saved: MegatronLayout, template: Mapping[str, Shard]) -> None:
-    have = {s.key for s in template.values()}
-    expected = {saved.model_key(piece.key) for _b, bucket in saved.buckets() for p in bucket.params
-                for piece in p.model_pieces}
-    if saved.pp_size == 1 and not any(b.is_expert for b in saved.buffers):
-        expected |= {rec.name for rec in commit.arrays if rec.name.startswith(saved.model_prefix)}
-    extra = sorted(expected - have)
-    if extra:
-        raise StateMismatchError(
-            f"{extra[0]}: in checkpoint step {commit.step} but not in the model"
-            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
-            + "; pass strict=False to ignore checkpoint keys the model lacks"
-        )
-
-
-def _check_structure(saved: MegatronLayout, live: MegatronLayout) -> None:
-    """Same buffers, buckets and params at the same bucket-relative offsets (the DP size may differ)."""
-    if len(saved.buffers) != len(live.buffers):
-        raise StateMismatchError(f"the checkpoint has {len(saved.buffers)} grad buffers, the model {len(live.buffers)}")
-    for sb, lb in zip(saved.buffers, live.buffers, strict=True):
-        what = ("optimizer_index", "gbuf_index", "param_dtype", "grad_dtype", "is_expert", "mp")
-        s_attrs, l_attrs = ([getattr(b, a) for a in what] for b in (sb, lb))
-        if s_attrs != l_attrs:
-            raise StateMismatchError(f"grad buffer {lb.index}: checkpoint {s_attrs} vs model {l_attrs} ({what})")
-        if len(sb.buckets) != len(lb.buckets):
-            raise StateMismatchError(
-                f"grad buffer {lb.index}: the checkpoint has {len(sb.buckets)} buckets, the model {len(lb.buckets)} "
-                "(another bucket_size or overlap_grad_reduce setting?)"
-            )
-        for sk, lk in zip(sb.buckets, lb.buckets, strict=True):
-            s_params = [(p.name, p.start - sk.start, p.end - sk.start, p.shape) for p in sk.params]
-            l_params = [(p.name, p.start - lk.start, p.end - lk.start, p.shape) for p in lk.params]
-            for sp, lp in zip(s_params, l_params, strict=False):
-                if sp != lp:
-                    raise StateMismatchError(
-                        f"{lp[0]}: buffer {lb.index} bucket {lk.index} has it at {lp[1:]} (offset, end, shape); "
-                        f"the checkpoint has {sp[0]} at {sp[1:]}"
-                    )
-            if len(s_params) != len(l_params):
-                longer = s_params if len(s_params) > len(l_params) else l_params
-                raise StateMismatchError(
-                    f"{longer[min(len(s_params), len(l_params))][0]}: buffer {lb.index} bucket {lk.index} holds "
-                    f"{len(s_params)} params in the checkpoint, {len(l_params)} in the model"
-                )
 
 
 def _optimizer_regions(

@@ -1,0 +1,99 @@
+"""The loader's checks, pure: what a step's Megatron records say, and whether its saved layout matches the
+live one. Each raises a typed error naming what differs, before the load writes any live tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ckptd.client.state import Shard
+from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, StateMismatchError
+from ckptd.writer.format import MEGATRON_CHECKPOINT_VERSION, MEGATRON_RECORD, CommitManifest
+from ckptd.writer.layout import MegatronLayout
+
+Record = dict[str, Any]  # a saved rank's ``megatron`` record (plain data)
+
+
+def saved_records(commit: CommitManifest) -> dict[int, Record]:
+    """Each saved rank's Megatron record, by rank."""
+    out = {}
+    for rank, objects in commit.objects.items():
+        rec = objects.get(MEGATRON_RECORD) if isinstance(objects, Mapping) else None
+        if isinstance(rec, Mapping):
+            if rec.get("version") != MEGATRON_CHECKPOINT_VERSION:
+                raise InvalidRequestError(f"step {commit.step}: unsupported Megatron record {rec.get('version')!r}")
+            out[int(rank)] = dict(rec)
+    if not out:
+        raise StateMismatchError(f"step {commit.step} was not written by save_checkpoint: no Megatron layout record")
+    return out
+
+
+def uniform_scalars(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Scalar per-param state must be one value for all params to carry over to another layout."""
+    for opt in meta.get("optimizers", {}).values():
+        for name, value in opt.get("scalar_state", {}).items():
+            if isinstance(value, Mapping) and "by_param" in value:
+                raise LayoutMismatchError(
+                    f"scalar optimizer state {name!r} differs between params; it cannot be mapped onto another "
+                    "parallel layout"
+                )
+    return meta
+
+
+def check_parallel_sizes(step: int, records: Mapping[int, Record], layout: MegatronLayout) -> None:
+    """The step was saved at the live TP and PP sizes (any DP)."""
+    sizes = {(rec["tp_size"], rec["pp_size"]) for rec in records.values()}
+    if sizes != {(layout.tp_size, layout.pp_size)}:
+        saved = ", ".join(f"TP={t} PP={p}" for t, p in sorted(sizes))
+        raise LayoutMismatchError(
+            f"step {step} was saved with {saved}; this model runs TP={layout.tp_size} PP={layout.pp_size}. Its "
+            "optimizer state is in the DP layout, which loads only with the same TP/PP (any DP). To change TP/PP, "
+            f"build the merged (fully reshardable) layout first: `ckptd merge ROOT --step {step}`, then load that"
+        )
+
+
+def check_no_extra_keys(commit: CommitManifest, saved: MegatronLayout, template: Mapping[str, Shard]) -> None:
+    """Every model key the step stores for this rank is in the live model (``strict``)."""
+    have = {s.key for s in template.values()}
+    expected = {saved.model_key(piece.key) for _b, bucket in saved.buckets() for p in bucket.params
+                for piece in p.model_pieces}
+    if saved.pp_size == 1 and not any(b.is_expert for b in saved.buffers):
+        expected |= {rec.name for rec in commit.arrays if rec.name.startswith(saved.model_prefix)}
+    extra = sorted(expected - have)
+    if extra:
+        raise StateMismatchError(
+            f"{extra[0]}: in checkpoint step {commit.step} but not in the model"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            + "; pass strict=False to ignore checkpoint keys the model lacks"
+        )
+
+
+def check_structure(saved: MegatronLayout, live: MegatronLayout) -> None:
+    """Same buffers, buckets and params at the same bucket-relative offsets (the DP size may differ)."""
+    if len(saved.buffers) != len(live.buffers):
+        raise StateMismatchError(f"the checkpoint has {len(saved.buffers)} grad buffers, the model {len(live.buffers)}")
+    for sb, lb in zip(saved.buffers, live.buffers, strict=True):
+        what = ("optimizer_index", "gbuf_index", "param_dtype", "grad_dtype", "is_expert", "mp")
+        s_attrs, l_attrs = ([getattr(b, a) for a in what] for b in (sb, lb))
+        if s_attrs != l_attrs:
+            raise StateMismatchError(f"grad buffer {lb.index}: checkpoint {s_attrs} vs model {l_attrs} ({what})")
+        if len(sb.buckets) != len(lb.buckets):
+            raise StateMismatchError(
+                f"grad buffer {lb.index}: the checkpoint has {len(sb.buckets)} buckets, the model {len(lb.buckets)} "
+                "(another bucket_size or overlap_grad_reduce setting?)"
+            )
+        for sk, lk in zip(sb.buckets, lb.buckets, strict=True):
+            s_params = [(p.name, p.start - sk.start, p.end - sk.start, p.shape) for p in sk.params]
+            l_params = [(p.name, p.start - lk.start, p.end - lk.start, p.shape) for p in lk.params]
+            for sp, lp in zip(s_params, l_params, strict=False):
+                if sp != lp:
+                    raise StateMismatchError(
+                        f"{lp[0]}: buffer {lb.index} bucket {lk.index} has it at {lp[1:]} (offset, end, shape); "
+                        f"the checkpoint has {sp[0]} at {sp[1:]}"
+                    )
+            if len(s_params) != len(l_params):
+                longer = s_params if len(s_params) > len(l_params) else l_params
+                raise StateMismatchError(
+                    f"{longer[min(len(s_params), len(l_params))][0]}: buffer {lb.index} bucket {lk.index} holds "
+                    f"{len(s_params)} params in the checkpoint, {len(l_params)} in the model"
+                )
