@@ -41,9 +41,10 @@ def _scenario(root: str) -> dict[str, Any]:
 
     import torch
 
+    from ckptd.client.megatron.checks import saved_records
     from ckptd.client.megatron.introspect import Owned
     from ckptd.client.megatron.layout import Binding, rank_plan
-    from ckptd.client.megatron.load import _optimizer_regions, _saved_records
+    from ckptd.client.megatron.load import _optimizer_regions
     from ckptd.client.megatron.optimizer import apply_optimizer_state, optimizer_read_regions, optimizer_shards
     from ckptd.client.megatron.reshard import merged_optimizer_slices
     from ckptd.client.megatron.save import megatron_record
@@ -140,7 +141,7 @@ def _scenario(root: str) -> dict[str, Any]:
                 assert torch.equal(merged[key], t), key
 
             # the DP-layout loader: the records, every stored state's region, the slices, and apply
-            assert _saved_records(commit) == {0: record}
+            assert saved_records(commit) == {0: record}
             regions, _dtypes = _optimizer_regions(commit, layout, opt)
             assert set(regions) == set(saved)
             flat = await read_flat_async(ckpt, commit, regions)
