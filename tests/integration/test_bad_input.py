@@ -197,6 +197,9 @@ def test_step_already_committed_and_duplicate_save(served):
     assert peer.call(two).__class__.__name__ == "SaveAccepted"
     lease2 = peer.lease(64)
     peer.expect_error(SaveRequest(**{**msgspec.structs.asdict(two), "lease_id": lease2.lease_id}), DuplicateSaveError)
+    # rank 1 completes step 50, so the daemon's shutdown has no step to wait out
+    last = SaveRequest(**{**msgspec.structs.asdict(two), "lease_id": peer.lease(64).lease_id, "rank": 1})
+    assert peer.call(last).__class__.__name__ == "SaveAccepted"
 
 
 def _two_rank_step(socket_path: str, step: int, state0: dict, state1: dict) -> list[Exception | None]:
