@@ -113,7 +113,7 @@ def _time_phases() -> dict[str, list[float]]:
     for name in ("read_flat_async", "fill_async", "apply_optimizer_state", "drop_unsaved_state",
                  "dp_optimizer_slices", "plan_reads", "arena_source", "get_layout", "_optimizer_regions",
                  "plan_rank_state", "model_template", "decode_layout", "slice_targets", "run_sync",
-                 "load_checkpoint_async", "load_checkpoint", "open_root"):
+                 "load_checkpoint_async", "open_root"):
         fn = getattr(load, name, None)
         if fn is None:
             continue

@@ -116,15 +116,20 @@ def _little_endian(block: np.ndarray) -> np.ndarray:
 def _encode(block: np.ndarray, chunks: Sequence[int] | None = None) -> tuple[bytearray, int]:
     """The chunk object: the one copy out of the arena (an edge chunk padded to ``chunks``), with the crc32c
     appended."""
-    view = _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
+    view = _stored_bytes(block, chunks)
     crc = int(crc32c(view))
     body = bytearray(view)
     body.extend(crc.to_bytes(4, "little"))
     return body, crc
 
 
+def _stored_bytes(block: np.ndarray, chunks: Sequence[int] | None) -> memoryview:
+    """The chunk's bytes as stored: little-endian, an edge chunk padded to ``chunks`` when given."""
+    return _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
+
+
 def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence[int] | None = None) -> int:
-    view = _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
+    view = _stored_bytes(block, chunks)
     crc = int(crc32c(view))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
