@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -169,13 +170,17 @@ def main() -> None:
     daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1",
                            log_path=os.path.join(workdir, "daemon.log"))
     try:
-        daemon.wait_ready(300)
-        saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
-        modes = ["raw_read", "raw_place", "ckptd", "memory", "cold"]
-        same = run_ranks(_rank, 2, workdir, cfg, modes, args.repeats, sock, args.prof, timeout_s=3600)
-    finally:
-        daemon.stop(120)
-    tp = run_ranks(_rank, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], args.repeats, sock, args.prof, timeout_s=3600)
+        try:
+            daemon.wait_ready(300)
+            saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
+            modes = ["raw_read", "raw_place", "ckptd", "memory", "cold"]
+            same = run_ranks(_rank, 2, workdir, cfg, modes, args.repeats, sock, args.prof, timeout_s=3600)
+        finally:
+            daemon.stop(120)
+        tp = run_ranks(_rank, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], args.repeats, sock, args.prof,
+                       timeout_s=3600)
+    finally:  # a full-size checkpoint is GBs: never leave one behind
+        shutil.rmtree(workdir, ignore_errors=True)
     row = {"bench": "profile_load", "size": args.size, "params": saved[0]["params"],
            "raw_read_warm_s": _slowest(same, "raw_read"),
            "raw_place_warm_s": _slowest(same, "raw_place"), "ckptd_warm_s": _slowest(same, "ckptd"),

@@ -28,11 +28,11 @@ from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
 from ckptd.client.megatron.rank_state import RankState, plan_rank_state
-from ckptd.client.megatron.reshard import dp_optimizer_slices, merged_optimizer_slices, saved_states
+from ckptd.client.megatron.reshard import merged_optimizer_slices, plan_dp_slices, saved_states
 from ckptd.client.megatron.targets import SliceTargets, slice_targets
 from ckptd.client.reader import fill_async, plan_reads
 from ckptd.client.restore import ArenaSource, arena_source
-from ckptd.client.state import dtype_name
+from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
     LAYOUT_FIELD,
@@ -166,8 +166,9 @@ async def load_checkpoint_async(
         logger.info("step %d: params sit elsewhere than at save time (%s); resharding on read", commit.step, reason)
         manifest = await ckpt.read_merged_manifest(commit.step)
         if manifest is not None:
-            return await _load_merged(ckpt, commit, manifest, records, model_chunks, optimizer, layout, rng=rng)
-        return await _load_resharded(ckpt, commit, records, model_chunks, optimizer, layout, rng=rng)
+            return await _load_merged(ckpt, commit, manifest, records, template, model_chunks, optimizer, layout,
+                                      rng=rng)
+        return await _load_resharded(ckpt, commit, records, template, model_chunks, optimizer, layout, rng=rng)
 
     regions, dtypes = _optimizer_regions(commit, layout, optimizer)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
@@ -215,24 +216,18 @@ async def _fill_model(
 ) -> None:
     """Read the template's tensors in place, except those inside this rank's in-place main params (an fp32
     model's params share the grad buffer with them): the optimizer's read writes those. ``then`` adds that
-    read to the same reader. Model tensors that touch the main params (a param across a DP slice's edge)
+    read to the same pass. Model tensors that touch the main params (a param across a DP slice's edge)
     are read first, on their own, so the main params win where they share memory; everything else is read
-    in one pass with the optimizer's (no idle tail between two passes)."""
-    reader = ChunkReader(ckpt, commit, memory=memory)
+    in one pass with the optimizer's (no idle tail between two passes). Every read is added, and so
+    checked, before the first is made."""
     shards = [sh for sh in plan_reads(commit, template) if not targets.covers(sh.data)]
-    first = shards if then is None else [sh for sh in shards if targets.touches(sh.data)]
-    for sh in first:
-        reader.add(sh.key, sh.data, sh.global_offset)
-    if first:
-        await reader.run()
-    if then is None:
-        return
-    held = set(map(id, first))
-    for sh in shards:
-        if id(sh) not in held:
-            reader.add(sh.key, sh.data, sh.global_offset)
-    then(reader)
-    await reader.run()
+    first, rest = ChunkReader(ckpt, commit, memory=memory), ChunkReader(ckpt, commit, memory=memory)
+    for sh in shards:  # every read is added (and checked) before any is made
+        (first if then is None or targets.touches(sh.data) else rest).add(sh.key, sh.data, sh.global_offset)
+    if then is not None:
+        then(rest)
+    await first.run()
+    await rest.run()
 
 
 async def _load_merged(
@@ -240,6 +235,7 @@ async def _load_merged(
     commit: CommitManifest,
     manifest: CommitManifest,
     records: Mapping[int, Record],
+    template: Mapping[str, Shard],
     model_chunks: Sequence[torch.nn.Module],
     optimizer: MegatronOptimizer,
     layout: MegatronLayout,
@@ -254,7 +250,6 @@ async def _load_merged(
     ``_extra_state`` as on every path (:mod:`~ckptd.client.megatron.rank_state`): from this rank's saved
     counterpart, which exists when the TP/PP sizes are unchanged.
     """
-    template = model_template(model_chunks)
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, merged_states(manifest)))
@@ -298,6 +293,7 @@ async def _load_resharded(
     ckpt: CheckpointRoot,
     commit: CommitManifest,
     records: Mapping[int, Record],
+    template: Mapping[str, Shard],
     model_chunks: Sequence[torch.nn.Module],
     optimizer: MegatronOptimizer,
     layout: MegatronLayout,
@@ -307,18 +303,19 @@ async def _load_resharded(
     """Load into another parallel or bucket layout straight from the stored DP bucket slices.
 
     One layout sidecar per saved model-parallel rank says where each saved param's state sits in the
-    stored buckets and where its pieces sit in model space (:func:`dp_optimizer_slices`). Plain optimizer
+    stored buckets and where its pieces sit in model space (:func:`~.reshard.plan_dp_slices`). The model's
+    tensors and the optimizer's states are read in one pass, as on the same-layout path. Plain optimizer
     data, RNG state and ``_extra_state`` as in :func:`_load_merged`.
     """
-    template = model_template(model_chunks)
     plan_reads(commit, template)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     saved = await _saved_layouts(ckpt, commit, records)
     # into the optimizer's memory where it can
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, saved_states(commit, saved)))
-    # the model first, but not where the main params share its memory (fp32): the optimizer's read fills that
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
-    slices: dict[str, Any] = dict(await dp_optimizer_slices(ckpt, commit, saved, layout, targets.slices))
+    planned = plan_dp_slices(commit, saved, layout, targets.slices)  # checked before anything is written
+    # the model, but not where the main params share its memory (fp32): the optimizer's read fills that
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, then=planned.add_to)
+    slices: dict[str, Any] = dict(planned.finish())
     targets.install()
     slices[OPTIM_META] = [uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
     return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,

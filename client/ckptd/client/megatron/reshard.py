@@ -140,6 +140,27 @@ def saved_states(commit: CommitManifest, saved: Sequence[MegatronLayout]) -> dic
     return states
 
 
+@dataclass
+class DpRead:
+    """This rank's optimizer slices as planned from the stored DP layout (:func:`plan_dp_slices`): the
+    gathered reads to add to a :class:`~ckptd.client.fastread.ChunkReader`, then :meth:`finish` once it ran."""
+
+    slices: dict[str, torch.Tensor]
+    reads: list[tuple[str, torch.Tensor, Strided]]  # (stored bucket array, destination, its elements there)
+    straddling: list[tuple[torch.Tensor, torch.Tensor]]  # (part of a slice, part of a scratch param)
+
+    def add_to(self, reader: ChunkReader) -> None:
+        """Add every read to ``reader`` (of the step's commit manifest); it may hold other reads too."""
+        for key, dst, region in self.reads:
+            reader.add_gather(key, dst, region)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """After the reader ran: copy each straddling param's part into its slice; the filled slices."""
+        for dst, src in self.straddling:
+            dst.copy_(src)
+        return self.slices
+
+
 async def dp_optimizer_slices(
     root: CheckpointRoot,
     commit: CommitManifest,
@@ -147,7 +168,22 @@ async def dp_optimizer_slices(
     layout: MegatronLayout,
     dest: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the stored DP layout.
+    """:func:`plan_dp_slices`, read through a reader of its own: the filled slices."""
+    planned = plan_dp_slices(commit, saved, layout, dest)
+    reader = ChunkReader(root, commit)
+    planned.add_to(reader)
+    await reader.run()
+    return planned.finish()
+
+
+def plan_dp_slices(
+    commit: CommitManifest,
+    saved: Sequence[MegatronLayout],
+    layout: MegatronLayout,
+    dest: Mapping[str, torch.Tensor] | None = None,
+) -> DpRead:
+    """Plan this rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the stored DP
+    layout; every check runs here, before anything is read or written.
 
     No merge needed: ``saved`` holds one layout sidecar per saved model-parallel rank, which says for every
     saved param where its state sits in the stored padded buckets and where its pieces sit in model space.
@@ -155,7 +191,8 @@ async def dp_optimizer_slices(
     splits a param differently; another PP, bucket size or DP moves it to another bucket): each overlap is
     a strided region of a saved bucket (a TP half of a row-parallel param takes every row's half), read by
     :meth:`~ckptd.client.fastread.ChunkReader.add_gather` straight into the param's place in this rank's
-    slice of its own bucket. One reader for all states: each stored chunk holding any needed element is
+    slice of its own bucket. One reader for all states (and the model's tensors too, see
+    :func:`~ckptd.client.megatron.load.load_checkpoint`): each stored chunk holding any needed element is
     read once and checksummed whole; chunks holding none are skipped. Works for any TP/PP/DP and bucket
     layout; the merged layout (:func:`merged_optimizer_slices`) gives the same result.
 
@@ -205,8 +242,8 @@ async def dp_optimizer_slices(
     # 2. every state of every param at once: each stored chunk that holds any element this rank needs is read
     # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
     # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
-    reader = ChunkReader(root, commit)
-    straddling: list[tuple[torch.Tensor, torch.Tensor]] = []  # (part of a slice, part of a scratch param)
+    reads: list[tuple[str, torch.Tensor, Strided]] = []
+    straddling: list[tuple[torch.Tensor, torch.Tensor]] = []
     regions = {(id(piece), id(sp)): _source_region(piece, sp) for _b, _k, touched in plans
                for _p, sources in touched for piece, sp in sources}
     for state in states:
@@ -224,11 +261,8 @@ async def dp_optimizer_slices(
                     straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
                 for piece, sp in sources:
                     d_sel, region = regions[(id(piece), id(sp))]
-                    reader.add_gather(sp.prefix + state, _block(view_of(piece, value), piece)[d_sel], region)
-    await reader.run()
-    for dst, src in straddling:
-        dst.copy_(src)
-    return slices
+                    reads.append((sp.prefix + state, _block(view_of(piece, value), piece)[d_sel], region))
+    return DpRead(slices, reads, straddling)
 
 
 def _source_region(piece: ModelPiece, sp: _SavedPiece) -> tuple[tuple[slice, ...], Strided]:
