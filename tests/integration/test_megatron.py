@@ -212,6 +212,26 @@ def _load_changed_structure(rank: int, world: int, root: str) -> list[str]:
     return messages
 
 
+def _frozen_then_trainable(rank: int, world: int, socket: str, root: str) -> str:
+    """Saved while the final norm was frozen (no optimizer state), loaded where it trains: the merge-free
+    path of the rank whose slice holds it finds no saved state for it, and says so before writing anything
+    (the other rank needs none and loads; no collective). Returns the error, or "" where the load went on."""
+    model, optimizer, train_step = build_gpt(**MULTIBUCKET, frozen=("final_layernorm",))
+    train_step(0)
+    client = CheckpointClient(socket, timeout_s=60)
+    save_checkpoint(client, K, model, optimizer).wait(60)
+    client.close()
+    model2, optimizer2, train_step2 = build_gpt(**MULTIBUCKET, seed=4321)
+    train_step2(0)
+    before = _live(model2, optimizer2)
+    try:
+        load_checkpoint(root, K, model2, optimizer2)
+    except StateMismatchError as exc:
+        _assert_same(before, _live(model2, optimizer2), "untouched")
+        return str(exc)
+    return ""
+
+
 # --- fixtures ------------------------------------------------------------------------------------
 def _run_saving(tmp: Path, sockdir: str, name: str, world: int, build: dict[str, Any],
                 extra_key_check: bool = False) -> tuple[str, list[dict[str, Any]]]:
@@ -306,6 +326,19 @@ def test_structure_change_raises_state_mismatch_before_overwriting(saved_run: di
     missing, shape = spawn_ranks(_load_changed_structure, 2, saved_run["root"])[0]
     assert "model/output_layer.weight: not in checkpoint" in missing
     assert "model/decoder.layers.mlp.linear_fc" in shape and "global shape" in shape
+
+
+def test_param_without_saved_state_raises_before_overwriting(tmp_path: Path, module_sockdir: str) -> None:
+    root = str(tmp_path / "root-frozen")
+    daemon = DaemonProcess(root, os.path.join(module_sockdir, "frozen.sock"), "--arena-size", "64MiB",
+                           "--no-prefault", log_path=str(tmp_path / "frozen.log")).wait_ready()
+    try:
+        messages = spawn_ranks(_frozen_then_trainable, 2, daemon.socket, root)
+    finally:
+        daemon.stop(timeout=20)
+    raised = [m for m in messages if m]
+    assert len(raised) == 1, messages
+    assert "no saved optimizer state covers" in raised[0] and "final_layernorm" in raised[0], raised
 
 
 def test_cpu_shim_is_not_on_the_library_import_path() -> None:

@@ -59,6 +59,7 @@ def build_gpt(
     experts: int = 0,
     ep: int = 1,
     etp: int | None = None,
+    frozen: tuple[str, ...] = (),
 ) -> ToyGPT:
     """Build the toy GPT on an already-initialized (gloo) default process group.
 
@@ -78,6 +79,9 @@ def build_gpt(
     ``experts`` > 0 makes every MLP a mixture of that many experts (top-2 router, the allgather token
     dispatcher, which gloo can run; no linear biases), sharded over ``ep`` expert-parallel ranks; ``etp``
     splits each expert over that many expert-tensor-parallel ranks (Megatron's default: ``tp``).
+
+    ``frozen`` names params (by substring of their names) that do not train (``requires_grad=False``): Megatron's
+    DDP leaves them out of its buffers and the optimizer holds no state for them.
     """
     if not torch.cuda.is_available():
         from ckptd.testing.cpu_shim import install_cpu_shim
@@ -160,6 +164,9 @@ def build_gpt(
         share_embeddings_and_output_weights=share_embeddings and not llama,
         **({"position_embedding_type": "rope"} if llama else {}),
     )
+    for name, param in gpt.named_parameters():
+        if any(part in name for part in frozen):
+            param.requires_grad_(False)
     module: torch.nn.Module = Float16Module(config, gpt) if bf16 else gpt
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -42,7 +42,7 @@ async def merged_optimizer_slices(
     one :class:`~ckptd.client.fastread.ChunkReader` for the whole load (raw chunks straight into place,
     crc32c checked, bounded concurrency): a param that lies wholly inside the rank's slice is read straight
     into the slice; one that straddles a slice boundary into a scratch param, whose overlap is copied after.
-    ``dest`` as in :func:`dp_optimizer_slices`.
+    ``dest`` as in :func:`plan_dp_slices`.
     """
     if manifest.step != step:
         raise StateMismatchError(f"the merge manifest is of step {manifest.step}, not of step {step}")

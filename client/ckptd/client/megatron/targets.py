@@ -18,7 +18,7 @@ their slice offsets (padding between). The loader reads it into one 1-D destinat
   :func:`~ckptd.client.megatron.optimizer.apply_optimizer_state` copies from, as before.
 
 Only the last takes a second copy; the choice is per (bucket, state). A load at another layout
-(:func:`~ckptd.client.megatron.reshard.dp_optimizer_slices`) writes into the same destinations.
+(:func:`~ckptd.client.megatron.reshard.plan_dp_slices`) writes into the same destinations.
 """
 
 from __future__ import annotations
