@@ -36,6 +36,7 @@ from ckptd.testing.fixtures import megatron_owned_state
 from ckptd.testing.launch import DaemonProcess
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 from ckptd.writer.errors import LayoutMismatchError, StateMismatchError
+from ckptd.writer.merge import merge
 
 pytestmark = pytest.mark.megatron
 
@@ -212,10 +213,11 @@ def _load_changed_structure(rank: int, world: int, root: str) -> list[str]:
     return messages
 
 
-def _frozen_then_trainable(rank: int, world: int, socket: str, root: str) -> str:
-    """Saved while the final norm was frozen (no optimizer state), loaded where it trains: the merge-free
-    path of the rank whose slice holds it finds no saved state for it, and says so before writing anything
-    (the other rank needs none and loads; no collective). Returns the error, or "" where the load went on."""
+def _frozen_then_trainable(rank: int, world: int, socket: str, root: str) -> list[str]:
+    """Saved while the final norm was frozen (no optimizer state), loaded where it trains: merge-free, then
+    from the merged layout. The rank whose slice holds the norm finds no saved state for it and says so
+    before writing anything; the other rank needs none and loads (no collective). Returns each attempt's
+    error, or "" where the load went on."""
     model, optimizer, train_step = build_gpt(**MULTIBUCKET, frozen=("final_layernorm",))
     train_step(0)
     client = CheckpointClient(socket, timeout_s=60)
@@ -223,13 +225,20 @@ def _frozen_then_trainable(rank: int, world: int, socket: str, root: str) -> str
     client.close()
     model2, optimizer2, train_step2 = build_gpt(**MULTIBUCKET, seed=4321)
     train_step2(0)
-    before = _live(model2, optimizer2)
-    try:
-        load_checkpoint(root, K, model2, optimizer2)
-    except StateMismatchError as exc:
-        _assert_same(before, _live(model2, optimizer2), "untouched")
-        return str(exc)
-    return ""
+    out = []
+    for merged in (False, True):
+        if merged:
+            if rank == 0:
+                merge(root, K, progress=False)
+            torch.distributed.barrier()
+        before = _live(model2, optimizer2)
+        try:
+            load_checkpoint(root, K, model2, optimizer2)
+            out.append("")
+        except StateMismatchError as exc:
+            _assert_same(before, _live(model2, optimizer2), f"untouched ({merged=})")
+            out.append(str(exc))
+    return out
 
 
 # --- fixtures ------------------------------------------------------------------------------------
@@ -336,9 +345,10 @@ def test_param_without_saved_state_raises_before_overwriting(tmp_path: Path, mod
         messages = spawn_ranks(_frozen_then_trainable, 2, daemon.socket, root)
     finally:
         daemon.stop(timeout=20)
-    raised = [m for m in messages if m]
-    assert len(raised) == 1, messages
-    assert "no saved optimizer state covers" in raised[0] and "final_layernorm" in raised[0], raised
+    free, merged = ([m for m in attempt if m] for attempt in zip(*messages, strict=True))
+    assert len(free) == 1 and len(merged) == 1, messages
+    assert "no saved optimizer state covers" in free[0] and "final_layernorm" in free[0], free
+    assert "the merged checkpoint has no state" in merged[0] and "final_layernorm" in merged[0], merged
 
 
 def test_cpu_shim_is_not_on_the_library_import_path() -> None:

@@ -28,7 +28,7 @@ from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
 from ckptd.client.megatron.rank_state import RankState, plan_rank_state
-from ckptd.client.megatron.reshard import merged_optimizer_slices, plan_dp_slices, saved_states
+from ckptd.client.megatron.reshard import plan_dp_slices, plan_merged_slices, saved_states
 from ckptd.client.megatron.targets import SliceTargets, slice_targets
 from ckptd.client.reader import fill_async, plan_reads
 from ckptd.client.restore import ArenaSource, arena_source
@@ -253,8 +253,12 @@ async def _load_merged(
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, merged_states(manifest)))
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)  # first: the main params win (fp32)
-    slices: dict[str, Any] = dict(await merged_optimizer_slices(ckpt, commit.step, manifest, layout, targets.slices))
+    planned = plan_merged_slices(commit.step, manifest, layout, targets.slices)  # checked before any write
+    merged = ChunkReader(ckpt, manifest)
+    planned.add_to(merged)
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
+    await merged.run()  # second: the main params win where they share memory with the model (fp32)
+    slices: dict[str, Any] = dict(planned.finish())
     targets.install()
     slices[OPTIM_META] = [uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
     return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,

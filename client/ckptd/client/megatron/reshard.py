@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,39 @@ from ckptd.writer.merge import merged_states
 from ckptd.writer.root import CheckpointRoot
 
 
+@dataclass
+class SliceRead:
+    """This rank's optimizer slices as planned (:func:`plan_merged_slices`, :func:`plan_dp_slices`): the
+    reads to add to a :class:`~ckptd.client.fastread.ChunkReader` of ``manifest``, then :meth:`finish`
+    once it ran."""
+
+    manifest: CommitManifest  # the step's commit manifest, or its merge manifest: whose arrays are read
+    slices: dict[str, torch.Tensor] = field(default_factory=dict)
+    regions: list[tuple[str, torch.Tensor, tuple[int, ...]]] = field(default_factory=list)  # (array, dst, offset)
+    gathers: list[tuple[str, torch.Tensor, Strided]] = field(default_factory=list)  # (1-D array, dst, elements)
+    straddling: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (slice part, scratch part)
+
+    def add_to(self, reader: ChunkReader) -> None:
+        """Add every read to ``reader`` (of :attr:`manifest`); it may hold other reads too."""
+        for key, dst, offset in self.regions:
+            reader.add(key, dst, offset)
+        for key, dst, region in self.gathers:
+            reader.add_gather(key, dst, region)
+
+    async def read(self, root: CheckpointRoot) -> dict[str, torch.Tensor]:
+        """Read through a reader of its own: the filled slices."""
+        reader = ChunkReader(root, self.manifest)
+        self.add_to(reader)
+        await reader.run()
+        return self.finish()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """After the reads ran: copy each straddling param's part into its slice; the filled slices."""
+        for dst, src in self.straddling:
+            dst.copy_(src)
+        return self.slices
+
+
 async def merged_optimizer_slices(
     root: CheckpointRoot,
     step: int,
@@ -35,7 +68,18 @@ async def merged_optimizer_slices(
     layout: MegatronLayout,
     dest: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """This rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the merged layout.
+    """:func:`plan_merged_slices`, read: the filled slices."""
+    return await plan_merged_slices(step, manifest, layout, dest).read(root)
+
+
+def plan_merged_slices(
+    step: int,
+    manifest: CommitManifest,
+    layout: MegatronLayout,
+    dest: Mapping[str, torch.Tensor] | None = None,
+) -> SliceRead:
+    """Plan this rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the merged layout;
+    every check runs here, before anything is read or written.
 
     ``manifest`` is the step's merge manifest (:meth:`ckptd.writer.root.CheckpointRoot.read_merged_manifest`).
     Every model piece of every param the rank's slices touch is one region of a merged array, read through
@@ -48,9 +92,7 @@ async def merged_optimizer_slices(
         raise StateMismatchError(f"the merge manifest is of step {manifest.step}, not of step {step}")
     arrays = {rec.name: rec for rec in manifest.arrays}
     states = merged_states(manifest)
-    reader = ChunkReader(root, manifest)
-    straddling: list[tuple[torch.Tensor, torch.Tensor]] = []  # (part of a slice, part of a scratch param)
-    slices: dict[str, torch.Tensor] = {}
+    planned = SliceRead(manifest)
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
@@ -66,16 +108,13 @@ async def merged_optimizer_slices(
                 else:
                     value = torch.empty(p.shape, dtype=out.dtype)
                     i, j = max(a, lo), min(b, hi)
-                    straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
+                    planned.straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
                 for piece in p.model_pieces:
                     name = merged_array_name(state, piece.key)
                     _check_merged(arrays.get(name), piece, state, dtype)
-                    reader.add(name, _block(view_of(piece, value), piece), piece.global_offset)
-            slices[key] = out
-    await reader.run()
-    for dst, src in straddling:
-        dst.copy_(src)
-    return slices
+                    planned.regions.append((name, _block(view_of(piece, value), piece), piece.global_offset))
+            planned.slices[key] = out
+    return planned
 
 
 def _check_merged(rec: ArrayRecord | None, piece: ModelPiece, state: str, dtype: str) -> None:
@@ -140,27 +179,6 @@ def saved_states(commit: CommitManifest, saved: Sequence[MegatronLayout]) -> dic
     return states
 
 
-@dataclass
-class DpRead:
-    """This rank's optimizer slices as planned from the stored DP layout (:func:`plan_dp_slices`): the
-    gathered reads to add to a :class:`~ckptd.client.fastread.ChunkReader`, then :meth:`finish` once it ran."""
-
-    slices: dict[str, torch.Tensor]
-    reads: list[tuple[str, torch.Tensor, Strided]]  # (stored bucket array, destination, its elements there)
-    straddling: list[tuple[torch.Tensor, torch.Tensor]]  # (part of a slice, part of a scratch param)
-
-    def add_to(self, reader: ChunkReader) -> None:
-        """Add every read to ``reader`` (of the step's commit manifest); it may hold other reads too."""
-        for key, dst, region in self.reads:
-            reader.add_gather(key, dst, region)
-
-    def finish(self) -> dict[str, torch.Tensor]:
-        """After the reader ran: copy each straddling param's part into its slice; the filled slices."""
-        for dst, src in self.straddling:
-            dst.copy_(src)
-        return self.slices
-
-
 async def dp_optimizer_slices(
     root: CheckpointRoot,
     commit: CommitManifest,
@@ -168,12 +186,8 @@ async def dp_optimizer_slices(
     layout: MegatronLayout,
     dest: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """:func:`plan_dp_slices`, read through a reader of its own: the filled slices."""
-    planned = plan_dp_slices(commit, saved, layout, dest)
-    reader = ChunkReader(root, commit)
-    planned.add_to(reader)
-    await reader.run()
-    return planned.finish()
+    """:func:`plan_dp_slices`, read: the filled slices."""
+    return await plan_dp_slices(commit, saved, layout, dest).read(root)
 
 
 def plan_dp_slices(
@@ -181,7 +195,7 @@ def plan_dp_slices(
     saved: Sequence[MegatronLayout],
     layout: MegatronLayout,
     dest: Mapping[str, torch.Tensor] | None = None,
-) -> DpRead:
+) -> SliceRead:
     """Plan this rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the stored DP
     layout; every check runs here, before anything is read or written.
 
@@ -242,8 +256,7 @@ def plan_dp_slices(
     # 2. every state of every param at once: each stored chunk that holds any element this rank needs is read
     # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
     # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
-    reads: list[tuple[str, torch.Tensor, Strided]] = []
-    straddling: list[tuple[torch.Tensor, torch.Tensor]] = []
+    planned = SliceRead(commit, slices)
     regions = {(id(piece), id(sp)): _source_region(piece, sp) for _b, _k, touched in plans
                for _p, sources in touched for piece, sp in sources}
     for state in states:
@@ -258,11 +271,11 @@ def plan_dp_slices(
                     value = out[a - lo : b - lo].view(p.shape)
                 else:
                     value = torch.empty(p.shape, dtype=out.dtype)
-                    straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
+                    planned.straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
                 for piece, sp in sources:
                     d_sel, region = regions[(id(piece), id(sp))]
-                    reads.append((sp.prefix + state, _block(view_of(piece, value), piece)[d_sel], region))
-    return DpRead(slices, reads, straddling)
+                    planned.gathers.append((sp.prefix + state, _block(view_of(piece, value), piece)[d_sel], region))
+    return planned
 
 
 def _source_region(piece: ModelPiece, sp: _SavedPiece) -> tuple[tuple[slice, ...], Strided]:
