@@ -27,8 +27,7 @@ from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.client.megatron.layout import rank_plan
 from ckptd.client.megatron.staged import cached
-from ckptd.testing.launch import DaemonProcess
-from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+from ckptd.testing.toy_gpt import build_gpt, spawn_with_daemon
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
@@ -109,12 +108,8 @@ def test_constant_structure_saves_reload_bit_exact_and_structure_changes_are_cau
     tmp_path: Path, module_sockdir: str
 ) -> None:
     root = str(tmp_path / "root")
-    daemon = DaemonProcess(root, os.path.join(module_sockdir, "const.sock"), "--arena-size", "64MiB",
-                           "--no-prefault", log_path=str(tmp_path / "daemon.log")).wait_ready()
-    try:
-        results = spawn_ranks(_saves, 2, daemon.socket, root)
-    finally:
-        daemon.stop(timeout=20)
+    results = spawn_with_daemon(_saves, 2, root, os.path.join(module_sockdir, "const.sock"),
+                                log_path=str(tmp_path / "daemon.log"))
     for fast in results:
         assert fast == {
             "first": False, "trained1": True, "trained2": True, "reloaded": False, "group": False,

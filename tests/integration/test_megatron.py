@@ -33,8 +33,7 @@ from ckptd.client.megatron import (
 from ckptd.client.megatron.layout import cached_plan
 from ckptd.client.reader import read_commit, read_sidecar
 from ckptd.testing.fixtures import megatron_owned_state
-from ckptd.testing.launch import DaemonProcess
-from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks, spawn_with_daemon
 from ckptd.writer.errors import LayoutMismatchError, StateMismatchError
 from ckptd.writer.merge import merge
 
@@ -245,12 +244,8 @@ def _frozen_then_trainable(rank: int, world: int, socket: str, root: str) -> lis
 def _run_saving(tmp: Path, sockdir: str, name: str, world: int, build: dict[str, Any],
                 extra_key_check: bool = False) -> tuple[str, list[dict[str, Any]]]:
     root = str(tmp / f"root-{name}")
-    daemon = DaemonProcess(root, os.path.join(sockdir, f"{name}.sock"), "--arena-size", "64MiB", "--no-prefault",
-                           log_path=str(tmp / f"{name}.log")).wait_ready()
-    try:
-        results = spawn_ranks(_train_save_reload, world, daemon.socket, root, build, extra_key_check)
-    finally:
-        daemon.stop(timeout=20)
+    results = spawn_with_daemon(_train_save_reload, world, root, os.path.join(sockdir, f"{name}.sock"), build,
+                                extra_key_check, log_path=str(tmp / f"{name}.log"))
     return root, results
 
 
@@ -338,13 +333,8 @@ def test_structure_change_raises_state_mismatch_before_overwriting(saved_run: di
 
 
 def test_param_without_saved_state_raises_before_overwriting(tmp_path: Path, module_sockdir: str) -> None:
-    root = str(tmp_path / "root-frozen")
-    daemon = DaemonProcess(root, os.path.join(module_sockdir, "frozen.sock"), "--arena-size", "64MiB",
-                           "--no-prefault", log_path=str(tmp_path / "frozen.log")).wait_ready()
-    try:
-        messages = spawn_ranks(_frozen_then_trainable, 2, daemon.socket, root)
-    finally:
-        daemon.stop(timeout=20)
+    messages = spawn_with_daemon(_frozen_then_trainable, 2, str(tmp_path / "root-frozen"),
+                                 os.path.join(module_sockdir, "frozen.sock"), log_path=str(tmp_path / "frozen.log"))
     free, merged = ([m for m in attempt if m] for attempt in zip(*messages, strict=True))
     assert len(free) == 1 and len(merged) == 1, messages
     assert "no saved optimizer state covers" in free[0] and "final_layernorm" in free[0], free

@@ -24,8 +24,7 @@ pytest.importorskip("megatron.core")
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.client.megatron.staged import cached
-from ckptd.testing.launch import DaemonProcess
-from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+from ckptd.testing.toy_gpt import build_gpt, spawn_with_daemon
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
@@ -138,12 +137,8 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
 
 def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Path, module_sockdir: str) -> None:
     root = str(tmp_path / "root")
-    daemon = DaemonProcess(root, os.path.join(module_sockdir, "plan.sock"), "--arena-size", "64MiB",
-                           "--no-prefault", log_path=str(tmp_path / "daemon.log")).wait_ready()
-    try:
-        results = spawn_ranks(_changes, 2, daemon.socket, root)
-    finally:
-        daemon.stop(timeout=20)
+    results = spawn_with_daemon(_changes, 2, root, os.path.join(module_sockdir, "plan.sock"),
+                                log_path=str(tmp_path / "daemon.log"))
     for r in results:
         # unchanged structure: the same plan object, registered once (same id)
         assert r["first"] == r["same"], r

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ckptd.testing.launch import RankFailedError, free_port, run_ranks
+from ckptd.testing.launch import DaemonProcess, RankFailedError, free_port, run_ranks
 
 __all__ = ["RankFailedError", "ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
 
@@ -279,3 +279,16 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
     Returns each rank's return value; a failing rank raises :class:`RankFailedError` with its traceback.
     """
     return run_ranks(fn, world_size, *args, timeout_s=timeout_s)
+
+
+def spawn_with_daemon(
+    fn: Callable[..., Any], world_size: int, root: str, socket_path: str, *args: Any, log_path: str | None = None,
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """:func:`spawn_ranks` of ``fn(rank, world_size, socket_path, root, *args)`` while a ``ckptd serve`` daemon
+    (64 MiB arena) serves ``root`` on ``socket_path``; the daemon is stopped afterwards, whatever happened."""
+    daemon = DaemonProcess(root, socket_path, "--arena-size", "64MiB", "--no-prefault", log_path=log_path).wait_ready()
+    try:
+        return spawn_ranks(fn, world_size, daemon.socket, root, *args, timeout_s=timeout_s)
+    finally:
+        daemon.stop(timeout=20)
