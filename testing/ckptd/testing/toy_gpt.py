@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ckptd.testing.launch import DaemonProcess, RankFailedError, free_port, run_ranks
 
-__all__ = ["RankFailedError", "ToyGPT", "build_gpt", "free_port", "spawn_ranks"]
+__all__ = ["RankFailedError", "ToyGPT", "build_gpt", "free_port", "spawn_ranks", "spawn_with_daemon"]
 
 
 class ToyGPT(NamedTuple):

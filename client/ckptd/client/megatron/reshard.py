@@ -179,17 +179,6 @@ def saved_states(commit: CommitManifest, saved: Sequence[MegatronLayout]) -> dic
     return states
 
 
-async def dp_optimizer_slices(
-    root: CheckpointRoot,
-    commit: CommitManifest,
-    saved: Sequence[MegatronLayout],
-    layout: MegatronLayout,
-    dest: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """:func:`plan_dp_slices`, read: the filled slices."""
-    return await plan_dp_slices(commit, saved, layout, dest).read(root)
-
-
 def plan_dp_slices(
     commit: CommitManifest,
     saved: Sequence[MegatronLayout],
