@@ -1,6 +1,7 @@
 """Where a warm load's time goes: bench_load's paths at a reduced size, timed and profiled (a dev tool).
 
     PYTHONPATH=... python benchmarks/profile_load.py [--size LAYERSxHIDDENxHEADSxVOCAB] [--repeats N] [--prof DIR]
+        [--chunk-bytes 4MiB]
 
 Saves once through a daemon (TP1 x DP2, fp32, bench_load's ``_save``), then in new ranks: the raw parallel
 read of the step's files (into one reused buffer, and into place as bench_load's ``raw_place``), ckptd's
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prof", default="")
     parser.add_argument("--root", default=None)
+    parser.add_argument("--chunk-bytes", default="", help="the daemon's largest chunk (default: its own, 16MiB)")
     args = parser.parse_args()
     layers, hidden, heads, vocab = (int(x) for x in args.size.split("x"))
     cfg = {"hidden": hidden, "layers": layers, "heads": heads, "vocab": vocab, "seq": 64, "micro_batch_size": 1}
@@ -168,7 +170,8 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="ckptd-profload-", dir=args.root)
     root, sock = os.path.join(workdir, "load-ckptd"), os.path.join(workdir, "load.sock")
     arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64
-    daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1",
+    chunks = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
+    daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1", *chunks,
                            log_path=os.path.join(workdir, "daemon.log"))
     try:
         try:
