@@ -200,7 +200,8 @@ def _load_other_dp(rank: int, world: int, root: str, build: dict[str, Any]) -> d
 
 def _load_changed_structure(rank: int, world: int, root: str) -> list[str]:
     messages = []
-    for change in ({"share_embeddings": False}, {"ffn_hidden": 96}):
+    # the last: every 1-D param (biases, norms) frozen leaves one param group where two were saved
+    for change in ({"share_embeddings": False}, {"ffn_hidden": 96}, {"frozen": ("layernorm", "bias")}):
         model, optimizer, train_step = build_gpt(**MULTIBUCKET, **change)
         train_step(0)
         before = _live(model, optimizer)
@@ -327,9 +328,10 @@ def test_dp_change(saved_run: dict[str, Any], loaded_dp: int) -> None:
 
 
 def test_structure_change_raises_state_mismatch_before_overwriting(saved_run: dict[str, Any]) -> None:
-    missing, shape = spawn_ranks(_load_changed_structure, 2, saved_run["root"])[0]
+    missing, shape, groups = spawn_ranks(_load_changed_structure, 2, saved_run["root"])[0]
     assert "model/output_layer.weight: not in checkpoint" in missing
     assert "model/decoder.layers.mlp.linear_fc" in shape and "global shape" in shape
+    assert "2 saved param groups, 1 live" in groups, groups
 
 
 def test_param_without_saved_state_raises_before_overwriting(tmp_path: Path, module_sockdir: str) -> None:

@@ -26,7 +26,7 @@ from ckptd.client.megatron.checks import (
 )
 from ckptd.client.megatron.layout import bind, get_layout
 from ckptd.client.megatron.model import model_template
-from ckptd.client.megatron.optimizer import apply_optimizer_state, drop_unsaved_state
+from ckptd.client.megatron.optimizer import apply_optimizer_state, check_optimizer_meta, drop_unsaved_state
 from ckptd.client.megatron.rank_state import RankState, plan_rank_state
 from ckptd.client.megatron.reshard import plan_dp_slices, plan_merged_slices, saved_states
 from ckptd.client.megatron.targets import SliceTargets, slice_targets
@@ -171,6 +171,8 @@ async def load_checkpoint_async(
         return await _load_resharded(ckpt, commit, records, template, model_chunks, optimizer, layout, rng=rng)
 
     regions, dtypes = _optimizer_regions(commit, layout, optimizer)
+    metas = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
+    check_optimizer_meta(optimizer, layout, metas)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     memory = arena_source(client, commit.step) if client is not None else None
     # separate live main params (bf16 model) are read into one by one, from storage (the arena copy takes
@@ -190,7 +192,7 @@ async def load_checkpoint_async(
     await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory, then=optimizer_reads)
     targets.install()
     slices: dict[str, Any] = dict(targets.slices)
-    slices[OPTIM_META] = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
+    slices[OPTIM_META] = metas
     drop_unsaved_state(optimizer, layout, slices)
     apply_optimizer_state(optimizer, layout, slices, copy_to_model=False, in_place=targets.in_place)
     rank.restore(model_chunks, rng=rng)
@@ -254,13 +256,15 @@ async def _load_merged(
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, merged_states(manifest)))
     planned = plan_merged_slices(commit.step, manifest, layout, targets.slices)  # checked before any write
+    metas = [uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
+    check_optimizer_meta(optimizer, layout, metas)
     merged = ChunkReader(ckpt, manifest)
     planned.add_to(merged)
     await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
     await merged.run()  # second: the main params win where they share memory with the model (fp32)
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
-    slices[OPTIM_META] = [uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
+    slices[OPTIM_META] = metas
     return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
                   source="its merged layout", in_place=targets.in_place)
 
@@ -317,11 +321,13 @@ async def _load_resharded(
     # into the optimizer's memory where it can
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, saved_states(commit, saved)))
     planned = plan_dp_slices(commit, saved, layout, targets.slices)  # checked before anything is written
+    metas = [uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
+    check_optimizer_meta(optimizer, layout, metas)
     # the model, but not where the main params share its memory (fp32): the optimizer's read fills that
     await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, then=planned.add_to)
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
-    slices[OPTIM_META] = [uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
+    slices[OPTIM_META] = metas
     return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
                   source="its DP layout without a merge", in_place=targets.in_place)
 

@@ -19,7 +19,7 @@ agree, per param otherwise — and restored as a *fresh* tensor per param with t
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,7 +309,13 @@ def apply_optimizer_state(
     thaw(optimizer)  # fresh scalar tensors replaced the ones a constant-structure save holds
 
 
-def _apply_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mapping[str, Any]]) -> None:
+def check_optimizer_meta(optimizer: object, layout: MegatronLayout, metas: Sequence[Mapping[str, Any]]) -> None:
+    """Raise what :func:`apply_optimizer_state` would raise about the saved plain data ``metas`` (one per
+    saving DP rank), without changing anything: a load calls it before it reads into live tensors."""
+    _check_meta(bind(optimizer, layout), layout, metas)
+
+
+def _check_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mapping[str, Any]]) -> None:
     if not metas:
         return
     for m in metas:
@@ -325,25 +331,49 @@ def _apply_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mappin
             raise StateMismatchError(
                 f"optimizer {oi}: {len(entry['param_groups'])} saved param groups, {len(groups)} live"
             )
+        for name, spec in entry["scalar_state"].items():
+            if "value" in spec:
+                continue
+            by_param = _saved_by_param(metas, oi, name)
+            for pid in _owned_ids(binding, layout, oi):
+                if pid not in by_param:
+                    raise StateMismatchError(f"{name}: no saved value for {pid}")
+
+
+def _saved_by_param(metas: Sequence[Mapping[str, Any]], oi: int, name: str) -> dict[str, Any]:
+    """Scalar state ``name`` of optimizer ``oi`` by param id, over every saving DP rank's plain data."""
+    by_param: dict[str, Any] = {}
+    for m in metas:
+        found = m["optimizers"].get(str(oi), {}).get("scalar_state", {}).get(name, {})
+        by_param.update(found.get("by_param", {}))
+    return by_param
+
+
+def _owned_ids(binding: Binding, layout: MegatronLayout, oi: int) -> Iterator[str]:
+    for buf in (b for b in layout.buffers if b.optimizer_index == oi):
+        for bucket in buf.buckets:
+            for o in binding.owned[(buf.index, bucket.index)]:
+                yield _param_id(buf, o.param)
+
+
+def _apply_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mapping[str, Any]]) -> None:
+    _check_meta(binding, layout, metas)
+    if not metas:
+        return
+    saved = metas[0]["optimizers"]
+    for oi, opt in binding.dist.items():
+        entry = saved[str(oi)]
+        groups = introspect.inner_optimizer(opt).param_groups
         for g, sg in zip(groups, entry["param_groups"], strict=True):
             for k, v in sg.items():
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
         for name, spec in entry["scalar_state"].items():
-            by_param: dict[str, Any] = {}
-            for m in metas:
-                found = m["optimizers"].get(str(oi), {}).get("scalar_state", {}).get(name, {})
-                by_param.update(found.get("by_param", {}))
+            by_param = {} if "value" in spec else _saved_by_param(metas, oi, name)
             dtype = torch_dtype(spec["dtype"]) if spec.get("dtype") else None
             for buf in (b for b in layout.buffers if b.optimizer_index == oi):
                 for bucket in buf.buckets:
                     for o in binding.owned[(buf.index, bucket.index)]:
-                        pid = _param_id(buf, o.param)
-                        if "value" in spec:
-                            value = spec["value"]
-                        elif pid in by_param:
-                            value = by_param[pid]
-                        else:
-                            raise StateMismatchError(f"{name}: no saved value for {pid}")
+                        value = spec["value"] if "value" in spec else by_param[_param_id(buf, o.param)]
                         o.state[name] = value if dtype is None else _scalar_tensor(o, name, value, dtype)
         scaler = introspect.grad_scaler(opt)
         if scaler is not None and "grad_scaler" in entry:
