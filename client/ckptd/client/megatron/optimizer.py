@@ -335,7 +335,7 @@ def _check_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mappin
             if "value" in spec:
                 continue
             by_param = _saved_by_param(metas, oi, name)
-            for pid in _owned_ids(binding, layout, oi):
+            for pid, _o in _owned(binding, layout, oi):
                 if pid not in by_param:
                     raise StateMismatchError(f"{name}: no saved value for {pid}")
 
@@ -349,11 +349,12 @@ def _saved_by_param(metas: Sequence[Mapping[str, Any]], oi: int, name: str) -> d
     return by_param
 
 
-def _owned_ids(binding: Binding, layout: MegatronLayout, oi: int) -> Iterator[str]:
+def _owned(binding: Binding, layout: MegatronLayout, oi: int) -> Iterator[tuple[str, Owned]]:
+    """Every param of optimizer ``oi`` this rank owns, with its id in the saved plain data."""
     for buf in (b for b in layout.buffers if b.optimizer_index == oi):
         for bucket in buf.buckets:
             for o in binding.owned[(buf.index, bucket.index)]:
-                yield _param_id(buf, o.param)
+                yield _param_id(buf, o.param), o
 
 
 def _apply_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mapping[str, Any]]) -> None:
@@ -370,11 +371,9 @@ def _apply_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mappin
         for name, spec in entry["scalar_state"].items():
             by_param = {} if "value" in spec else _saved_by_param(metas, oi, name)
             dtype = torch_dtype(spec["dtype"]) if spec.get("dtype") else None
-            for buf in (b for b in layout.buffers if b.optimizer_index == oi):
-                for bucket in buf.buckets:
-                    for o in binding.owned[(buf.index, bucket.index)]:
-                        value = spec["value"] if "value" in spec else by_param[_param_id(buf, o.param)]
-                        o.state[name] = value if dtype is None else _scalar_tensor(o, name, value, dtype)
+            for pid, o in _owned(binding, layout, oi):
+                value = spec["value"] if "value" in spec else by_param[pid]
+                o.state[name] = value if dtype is None else _scalar_tensor(o, name, value, dtype)
         scaler = introspect.grad_scaler(opt)
         if scaler is not None and "grad_scaler" in entry:
             live = scaler.state_dict()

@@ -246,8 +246,8 @@ def plan_dp_slices(
     # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
     # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
     planned = SliceRead(commit, slices)
-    regions = {(id(piece), id(sp)): _source_region(piece, sp) for _b, _k, touched in plans
-               for _p, sources in touched for piece, sp in sources}
+    sources_at = {(id(piece), id(sp)): _source_region(piece, sp) for _b, _k, touched in plans
+                  for _p, sources in touched for piece, sp in sources}
     for state in states:
         for buf, bucket, touched in plans:
             out = slices[layout.bucket_key(buf, bucket, state)]
@@ -262,7 +262,7 @@ def plan_dp_slices(
                     value = torch.empty(p.shape, dtype=out.dtype)
                     planned.straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
                 for piece, sp in sources:
-                    d_sel, region = regions[(id(piece), id(sp))]
+                    d_sel, region = sources_at[(id(piece), id(sp))]
                     planned.gathers.append((sp.prefix + state, _block(view_of(piece, value), piece)[d_sel], region))
     return planned
 
