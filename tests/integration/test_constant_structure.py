@@ -6,11 +6,13 @@ changed by training in between go through the captured state (the capture is not
 ran) and each step reloads bit-exact (model tensors, main params, Adam states, the per-param ``step``, the
 param groups' learning rate). Then structure changes the promise rules out but the cheap check catches —
 a new param group, a param replaced by another tensor — are saved through the checked path (planned
-again) and reload bit-exact too.
+again) and reload bit-exact too; the old plan, with the re-homed states it staged from, is freed before
+the new plan re-homes them again (a pipelined save held it until its answer was read).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from pathlib import Path
@@ -25,6 +27,7 @@ from test_save_plan import BUILD, _assert_same, _live, _param
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.client.megatron import save as save_module
 from ckptd.client.megatron.layout import rank_plan
 from ckptd.client.megatron.staged import cached
 from ckptd.testing.toy_gpt import build_gpt, spawn_with_daemon
@@ -44,8 +47,7 @@ def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
 
     def save(tag: str, keep: bool = True) -> None:
         step = len(fast) + 1
-        before = cached(optimizer)
-        frozen = before.frozen if before is not None else None
+        frozen = getattr(cached(optimizer), "frozen", None)
         handle = save_checkpoint(client, step, model, optimizer, extra={"tag": tag})
         staged = cached(optimizer)
         assert staged is not None
@@ -90,7 +92,21 @@ def _saves(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     save("reloaded", keep=False)  # the load replaced the step tensors: checked, captured again
     # a new param group: caught, saved through the check
     inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5, "weight_decay": 0.0})
-    save("group")
+    # planned again: the old plan and the re-homed states it staged from are freed before re-homing allocates
+    # anew (the last pipelined save held the plan for a resend until its answer was read)
+    old_plan = weakref.ref(cached(optimizer).plan)  # type: ignore[union-attr]
+    rehome = save_module.rehome_states
+
+    def rehome_after_free(*args: Any) -> Any:
+        gc.collect()
+        fast["old_plan_freed"] = old_plan() is None
+        return rehome(*args)
+
+    save_module.rehome_states = rehome_after_free
+    try:
+        save("group")
+    finally:
+        save_module.rehome_states = rehome
     train_step(3)
     save("after_group")
     verify()
@@ -114,5 +130,5 @@ def test_constant_structure_saves_reload_bit_exact_and_structure_changes_are_cau
         assert fast == {
             "first": False, "trained1": True, "trained2": True, "reloaded": False, "group": False,
             "after_group": True, "reloaded_again": False, "replaced": False, "homed": True, "twin_separate": True,
-            "freed": True,
+            "freed": True, "old_plan_freed": True,
         }, fast

@@ -226,6 +226,12 @@ class CheckpointClient:
                 self._sock.close()
             self._sock = None
 
+    def read_answers(self) -> None:
+        """Read now the daemon's answers that pipelined saves (``assume_constant_structure``) left owed: a
+        refusal reaches its handle, and the plans those saves held for a resend are let go (a caller about
+        to plan again calls it first, so the old plan's tensors are freed before new ones are allocated)."""
+        self._pipe.drain(self)
+
     def close(self) -> None:
         """Close the socket and unmap the arena (saves already handed over go on in the daemon)."""
         self._pipe.drain(self)  # a save's refusal still reaches its handle

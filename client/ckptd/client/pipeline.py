@@ -8,7 +8,10 @@ span, so :func:`save_span` sends the save request together with a lease request 
 either answer. The next exchange with the daemon (the next save, ``handle.wait()``, ``close()``) reads them
 first, in order (:meth:`Pipeline.drain`): the save's acceptance or its typed error (the handle fails with
 it: ``wait()`` or the next ``save()`` raises it, as for any background failure), and the granted lease,
-which the next save copies into at once (:meth:`Pipeline.take`).
+which the next save copies into at once (:meth:`Pipeline.take`). Until then each save holds its plan (to
+register it again should the daemon have dropped it); a Megatron save that plans again reads the answers
+first (:meth:`~ckptd.client.client.CheckpointClient.read_answers`), so the old plan's tensors (re-homed
+optimizer states) are freed before the new plan allocates its own.
 
 The pre-granted lease belongs to the connection: the daemon frees it when the client disconnects, and a
 save of another size, or any save that leases the usual way, gives it back first (:meth:`Pipeline.release`).

@@ -224,8 +224,10 @@ def _save_once(
             or staged.chunk_ids != chunk_ids
             or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
         ):
-            # what the old plan holds (captured tensors, re-homed states) goes before re-homing allocates
+            # what the old plan holds (captured tensors, re-homed states) goes before re-homing allocates:
+            # the cache's reference, and the pipelined saves' (kept for a resend until their answers are read)
             staged = frozen = None
+            client.read_answers()
             forget(optimizer)
             staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
             states = owned_states(staged.owned)
