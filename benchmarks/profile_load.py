@@ -6,9 +6,11 @@
 Saves once through a daemon (TP1 x DP2, fp32, bench_load's ``_save``), then in new ranks: the raw parallel
 read of the step's files (into one reused buffer, and into place as bench_load's ``raw_place``), ckptd's
 same-layout load from storage and the in-memory restore, both warm, the storage load cold (the step's
-files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then at TP2 x DP1 the merge-free load;
-slowest rank, median of ``--repeats``. With ``--prof`` rank 0 writes one cProfile per mode
-(``<mode>.prof``) after the timed runs. The CPU shim's ``TorchFunctionMode`` is taken off around ckptd's
+files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then the merge-free loads at TP2 x DP1 and at
+TP1 x DP2 with other grad-buffer buckets (3M elements: the slice edges cut params); slowest rank, median of
+``--repeats``; the growth of each rank's peak RSS in a warm load (the largest rank's, through
+``/proc/self/clear_refs``). With ``--prof`` rank 0 writes one cProfile per mode (``<mode>.prof``) after the
+timed runs. The CPU shim's ``TorchFunctionMode`` is taken off around ckptd's
 calls, as bench_load does (on a GPU there is no shim). Prints one JSON line.
 """
 
@@ -34,6 +36,7 @@ from bench_megatron import _gpt_params  # noqa: E402
 from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
 
 MiB = 1 << 20
+OTHER_BUCKETS = {"overlap_grad_reduce": True, "bucket_size": 3_000_000}  # the saving run: one bucket a buffer
 
 
 def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[str], repeats: int,
@@ -79,7 +82,10 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
     out: dict[str, list[float]] = {}
     phases = _time_phases()
     for mode in modes:
-        run[mode]()  # warm the page cache (and the destination tensors)
+        run[mode]()  # warm the page cache (and the destination tensors: the first load re-homes Adam's states)
+        before = _rss_reset_peak()
+        run[mode]()
+        out[f"{mode}:peak_growth_mib"] = [(_status_kib("VmHWM") - before) / 1024]
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -97,11 +103,24 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
             pr.enable()
             run[mode]()
             pr.disable()
-            pr.dump_stats(os.path.join(prof, f"{mode}{'_tp' + str(cfg.get('tp', 1)) if cfg.get('tp') else ''}.prof"))
+            tag = ("_tp" + str(cfg["tp"]) if cfg.get("tp") else "") + ("_buckets" if cfg.get("bucket_size") else "")
+            pr.dump_stats(os.path.join(prof, f"{mode}{tag}.prof"))
         dist.barrier()
     if client is not None:
         client.close()
     return out
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+
+
+def _rss_reset_peak() -> int:
+    """Reset this process's peak RSS (``VmHWM``) to its RSS now, which it returns (KiB)."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5\n")
+    return _status_kib("VmRSS")
 
 
 def _time_phases() -> dict[str, list[float]]:
@@ -155,6 +174,10 @@ def _slowest(results: list[dict[str, list[float]]], mode: str) -> float:
     return round(float(statistics.median(max(r[mode][i] for r in results) for i in range(n))), 4)
 
 
+def _largest(results: list[dict[str, list[float]]], key: str) -> float:
+    return round(max(r[key][0] for r in results), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="4x512x8x32768", help="layers x hidden x heads x vocab")
@@ -183,19 +206,29 @@ def main() -> None:
             daemon.stop(120)
         tp = run_ranks(_rank, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], args.repeats, sock, args.prof,
                        timeout_s=3600)
+        # the same TP/DP with other grad-buffer buckets: merge-free, and at DP 2 the slice edges cut params
+        buckets = run_ranks(_rank, 2, workdir, {**cfg, **OTHER_BUCKETS}, ["ckptd"], args.repeats, sock, args.prof,
+                            timeout_s=3600)
     finally:  # a full-size checkpoint is GBs: never leave one behind
         shutil.rmtree(workdir, ignore_errors=True)
     row = {"bench": "profile_load", "size": args.size, "params": saved[0]["params"],
            "raw_read_warm_s": _slowest(same, "raw_read"),
            "raw_place_warm_s": _slowest(same, "raw_place"), "ckptd_warm_s": _slowest(same, "ckptd"),
-           "memory_restore_s": _slowest(same, "memory"), "other_tp_warm_s": _slowest(tp, "ckptd")}
+           "memory_restore_s": _slowest(same, "memory"), "other_tp_warm_s": _slowest(tp, "ckptd"),
+           "other_buckets_warm_s": _slowest(buckets, "ckptd"),
+           # the growth of the rank's peak RSS in a warm load (the largest rank's): what a load allocates beyond
+           # the live model and optimizer
+           "same_peak_growth_mib": _largest(same, "ckptd:peak_growth_mib"),
+           "other_tp_peak_growth_mib": _largest(tp, "ckptd:peak_growth_mib"),
+           "other_buckets_peak_growth_mib": _largest(buckets, "ckptd:peak_growth_mib")}
     row["ratio_ckptd_vs_raw_warm"] = round(row["ckptd_warm_s"] / row["raw_read_warm_s"], 3)
     row["ratio_ckptd_vs_raw_place_warm"] = round(row["ckptd_warm_s"] / row["raw_place_warm_s"], 3)
     row["ratio_other_tp_vs_same_warm"] = round(row["other_tp_warm_s"] / row["ckptd_warm_s"], 3)
+    row["ratio_other_buckets_vs_same_warm"] = round(row["other_buckets_warm_s"] / row["ckptd_warm_s"], 3)
     row["ckptd_cold_s"] = _slowest(same, "cold")
     row["ratio_cold_over_memory"] = round(row["ckptd_cold_s"] / row["memory_restore_s"], 3)
     print(json.dumps(row), flush=True)
-    for label, results in (("same", same), ("tp2", tp)):
+    for label, results in (("same", same), ("tp2", tp), ("buckets", buckets)):
         for r, res in enumerate(results):
             print(label, r, {k: round(v[0], 4) for k, v in res.items() if ":" in k and v[0] > 0.0005})
 

@@ -1,7 +1,8 @@
 """The merged-layout read (``merged_optimizer_slices``) goes through the fast read path: every model piece of
 every param a rank's bucket slices touch is read from its merged array, bit-exact against the slice built
 independently here (whole chunks read straight into the slice, chunks a column piece cuts, a piece with a
-prepended layer axis, non-contiguous pieces, a param that straddles the DP slice boundary); a corrupted,
+prepended layer axis, non-contiguous pieces, params that straddle a DP slice boundary, of which only the
+part inside the slice is read, straight into place, at DP 1, 2 and 4); a corrupted,
 truncated or missing merged chunk raises CorruptCheckpointError naming it, locally and on S3 (moto). The
 merged step is written by the real writer (ChunkSink + CheckpointWriter, no daemon) from a hand-made layout.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptd.client.megatron.reshard import merged_optimizer_slices
+from ckptd.client.megatron.reshard import merged_optimizer_slices, plan_merged_slices
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.s3server import S3Server
 from ckptd.writer import format as fmt
@@ -48,19 +49,20 @@ PARAMS = (
     ParamLayout("b", 64, 74, 0, (10,), (_piece("b", (0,), (10,), (1,)),)),  # two whole chunks, read in place
     # layer 1 of a stacked array; straddles the DP boundary at 128
     ParamLayout("l", 100, 140, 0, (5, 8), (_piece("layers", (1, 0, 0), (5, 8), (8, 1), prepend=1),)),
-    # two non-contiguous column pieces of one param (a factory such as SwiGLU's, along columns)
-    ParamLayout("c", 192, 232, 0, (5, 8), (_piece("c0", (0, 0), (5, 4), (8, 1)),
+    # two non-contiguous column pieces of one param (a factory such as SwiGLU's, along columns); at DP 4 it
+    # straddles the boundary at 192 mid-row
+    ParamLayout("c", 181, 221, 0, (5, 8), (_piece("c0", (0, 0), (5, 4), (8, 1)),
                                            _piece("c1", (5, 0), (5, 4), (8, 1), view_offset=4))),
 )
 
 
-def _layout(dp_rank: int) -> MegatronLayout:
-    bucket = BucketLayout(0, 0, 256, 232, PARAMS)
-    buf = BufferLayout(0, 0, 0, 0, "float32", "float32", False, "tp0.pp0", 2, dp_rank, 0, (bucket,))
-    return MegatronLayout(0, 1, 0, 1, dp_rank, 2, (buf,))
+def _layout(dp_rank: int, dp_size: int = 2) -> MegatronLayout:
+    bucket = BucketLayout(0, 0, 256, 221, PARAMS)
+    buf = BufferLayout(0, 0, 0, 0, "float32", "float32", False, "tp0.pp0", dp_size, dp_rank, 0, (bucket,))
+    return MegatronLayout(0, 1, 0, 1, dp_rank, dp_size, (buf,))
 
 
-def _expected(state: str, dp_rank: int) -> torch.Tensor:
+def _expected(state: str, dp_rank: int, dp_size: int = 2) -> torch.Tensor:
     """The rank's slice of the padded bucket, built by hand from the merged arrays."""
     full = torch.zeros(256)
     for p in PARAMS:
@@ -69,7 +71,15 @@ def _expected(state: str, dp_rank: int) -> torch.Tensor:
             block = DATA[(state, piece.key)][tuple(piece.region())].reshape(piece.view_shape)
             value.as_strided(piece.view_shape, piece.view_stride, piece.view_offset).copy_(block)
         full[p.start : p.end] = value.reshape(-1)
-    return full[dp_rank * 128 : (dp_rank + 1) * 128]
+    s = 256 // dp_size
+    return full[dp_rank * s : (dp_rank + 1) * s]
+
+
+def _held(dp_rank: int, dp_size: int) -> int:
+    """Elements of params in the rank's slice: all a load there needs to read of each state."""
+    s = 256 // dp_size
+    lo, hi = dp_rank * s, (dp_rank + 1) * s
+    return sum(max(0, min(p.end, hi) - max(p.start, lo)) for p in PARAMS)
 
 
 def _write(root: str, options: dict[str, object] | None = None) -> None:
@@ -93,20 +103,27 @@ def _write(root: str, options: dict[str, object] | None = None) -> None:
     asyncio.run(go())
 
 
-def _read(url: str, dp_rank: int, options: dict[str, object] | None = None) -> dict[str, torch.Tensor]:
+def _read(
+    url: str, dp_rank: int, options: dict[str, object] | None = None, dp_size: int = 2
+) -> dict[str, torch.Tensor]:
     async def go() -> dict[str, torch.Tensor]:
         async with open_root(url, options, create=False) as ckpt:
             manifest = await ckpt.read_commit(1)  # stands in for the merge manifest: same records
-            return await merged_optimizer_slices(ckpt, 1, manifest, _layout(dp_rank))
+            planned = plan_merged_slices(1, manifest, _layout(dp_rank, dp_size))
+            # a param cut by the slice's edge: only its part inside is read, straight into place
+            assert not planned.straddling
+            assert sum(dst.numel() for _k, dst, _o in planned.regions) == _held(dp_rank, dp_size) * len(STATES)
+            return await merged_optimizer_slices(ckpt, 1, manifest, _layout(dp_rank, dp_size))
 
     return asyncio.run(go())
 
 
-def _check(url: str, options: dict[str, object] | None = None) -> None:
-    for dp_rank in (0, 1):
-        got = _read(url, dp_rank, options)
+def _check(url: str, options: dict[str, object] | None = None, dp_size: int = 2) -> None:
+    for dp_rank in range(dp_size):
+        got = _read(url, dp_rank, options, dp_size)
         for state in STATES:
-            assert torch.equal(got[f"optim/tp0.pp0/buf0/bucket0/{state}"], _expected(state, dp_rank)), (state, dp_rank)
+            want = _expected(state, dp_rank, dp_size)
+            assert torch.equal(got[f"optim/tp0.pp0/buf0/bucket0/{state}"], want), (state, dp_rank)
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +133,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def test_merged_slices_are_bit_exact(root: str) -> None:
-    _check(root)
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_merged_slices_are_bit_exact(root: str, dp_size: int) -> None:
+    _check(root, dp_size=dp_size)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])

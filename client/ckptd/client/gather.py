@@ -74,15 +74,34 @@ def normalize(region: Strided, dst: np.ndarray) -> tuple[Strided, np.ndarray] | 
         else:
             merged.append((n, s, d))
     merged.reverse()
-    span = 1
-    for n, s, _d in reversed(merged):
-        if s <= 0 or s < span:
-            return None
-        span += (n - 1) * s
     sizes = tuple(n for n, _s, _d in merged)
     strides = tuple(s for _n, s, _d in merged)
+    if not monotone(sizes, strides):
+        return None
     view = np.lib.stride_tricks.as_strided(dst, sizes, tuple(d * item for _n, _s, d in merged))
     return Strided(region.offset, sizes, strides), view
+
+
+def monotone(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether C order visits increasing positions: every stride (of a dimension longer than 1) positive
+    and at least what the dimensions inside it span."""
+    span = 1
+    for n, s in zip(reversed(sizes), reversed(strides), strict=True):
+        if n != 1:
+            if s <= 0 or s < span:
+                return False
+            span += (n - 1) * s
+    return True
+
+
+def boxes(region: Strided, a: int, b: int) -> list[tuple[tuple[slice, ...], Strided]]:
+    """:func:`blocks`, each index as one slice per dimension of the region (a dimension kept whole, or a
+    single row, is still a dimension), for selecting from tensors of the region's shape."""
+    out = []
+    for index, block in blocks(region, a, b):
+        sel = [slice(i, i + 1) if isinstance(i, int) else i for i in index]
+        out.append(((*sel, *(slice(0, n) for n in region.sizes[len(sel) :])), block))
+    return out
 
 
 def blocks(region: Strided, a: int, b: int) -> Iterator[tuple[Index, Strided]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptd.client.fastread import ChunkReader
-from ckptd.client.gather import Strided
+from ckptd.client.gather import Strided, boxes, monotone
 from ckptd.client.megatron.layout import view_of
 from ckptd.client.state import torch_dtype
 from ckptd.writer.errors import StateMismatchError
@@ -84,9 +84,8 @@ def plan_merged_slices(
     ``manifest`` is the step's merge manifest (:meth:`ckptd.writer.root.CheckpointRoot.read_merged_manifest`).
     Every model piece of every param the rank's slices touch is one region of a merged array, read through
     one :class:`~ckptd.client.fastread.ChunkReader` for the whole load (raw chunks straight into place,
-    crc32c checked, bounded concurrency): a param that lies wholly inside the rank's slice is read straight
-    into the slice; one that straddles a slice boundary into a scratch param, whose overlap is copied after.
-    ``dest`` as in :func:`plan_dp_slices`.
+    crc32c checked, bounded concurrency) straight into the slice; of a param that straddles a slice
+    boundary only the part inside is read (:func:`_places`). ``dest`` as in :func:`plan_dp_slices`.
     """
     if manifest.step != step:
         raise StateMismatchError(f"the merge manifest is of step {manifest.step}, not of step {step}")
@@ -102,17 +101,13 @@ def plan_merged_slices(
             given = dest.get(key) if dest is not None else None
             out = given if given is not None else torch.zeros(s, dtype=torch_dtype(dtype))
             for p in touched:
-                a, b = p.start - bucket.start, p.end - bucket.start
-                if lo <= a and b <= hi:
-                    value = out[a - lo : b - lo].view(p.shape)
-                else:
-                    value = torch.empty(p.shape, dtype=out.dtype)
-                    i, j = max(a, lo), min(b, hi)
-                    planned.straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
-                for piece in p.model_pieces:
+                places = _places(p, out, bucket.start, lo, hi, planned)
+                for piece, placed in zip(p.model_pieces, places, strict=True):
                     name = merged_array_name(state, piece.key)
                     _check_merged(arrays.get(name), piece, state, dtype)
-                    planned.regions.append((name, _block(view_of(piece, value), piece), piece.global_offset))
+                    for box, dst in placed:
+                        offset = tuple(o + x for o, (x, _y) in zip(piece.global_offset, box, strict=True))
+                        planned.regions.append((name, dst, offset))
             planned.slices[key] = out
     return planned
 
@@ -201,8 +196,9 @@ def plan_dp_slices(
 
     ``dest`` (optional) holds the slices to fill, by key (:mod:`~ckptd.client.megatron.targets`: often the
     optimizer's own memory); only the params' ranges are written there (padding is left as it is). Keys
-    it lacks get fresh zeroed tensors. A param that straddles this rank's slice boundary (DP > 1) is
-    assembled in a scratch tensor and its part copied after the read.
+    it lacks get fresh zeroed tensors. Of a param that straddles this rank's slice boundary (DP > 1) only
+    the part inside is read, straight into place (:func:`_places`): a rank of a large DP group reads and
+    holds its share of a large embedding, not all of it.
     """
     arrays = {rec.name: rec for rec in commit.arrays}
     index = _saved_index(saved)
@@ -246,38 +242,96 @@ def plan_dp_slices(
     # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
     # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
     planned = SliceRead(commit, slices)
-    sources_at = {(id(piece), id(sp)): _source_region(piece, sp) for _b, _k, touched in plans
-                  for _p, sources in touched for piece, sp in sources}
+    overlaps = {(id(piece), id(sp)): _overlapping(piece, sp) for _b, _k, touched in plans
+                for _p, sources in touched for piece, sp in sources}
+    where: dict[tuple[int, tuple[tuple[int, int], ...]], Strided] = {}
     for state in states:
         for buf, bucket, touched in plans:
             out = slices[layout.bucket_key(buf, bucket, state)]
             s = buf.slice_numel(bucket)
             lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
             for p, sources in touched:
-                a, b = p.start - bucket.start, p.end - bucket.start
-                i, j = max(a, lo), min(b, hi)
-                if (i, j) == (a, b):  # this rank holds all of it: in place
-                    value = out[a - lo : b - lo].view(p.shape)
-                else:
-                    value = torch.empty(p.shape, dtype=out.dtype)
-                    planned.straddling.append((out[i - lo : j - lo], value.view(-1)[i - a : j - a]))
+                places = dict(zip(map(id, p.model_pieces), _places(p, out, bucket.start, lo, hi, planned), strict=True))
                 for piece, sp in sources:
-                    d_sel, region = sources_at[(id(piece), id(sp))]
-                    planned.gathers.append((sp.prefix + state, _block(view_of(piece, value), piece)[d_sel], region))
+                    inter = overlaps[(id(piece), id(sp))]
+                    for box, dst in places[id(piece)]:
+                        part = _intersect(box, piece.global_offset, inter)  # what sp holds of this part
+                        if part is None:
+                            continue
+                        sel = tuple(slice(x - o - b0, y - o - b0)
+                                    for (x, y), o, (b0, _b1) in zip(part, piece.global_offset, box, strict=True))
+                        src = where.get((id(sp), part))
+                        if src is None:  # the same for every state
+                            src = where[(id(sp), part)] = _saved_elements(sp, part)
+                        planned.gathers.append((sp.prefix + state, dst[sel], src))
     return planned
 
 
-def _source_region(piece: ModelPiece, sp: _SavedPiece) -> tuple[tuple[slice, ...], Strided]:
-    """Where ``piece``'s overlap with the saved piece ``sp`` sits: its selection of ``piece`` and its elements
-    in the saved bucket (worked out on a meta tensor, so the views' own arithmetic says where)."""
+def _places(
+    p: ParamLayout, out: torch.Tensor, bucket_start: int, lo: int, hi: int, planned: SliceRead
+) -> list[list[tuple[tuple[tuple[int, int], ...], torch.Tensor]]]:
+    """Where each of ``p``'s model pieces goes in this rank's slice ``out`` (elements ``[lo, hi)`` of the
+    padded bucket): per piece, ``(box, destination)`` pairs, the box in the piece's stored coordinates
+    (``prepend_axis_num`` leading axes of extent 1) and the destination a view of ``out`` of its shape.
+
+    A param wholly inside the slice is one box per piece. Of one that straddles the slice's edge only the
+    part inside is placed: the piece's elements that land there, as boxes (a head of partial rows, the
+    whole rows, a tail: :func:`~ckptd.client.gather.boxes`), each straight into ``out``. Should a piece's
+    view not keep the param's element order (no Megatron piece does so), the whole param is assembled in a
+    scratch tensor whose part is copied in after the read (:attr:`SliceRead.straddling`)."""
+    a, b = p.start - bucket_start, p.end - bucket_start
+    i, j = max(a, lo), min(b, hi)
+    part = out[i - lo : j - lo]
+    if (i, j) != (a, b):
+        regions = [Strided(piece.view_offset, piece.view_shape, piece.view_stride) for piece in p.model_pieces]
+        if all(monotone(r.sizes, r.strides) for r in regions):
+            return [[_place(piece, part, sel, block.offset - (i - a)) for sel, block in boxes(r, i - a, j - a)]
+                    for piece, r in zip(p.model_pieces, regions, strict=True)]
+        value = torch.empty(p.shape, dtype=out.dtype)
+        planned.straddling.append((part, value.view(-1)[i - a : j - a]))
+    else:
+        value = part.view(p.shape)
+    whole = [tuple((0, n) for n in piece.stored_shape) for piece in p.model_pieces]
+    return [[(box, _block(view_of(piece, value), piece))] for piece, box in zip(p.model_pieces, whole, strict=True)]
+
+
+def _place(
+    piece: ModelPiece, part: torch.Tensor, sel: tuple[slice, ...], at: int
+) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
+    """The box ``sel`` of the piece's view, whose first element lands at ``part[at]``: the box in stored
+    coordinates and its destination, a view of ``part``."""
+    shape = tuple(s.stop - s.start for s in sel)
+    dst = part.as_strided(shape, piece.view_stride, part.storage_offset() + at)
+    return ((0, 1),) * piece.prepend_axis_num + tuple((s.start, s.stop) for s in sel), _block(dst, piece)
+
+
+def _overlapping(piece: ModelPiece, sp: _SavedPiece) -> tuple[tuple[int, int], ...]:
     inter = _overlap(piece, sp.piece)
     if inter is None:  # _cover chose sp for its overlap
         raise StateMismatchError(f"{piece.key}: saved piece at {sp.piece.global_offset} does not overlap")
-    d_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, piece.global_offset, strict=True))
-    s_sel = tuple(slice(x - o, y - o) for (x, y), o in zip(inter, sp.piece.global_offset, strict=True))
+    return inter
+
+
+def _intersect(
+    box: tuple[tuple[int, int], ...], offset: Sequence[int], region: tuple[tuple[int, int], ...]
+) -> tuple[tuple[int, int], ...] | None:
+    """``box`` (relative to ``offset``) and ``region`` (global) intersected, in global coordinates."""
+    out = []
+    for (x, y), o, (rx, ry) in zip(box, offset, region, strict=True):
+        lo, hi = max(x + o, rx), min(y + o, ry)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _saved_elements(sp: _SavedPiece, region: tuple[tuple[int, int], ...]) -> Strided:
+    """Where the global ``region`` (inside the saved piece ``sp``) sits in the saved bucket (worked out on a
+    meta tensor, so the views' own arithmetic says where)."""
+    sel = tuple(slice(x - o, y - o) for (x, y), o in zip(region, sp.piece.global_offset, strict=True))
     meta = torch.empty(sp.param.shape, device="meta")
-    src = _block(view_of(sp.piece, meta), sp.piece)[s_sel]
-    return d_sel, Strided(sp.lo + int(src.storage_offset()), tuple(int(n) for n in src.shape), tuple(src.stride()))
+    src = _block(view_of(sp.piece, meta), sp.piece)[sel]
+    return Strided(sp.lo + int(src.storage_offset()), tuple(int(n) for n in src.shape), tuple(src.stride()))
 
 
 def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None:

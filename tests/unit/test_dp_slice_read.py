@@ -1,0 +1,104 @@
+"""The merge-free read (``plan_dp_slices``): a rank's optimizer slices rebuilt straight from the stored DP
+bucket slices of another bucket layout and DP size, bit-exact against slices built by hand.
+
+The saved run (DP 2) and the loading one (DP 1, 2, 4) hold the same params (whole-chunk, column-cut,
+stacked-layer and two-piece params, test_merged_read's) in other places of their buckets, so at DP 2 and 4
+params straddle the loading rank's slice edges, mid-row. Of such a param a rank reads only the part inside
+its slice, straight into place: no scratch param, and the gathers it plans hold exactly the elements its
+slices need. Also the geometry behind it: a flat range of a param as boxes, and a piece's elements in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_merged_read import DATA, PARAMS, STATES
+
+from ckptd.client.megatron.reshard import plan_dp_slices
+from ckptd.writer import format as fmt
+from ckptd.writer.arrays import ChunkSink
+from ckptd.writer.backends import open_backend
+from ckptd.writer.commit import CheckpointWriter
+from ckptd.writer.layout import BucketLayout, BufferLayout, MegatronLayout, ParamLayout
+from ckptd.writer.root import open_root
+
+SAVED_AT = {"w": 0, "b": 64, "l": 100, "c": 181}  # test_merged_read's places, bucket of 256, DP 2
+# the loading run's places: bucket of 160; at DP 4 (slices of 40) "c" straddles 40 at row 4, column 3 (both
+# of its pieces), "l" 80 at row 3, column 6, "w" 120 at row 2, column 2; at DP 2 "l" straddles 80
+LOADED_AT = {"c": 5, "l": 50, "b": 95, "w": 110}
+CHUNK = 32
+
+
+def _layout(places: dict[str, int], padded: int, dp_rank: int, dp_size: int) -> MegatronLayout:
+    params = sorted((ParamLayout(p.name, places[p.name], places[p.name] + math.prod(p.shape), 0, p.shape,
+                                 p.model_pieces) for p in PARAMS), key=lambda p: p.start)
+    bucket = BucketLayout(0, 0, padded, max(p.end for p in params), tuple(params))
+    buf = BufferLayout(0, 0, 0, 0, "float32", "float32", False, "tp0.pp0", dp_size, dp_rank, 0, (bucket,))
+    return MegatronLayout(0, 1, 0, 1, dp_rank, dp_size, (buf,))
+
+
+def _bucket(state: str, layout: MegatronLayout) -> torch.Tensor:
+    """The whole padded bucket of ``state`` in ``layout``, built by hand from the model-space data."""
+    bucket = layout.buffers[0].buckets[0]
+    full = torch.zeros(bucket.padded_numel)
+    for p in bucket.params:
+        value = torch.empty(p.shape)
+        for piece in p.model_pieces:
+            block = DATA[(state, piece.key)][tuple(piece.region())].reshape(piece.view_shape)
+            value.as_strided(piece.view_shape, piece.view_stride, piece.view_offset).copy_(block)
+        full[p.start : p.end] = value.reshape(-1)
+    return full
+
+
+def _write(root: str, saved: MegatronLayout) -> None:
+    """The saved run's bucket slices as the daemon stores them: one 1-D array per state, a shard per DP rank."""
+    async def go() -> None:
+        async with await open_backend(root, None, create=True) as backend:
+            ckpt, sink = CheckpointWriter(backend), ChunkSink(backend)
+            buf, bucket = saved.buffers[0], saved.buffers[0].buckets[0]
+            records = []
+            for state in STATES:
+                name, full = saved.bucket_key(buf, bucket, state), _bucket(state, saved)
+                shards = []
+                for dp in range(buf.dp_size):
+                    s = buf.slice_numel(bucket)
+                    done = []
+                    for c in range(dp * s // CHUNK, (dp + 1) * s // CHUNK):
+                        block = full[c * CHUNK : (c + 1) * CHUNK].numpy()
+                        crc = await sink.put(f"step_1/{name}/{fmt.chunk_key((c,))}", block)
+                        done.append(fmt.ChunkRecord([c], CHUNK * 4, crc))
+                    shards.append(fmt.ShardRecord(dp, [dp * s], [s], done))
+                records.append(fmt.ArrayRecord(name, "float32", [bucket.padded_numel], [CHUNK], shards))
+            await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
+            await ckpt.commit(1, 1, timeout=5)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_dp_slices_of_another_bucket_layout_read_only_what_the_slice_holds(tmp_path: Path, dp_size: int) -> None:
+    root = str(tmp_path / "ckpt")
+    saved = _layout(SAVED_AT, 256, 0, 2)
+    _write(root, saved)
+
+    async def go(dp_rank: int) -> dict[str, torch.Tensor]:
+        live = _layout(LOADED_AT, 160, dp_rank, dp_size)
+        async with open_root(root, None, create=False) as ckpt:
+            planned = plan_dp_slices(await ckpt.read_commit(1), [saved], live)
+            s = 160 // dp_size
+            lo, hi = dp_rank * s, (dp_rank + 1) * s
+            held = sum(max(0, min(p.end, hi) - max(p.start, lo)) for p in live.buffers[0].buckets[0].params)
+            assert not planned.straddling
+            assert sum(dst.numel() for _k, dst, _r in planned.gathers) == held * len(STATES)
+            return await planned.read(ckpt)
+
+    for dp_rank in range(dp_size):
+        got = asyncio.run(go(dp_rank))
+        s = 160 // dp_size
+        for state in STATES:
+            want = _bucket(state, _layout(LOADED_AT, 160, dp_rank, dp_size))[dp_rank * s : (dp_rank + 1) * s]
+            assert torch.equal(got[f"optim/tp0.pp0/buf0/bucket0/{state}"], want), (state, dp_rank)
