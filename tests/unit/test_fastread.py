@@ -1,6 +1,6 @@
 """The fast read path (ckptd.client.fastread): raw chunks read straight into tensors, bit-exact for whole
-and partial chunks, edge chunks, bfloat16 and non-contiguous destinations; a corrupted, truncated or
-missing chunk raises CorruptCheckpointError. Steps are written by the real writer (no daemon). The same on
+and partial chunks (a partial one read piece by piece for every region in it), edge chunks, bfloat16 and
+non-contiguous destinations; a corrupted, truncated or missing chunk raises CorruptCheckpointError. Steps are written by the real writer (no daemon). The same on
 S3 (a moto server on 127.0.0.1): ranged GETs read straight into the tensors, in parts that split chunks
 and their trailers. Strided regions of 1-D arrays (``add_gather``, a TP half of a row-parallel param):
 bit-exact, each chunk read once and checksummed whole, chunks holding none of their elements not read."""
@@ -76,6 +76,21 @@ def test_whole_and_partial_regions_are_bit_exact(root: str) -> None:
     dst = torch.zeros(5, 6)[:, 1:4]
     load(root, 1, {"p": Shard("w", part, (7, 5), (1, 2)), "q": Shard("w", dst, (7, 5), (1, 2))})
     assert torch.equal(part, w[1:6, 2:5]) and torch.equal(dst, w[1:6, 2:5])
+    # a chunk a region holds part of is read once for every region in it, piece by piece (no buffer of a
+    # whole chunk): rows 1-5 touch chunks 0-2 (2 rows each), both regions in each; rows 2-3 whole: one read
+
+    async def planned() -> ChunkReader:
+        async with open_root(root, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1))
+            reader.add("w", torch.zeros(5, 3), (1, 2))
+            reader.add("w", torch.zeros(5, 6)[:, 1:4], (1, 2))
+            reader.add("w", torch.zeros(2, 5), (2, 0))
+            return reader
+
+    reader = asyncio.run(planned())
+    assert sorted(reader.gathers) == [f"step_1/w/c/{i}/0" for i in range(3)]
+    assert all(len(job.gather or []) == 2 for job in reader.gathers.values())
+    assert [job.path for job in reader.jobs] == ["step_1/w/c/1/0"] and reader.jobs[0].direct is not None
     # 1-D regions clipped to the stored length, starting inside a chunk
     got = read_flat(root, read_commit(root, 1), {"flat": (30, 130), "b16": (3, 4)})
     assert torch.equal(got["flat"], flat[30:]) and torch.equal(got["b16"].view(torch.int16), b16[3:4].view(torch.int16))

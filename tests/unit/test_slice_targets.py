@@ -1,6 +1,6 @@
 """Which model tensors a load may read together with the optimizer's in-place main params: ``covers`` (all of
-the tensor's memory is main params: no model read at all) and ``touches`` (any byte is: the model read must
-run first, so the main params win)."""
+the tensor's memory is main params: no model read at all), ``touches`` (any byte is) and ``outside`` (the
+boxes of a touched tensor that no main param holds: only those are read, together with the main params)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,20 @@ def test_a_strided_tensor_counts_its_whole_span() -> None:
 def test_no_main_params() -> None:
     buf = torch.zeros(100)
     assert not SliceTargets().touches(buf) and not SliceTargets().covers(buf)
+
+
+def test_outside_is_exactly_the_elements_no_main_param_holds() -> None:
+    buf = torch.arange(1000, dtype=torch.float32)
+    # main params of neighbouring params back to back (one merged range), and one further on
+    t = _targets(buf, (130, 150), (150, 173), (290, 300))
+    w = buf[100:300].view(10, 20)  # a (10, 20) model param cut mid-row at 130, 173 and 290
+    parts = t.outside(w)
+    assert parts is not None
+    got = sorted(int(x) for _sel, part in parts for x in part.reshape(-1))
+    assert got == [*range(100, 130), *range(173, 290)]
+    for sel, part in parts:  # each a box of the param: a view of it, in place
+        assert len(sel) == 2 and part.data_ptr() == w[sel].data_ptr() and part.shape == w[sel].shape
+        assert not t.touches(part)
+    whole = t.outside(buf[400:500].view(5, 20))  # no main param there: one box, all of it
+    assert whole is not None and [sel for sel, _part in whole] == [(slice(0, 5), slice(0, 20))]
+    assert t.outside(buf[:400].view(20, 20)[:, :5].t()) is None  # not in memory order: read whole, first

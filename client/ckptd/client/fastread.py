@@ -7,11 +7,11 @@ one ``preadv`` (local roots: :attr:`~ckptd.writer.backends.Backend.local_root`) 
 the 4-byte checksum into a small buffer beside it; on object stores ranged GETs (parts of at most
 :data:`PART_BYTES`, at most ``concurrency`` requests in flight) whose bodies are read piece by piece straight
 into that run (:meth:`~ckptd.writer.backends.Backend.read_into`: the one copy left is out of the HTTP
-client's receive buffer). Chunks that only partly overlap the region (a DP slice clipped to another padding, a TP region
-that cuts chunks) go through a scratch buffer of one chunk; regions of 1-D arrays (bucket slices; strided
-ones through :meth:`ChunkReader.add_gather`, a TP half of a row-parallel param) read each chunk once, a
-partial one through a cached scratch piece (:mod:`ckptd.client.gather`). Every chunk's crc32c is checked against both
-the stored trailer and the commit manifest's record, in worker threads, before the load returns;
+client's receive buffer). A chunk that a region holds only part of (a TP half, a DP slice's edge) is
+read once for all the regions in it, piece by piece: long runs straight into place, the rest through a
+cached scratch piece (:mod:`ckptd.client.gather`); strided regions of 1-D arrays (a TP half of a
+row-parallel param in a bucket slice) are added by :meth:`ChunkReader.add_gather`. Every chunk's crc32c is
+checked against both the stored trailer and the commit manifest's record, in worker threads, before the load returns;
 :class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. Compressed arrays (and
 big-endian hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
 
@@ -228,8 +228,29 @@ class ChunkReader:
                     shape = tuple(s.stop - s.start for s in ext)
                     if math.prod(rec.chunks) * item == ch.nbytes:  # an edge chunk stored at full size (zarr)
                         shape = tuple(rec.chunks)
-                    self.jobs.append(_Job(path, ch, None, typed[rel], src, shape, item))
+                    if not self._gather_part(path, ch, typed[rel], src, shape, item):
+                        self.jobs.append(_Job(path, ch, None, typed[rel], src, shape, item))
                 self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
+
+    def _gather_part(
+        self, path: str, ch: ChunkRecord, dst: np.ndarray, src: tuple[slice, ...], shape: tuple[int, ...], item: int
+    ) -> bool:
+        """Plan the block ``src`` of an N-d chunk (stored as ``shape``, C order) as a gather job whose
+        positions count the chunk's elements: read piece by piece, its long runs straight into ``dst``, the
+        rest through the thread's scratch piece (no buffer of a whole chunk; other regions in the chunk
+        share the read). False where ``dst``'s strides rule that out."""
+        strides = [1] * len(shape)
+        for k in range(len(shape) - 2, -1, -1):
+            strides[k] = strides[k + 1] * shape[k + 1]
+        first = sum(s.start * st for s, st in zip(src, strides, strict=True))
+        norm = normalize(Strided(first, tuple(s.stop - s.start for s in src), tuple(strides)), dst)
+        if norm is None:
+            return False
+        job = self.gathers.get(path)
+        if job is None:
+            job = self.gathers[path] = _Job(path, ch, None, item=item, start=0, gather=[])
+        job.gather.append(norm)  # type: ignore[union-attr]
+        return True
 
     async def run(self) -> None:
         """Copy what memory holds (checked), then read every planned chunk (bounded concurrency), then the

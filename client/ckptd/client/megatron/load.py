@@ -216,16 +216,24 @@ async def _fill_model(
     *,
     then: Callable[[ChunkReader], None] | None = None,
 ) -> None:
-    """Read the template's tensors in place, except those inside this rank's in-place main params (an fp32
-    model's params share the grad buffer with them): the optimizer's read writes those. ``then`` adds that
-    read to the same pass. Model tensors that touch the main params (a param across a DP slice's edge)
-    are read first, on their own, so the main params win where they share memory; everything else is read
-    in one pass with the optimizer's (no idle tail between two passes). Every read is added, and so
-    checked, before the first is made."""
+    """Read the template's tensors in place, except where this rank's in-place main params hold them (an
+    fp32 model's params share the grad buffer with them): the optimizer's read writes those. ``then`` adds
+    that read to the same pass. Of a model tensor that the main params hold in part (a param across a DP
+    slice's edge) only the rest is read (:meth:`~.targets.SliceTargets.outside`), in the same pass; where
+    that cannot be split (an odd view; a load from the daemon's memory, which copies whole shards) it is
+    read whole, first, on its own, so the main params win where they share memory. Every read is added,
+    and so checked, before the first is made."""
     shards = [sh for sh in plan_reads(commit, template) if not targets.covers(sh.data)]
     first, rest = ChunkReader(ckpt, commit, memory=memory), ChunkReader(ckpt, commit, memory=memory)
     for sh in shards:  # every read is added (and checked) before any is made
-        (first if then is None or targets.touches(sh.data) else rest).add(sh.key, sh.data, sh.global_offset)
+        touches = targets.touches(sh.data)
+        parts = targets.outside(sh.data) if touches and memory is None else None
+        if parts is not None:
+            for sel, part in parts:
+                offset = tuple(o + x.start for o, x in zip(sh.global_offset, sel, strict=True))
+                (first if then is None else rest).add(sh.key, part, offset)
+            continue
+        (first if then is None or touches else rest).add(sh.key, sh.data, sh.global_offset)
     if then is not None:
         then(rest)
     await first.run()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ckptd.client.gather import Strided
+from ckptd.client.gather import Strided, boxes, monotone
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import bind
 from ckptd.client.megatron.optimizer import padding_gaps
@@ -98,6 +98,36 @@ class SliceTargets:
                 return b > lo
             i -= 1
         return False
+
+    def outside(self, t: torch.Tensor) -> list[tuple[tuple[slice, ...], torch.Tensor]] | None:
+        """The parts of ``t`` that no in-place main param holds: ``(selection, view)`` boxes of ``t``
+        (:func:`~ckptd.client.gather.boxes`). A model param that this rank's slice edge cuts is read there
+        only; the main params' read fills the rest, so the two reads need no order. None where ``t``'s
+        strides do not keep its elements in memory order, or a main param's edge falls inside an element
+        (the caller reads ``t`` whole, before the main params)."""
+        if t.numel() == 0 or not monotone(tuple(t.shape), tuple(t.stride())):
+            return None
+        item, base = t.element_size(), t.data_ptr()
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        covered: list[tuple[int, int]] = []  # element positions from t's first, ascending, merged
+        i = bisect.bisect_left(self._sorted(), base + span * item)
+        while i > 0:
+            d, a, b = self.main_memory[i - 1]
+            i -= 1
+            if d != t.device:
+                continue
+            if b <= base:
+                break
+            if (a - base) % item or (b - base) % item:
+                return None
+            lo, hi = max(0, (a - base) // item), min(span, (b - base) // item)
+            if covered and covered[0][0] == hi:
+                covered[0] = (lo, covered[0][1])
+            else:
+                covered.insert(0, (lo, hi))
+        region = Strided(0, tuple(t.shape), tuple(t.stride()))
+        gaps = zip([0] + [hi for _lo, hi in covered], [lo for lo, _hi in covered] + [span], strict=True)
+        return [(sel, t[sel]) for a, b in gaps if a < b for sel, _block in boxes(region, a, b)]
 
     def _sorted(self) -> list[int]:
         """The main-param ranges' first bytes, ascending (the ranges sorted once, then bisected)."""
