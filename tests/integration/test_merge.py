@@ -145,23 +145,50 @@ def _merged_digest(root: str) -> str:
     return h.hexdigest()
 
 
+def _kill_mid_merge(root: str) -> None:
+    """Run ``ckptd merge`` (one process) and SIGKILL it once its first finished task is recorded. It runs in
+    slices of about a millisecond and is looked at only while stopped, so the kill cannot come after the
+    end (polling a running merge raced it: a small merge can finish between two looks)."""
+    proc = subprocess.Popen(
+        [*CLI, "merge", root, "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    progress = Path(root) / "step_1" / "merged" / "_ckptd" / "_progress"
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGSTOP)
+            os.waitpid(proc.pid, os.WUNTRACED)  # returns once it is stopped
+            if progress.exists() and any(p.suffix == ".json" for p in progress.iterdir()):
+                return
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.001)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_merge_killed_and_rerun_gives_identical_output(start_daemon, tmp_path):
     root, _results = _save(start_daemon, tmp_path, 2, {"overlap_grad_reduce": True, "bucket_size": 3000})
     clean = str(tmp_path / "clean")
     shutil.copytree(root, clean)
     subprocess.run([*CLI, "merge", clean, "--json"], check=True, capture_output=True)
 
-    proc = subprocess.Popen(
-        [*CLI, "merge", root, "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    progress = Path(root) / "step_1" / "merged" / "_ckptd" / "_progress"
-    deadline = time.monotonic() + 60
-    while not (progress.exists() and any(progress.iterdir())) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    _kill_mid_merge(root)
     assert not (Path(root) / "step_1" / "merged" / "_ckptd" / "MERGED").exists(), "the merge finished before the kill"
-    out = json.loads(subprocess.run([*CLI, "merge", root, "--json"], capture_output=True, text=True,
-                                    check=True).stdout)
+    rerun = subprocess.run([*CLI, "merge", root, "--json"], capture_output=True, text=True, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    out = json.loads(rerun.stdout)
     assert out["tasks_skipped"] >= 1
     assert _merged_digest(root) == _merged_digest(clean)
+    # a torn progress note (an earlier release wrote them in place; a kill mid-write left half of one): its
+    # bucket is merged again, the others are skipped, the output is the same
+    torn = str(tmp_path / "torn")
+    shutil.copytree(clean, torn)
+    control = Path(torn) / "step_1" / "merged" / "_ckptd"
+    (control / "MERGED").unlink()
+    notes = sorted((control / "_progress").iterdir())
+    notes[0].write_bytes(notes[0].read_bytes()[: notes[0].stat().st_size // 2])
+    rerun = subprocess.run([*CLI, "merge", torn, "--json"], capture_output=True, text=True, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert json.loads(rerun.stdout)["tasks_skipped"] == len(notes) - 1
+    assert "unreadable" in rerun.stderr and _merged_digest(torn) == _merged_digest(clean)

@@ -1,9 +1,10 @@
 """The fast read path (ckptd.client.fastread): raw chunks read straight into tensors, bit-exact for whole
 and partial chunks (a partial one read piece by piece for every region in it), edge chunks, bfloat16 and
-non-contiguous destinations; a corrupted, truncated or missing chunk raises CorruptCheckpointError. Steps are written by the real writer (no daemon). The same on
-S3 (a moto server on 127.0.0.1): ranged GETs read straight into the tensors, in parts that split chunks
-and their trailers. Strided regions of 1-D arrays (``add_gather``, a TP half of a row-parallel param):
-bit-exact, each chunk read once and checksummed whole, chunks holding none of their elements not read."""
+non-contiguous destinations; a corrupted, truncated or missing chunk raises CorruptCheckpointError. Steps
+are written by the real writer (no daemon). The same on S3 (a moto server on 127.0.0.1): ranged GETs read
+straight into the tensors, in parts that split chunks and their trailers. Strided regions of 1-D arrays
+(``add_gather``, a TP half of a row-parallel param): bit-exact, each chunk read once and checksummed
+whole, chunks holding none of their elements not read."""
 
 from __future__ import annotations
 

@@ -332,7 +332,8 @@ async def run_merge(
             out = await _merge_task(store, sink, prefix, task, plan.arrays)
         doc = {name: [msgspec.to_builtins(r) for r in recs] for name, recs in out.items()}
         await backend.sync_all()  # the bucket's chunks are durable before its progress note claims them
-        await backend.put(f"{merged_progress_dir(n)}/{task.name}.json", encode_json(doc))
+        # created whole or not at all (a merge killed mid-write leaves no torn note)
+        await backend.create(f"{merged_progress_dir(n)}/{task.name}.json", encode_json(doc))
         for name, recs in out.items():
             records.setdefault(name, []).extend(recs)
             written += sum(c.nbytes for r in recs for c in r.chunks)
@@ -399,7 +400,14 @@ async def _finished_tasks(backend: Backend, step: int) -> dict[str, dict[str, li
         data = await backend.get(f"{folder}/{name}")
         if data is None or not name.endswith(".json"):
             continue
-        raw = msgspec.json.decode(data, type=dict[str, list[ShardRecord]])
+        try:
+            raw = msgspec.json.decode(data, type=dict[str, list[ShardRecord]])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # a torn note (written in place by an earlier release, killed mid-write): the task runs again
+            log.warning("step %d: merge progress note %s is unreadable (%s); its bucket is merged again", step,
+                        name, exc)
+            await backend.delete(f"{folder}/{name}")
+            continue
         done[name.removesuffix(".json")] = raw
     return done
 
@@ -436,5 +444,8 @@ async def _commit_merge(
         nbytes=sum(c.nbytes for a in arrays for s in a.shards for c in s.chunks), committed_at=time.time(),
     )
     await backend.sync_all()  # metadata durable before the marker
-    await asyncio.shield(backend.put(merged_marker(commit.step), encode_json(manifest)))
+    # created whole or not at all: a torn marker would make the step unreadable as merged; False only when a
+    # concurrent merge of the step committed first (the same arrays: the merge is deterministic)
+    if not await asyncio.shield(backend.create(merged_marker(commit.step), encode_json(manifest))):
+        log.info("step %d: another merge committed first; its manifest stands", commit.step)
     return manifest
