@@ -29,6 +29,7 @@ from zarr.abc.store import Store
 from ckptd.writer.arrays import array_metadata, write_control_doc, write_group, write_metadata
 from ckptd.writer.errors import (
     CkptdError,
+    CorruptCheckpointError,
     SaveTimeoutError,
     StepAbandonedError,
     StepCommittedError,
@@ -78,12 +79,23 @@ class CheckpointWriter(CheckpointRoot):
         await self.make_durable([key])
 
     async def write_sidecar(self, name: str, text: str) -> bool:
-        """Store a content-addressed document once; False if it was already there."""
+        """Store a content-addressed document once; False if it was already there.
+
+        Created whole or not at all (:meth:`~ckptd.writer.backends.Backend.create`): every later step that
+        names it needs it. One found damaged (torn by a kill mid-write of an earlier release, which wrote it
+        in place) is written again."""
         check_sidecar(name, text)
         key = sidecar_key(name)
-        if await self.backend.exists(key):
+        data = text.encode()
+        found = await self.backend.get(key)
+        if found == data:
             return False
-        await self.backend.put(key, text.encode())
+        if found is not None:
+            log.warning("sidecar %s under %s is damaged (%d bytes of %d); writing it again", name, self.url,
+                        len(found), len(data))
+            await self.backend.delete(key)
+        if not await self.backend.create(key, data):
+            raise CorruptCheckpointError(f"sidecar {name} under {self.url}: another writer stored other bytes")
         await self.make_durable([key])
         return True
 
