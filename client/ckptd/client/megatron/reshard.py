@@ -338,13 +338,8 @@ def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None
     """The intersection of two pieces' regions of one model array, or None."""
     if a.global_shape != b.global_shape or len(a.global_offset) != len(b.global_offset):
         return None
-    out = []
-    for ra, rb in zip(a.region(), b.region(), strict=True):
-        lo, hi = max(ra.start, rb.start), min(ra.stop, rb.stop)
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
+    whole = tuple((0, n) for n in a.stored_shape)
+    return _intersect(whole, a.global_offset, tuple((r.start, r.stop) for r in b.region()))
 
 
 def _cover(piece: ModelPiece, found: list[_SavedPiece]) -> list[_SavedPiece]:
