@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ from ckptd.testing.fixtures import unavailable
 from ckptd.writer.backends import open_backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import StorageError, StorageFullError
-from ckptd.writer.format import FORMAT_VERSION, PartManifest, encode_json
+from ckptd.writer.format import FORMAT_VERSION, PartManifest, encode_json, latest_key
 
 pytestmark = pytest.mark.timeout(300)
 MiB = 1 << 20
@@ -180,5 +181,41 @@ def test_disk_full_during_part_manifest_and_marker_writes(tiny_fs: Path) -> None
                 topup.unlink()
             await w.commit(2, 1, timeout=5)
             assert await w.committed_steps() == [1, 2] and await w.latest() == 2
+
+    asyncio.run(run())
+
+
+def test_disk_full_mid_write_leaves_the_earlier_part_and_latest_whole(tiny_fs: Path) -> None:
+    """A part manifest or ``latest`` that the disk cannot hold fails with :class:`StorageFullError` and
+    leaves the earlier one as it was: a torn part would stop every later commit of the step (it does not
+    decode), a torn ``latest`` would read as no step."""
+    root = tiny_fs / "ckpt"
+
+    async def run() -> None:
+        async with await open_backend(str(root)) as backend:
+            w = CheckpointWriter(backend)
+            await w.write_part(_part(1))
+            await w.commit(1, 1, timeout=5)
+            earlier = _part(2)  # an earlier attempt's part of step 2
+            await w.write_part(earlier)
+
+            filler = fill(tiny_fs, leave=8 * 1024)  # room for part of the new part, not all of it
+            bigger = msgspec.structs.replace(earlier, objects={"0": {"step": 2, "pad": "y" * (64 * 1024)}})
+            with pytest.raises(StorageFullError):
+                await w.write_part(bigger)
+            assert await w.read_parts(2) == {0: earlier}
+            topups = _fill_until_settled(tiny_fs)
+            with pytest.raises(StorageFullError):
+                await backend.replace(latest_key(), b"2")
+            assert await w.latest_hint() == 1
+            assert _tmp_leftovers(root) == []
+
+            filler.unlink()
+            for topup in topups:
+                topup.unlink()
+            await w.write_part(bigger)
+            assert await w.read_parts(2) == {0: bigger}
+            await w.commit(2, 1, timeout=5)
+            assert await w.latest_hint() == 2 and await w.latest() == 2
 
     asyncio.run(run())

@@ -73,10 +73,10 @@ class CheckpointWriter(CheckpointRoot):
             await self.backend.sync(keys, files=not synced)
 
     async def write_part(self, part: PartManifest) -> None:
-        """This node's part manifest; durable before it returns (it claims the node's data)."""
-        key = part_key(part.step, part.node)
-        await self.backend.put(key, encode_json(part))
-        await self.make_durable([key])
+        """This node's part manifest; durable before it returns (it claims the node's data). Written whole
+        (:meth:`~ckptd.writer.backends.Backend.replace`): a daemon killed, or a disk filled, mid-write leaves
+        the earlier part or none, never a torn one that the coordinator would stop at."""
+        await self.backend.replace(part_key(part.step, part.node), encode_json(part))
 
     async def write_sidecar(self, name: str, text: str) -> bool:
         """Store a content-addressed document once; False if it was already there.
@@ -163,9 +163,12 @@ class CheckpointWriter(CheckpointRoot):
         key = commit_marker(step)
         if not await self.backend.create(key, data):
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
-        current = await self.latest_hint()
-        if current is None or step >= current:
-            await self.backend.put(latest_key(), str(step).encode())
+        try:  # only a hint: the step is committed whatever happens to it (readers trust the markers)
+            current = await self.latest_hint()
+            if current is None or step >= current:
+                await self.backend.replace(latest_key(), str(step).encode())
+        except CkptdError as exc:
+            log.warning("step %d is committed under %s, but its 'latest' hint was not moved: %s", step, self.url, exc)
 
     async def mark_failed(self, step: int, error: BaseException, **extra: object) -> None:
         """Tell the other nodes' daemons at once that this step will never commit (they stop waiting);

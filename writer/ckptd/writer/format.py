@@ -106,6 +106,9 @@ def part_name(node: int) -> str:
     return f"{PARTS_DIR}/node-{node}.json"
 
 
+PART_FILE_RE = re.compile(r"node-(0|[1-9][0-9]*)\.json")  # a part's name in its folder (part_name's tail)
+
+
 def control_dir(group: str = "", version: int = FORMAT_VERSION) -> str:
     """The folder holding the control objects of a group (``""``: the root): ``<group>/_ckptd`` since
     format 2, the group's own folder in format 1. Its ``zarr.json`` makes it an empty array."""

@@ -29,6 +29,7 @@ from ckptd.writer.format import (
     COMMIT_MARKER,
     CONTROL_LAYOUTS,
     FORMAT_VERSION,
+    PART_FILE_RE,
     CommitManifest,
     PartManifest,
     check_sidecar,
@@ -138,14 +139,22 @@ class CheckpointRoot:
             raise CorruptCheckpointError(f"step {step}: unreadable {COMMIT_MARKER}: {exc}") from exc
 
     async def read_parts(self, step: int) -> dict[int, PartManifest]:
-        """The node part manifests present for ``step``, by node."""
+        """The node part manifests present for ``step``, by node (other names in the folder, such as a
+        part being written aside, are not parts). One that does not decode (torn by a kill mid-write of a
+        release that wrote parts in place) raises :class:`CorruptCheckpointError` naming it."""
         prefix = parts_dir(step, FORMAT_VERSION)
-        names = await self.backend.list_dir(prefix)
+        names = [n for n in await self.backend.list_dir(prefix) if PART_FILE_RE.fullmatch(n)]
         found = await bounded_map(lambda n: self.backend.get(f"{prefix}/{n}"), names, limit=READ_CONCURRENCY)
         parts: dict[int, PartManifest] = {}
-        for data in found:
+        for name, data in zip(names, found, strict=True):
             if data is not None:
-                part = decode_part(data)
+                try:
+                    part = decode_part(data)
+                except msgspec.DecodeError as exc:
+                    raise CorruptCheckpointError(
+                        f"step {step}: part manifest {prefix}/{name} under {self.url} is damaged ({len(data)} "
+                        f"bytes: {exc}); delete it and save the step again"
+                    ) from exc
                 parts[part.node] = part
         return parts
 

@@ -154,6 +154,12 @@ class Backend(ABC):
         except Exception as exc:
             raise self.error(exc) from exc
 
+    async def replace(self, key: str, data: bytes) -> None:
+        """Write (or overwrite) one object whole: a reader sees the old bytes or the new, never part of them,
+        even when the writer dies mid-write. An object store's PUT is whole (the default); a local file is
+        written aside, made durable and renamed into place (:class:`~.local.LocalBackend`)."""
+        await self.put(key, data)
+
     async def put_body(self, key: str, body: bytearray) -> None:
         """Write a large object the backend may send without further copies (default: :meth:`put`)."""
         await self.put(key, bytes(body))

@@ -13,7 +13,7 @@ import ctypes
 import errno
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import fsspec
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -57,6 +57,12 @@ class LocalBackend(Backend):
     async def create(self, key: str, data: bytes) -> bool:
         try:
             return await asyncio.to_thread(_link_into_place, os.path.join(self._path, key), data)
+        except OSError as exc:
+            raise self.error(exc) from exc
+
+    async def replace(self, key: str, data: bytes) -> None:
+        try:
+            await asyncio.to_thread(_rename_into_place, os.path.join(self._path, key), data)
         except OSError as exc:
             raise self.error(exc) from exc
 
@@ -119,25 +125,43 @@ def _no_space(exc: BaseException | None) -> int | None:
 
 
 def _link_into_place(path: str, data: bytes) -> bool:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """Create-once: ``data`` written aside and durable, then hard-linked to ``path`` (fails if it exists)."""
+    with _aside(path, data) as tmp:
         try:
             os.link(tmp, path)
         except FileExistsError:
             with open(path, "rb") as fh:
                 return fh.read() == data
+    _fsync_path(os.path.dirname(path))
+    return True
+
+
+def _rename_into_place(path: str, data: bytes) -> None:
+    """Overwrite whole: ``data`` written aside and durable, then renamed over ``path``."""
+    with _aside(path, data) as tmp:
+        os.replace(tmp, path)
+    _fsync_path(os.path.dirname(path))
+
+
+@contextlib.contextmanager
+def _aside(path: str, data: bytes) -> Iterator[str]:
+    """A durable file holding ``data`` next to ``path`` (``<name>.<hex>.tmp``: readers skip such names),
+    removed on the way out unless it was renamed away."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        yield tmp
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    _fsync_path(os.path.dirname(path))
-    return True
 
 
 def _fsync_path(path: str) -> None:

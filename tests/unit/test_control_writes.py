@@ -1,0 +1,91 @@
+"""The control objects a commit rewrites (a node's part manifest, the ``latest`` hint) are replaced whole:
+a reader sees the old bytes or the new. What is left by an earlier release that wrote them in place is
+reported by name (a torn part) or ignored (a torn ``latest``: only a hint); a write aside is never taken
+for a part; and a ``latest`` that cannot be moved does not turn a committed step into a failed one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptd.testing.fixtures import BUCKET
+from ckptd.writer import format as fmt
+from ckptd.writer.backends import Backend, open_backend
+from ckptd.writer.commit import CheckpointWriter
+from ckptd.writer.errors import CorruptCheckpointError, StorageFullError
+
+
+def _part(step: int, pad: int = 16) -> fmt.PartManifest:
+    return fmt.PartManifest(fmt.FORMAT_VERSION, step, 0, 1, 1, [0], [], {"0": {"pad": "x" * pad}}, 0, time.time())
+
+
+def _run(url: str, options: dict[str, object] | None, body: object) -> None:
+    async def go() -> None:
+        async with await open_backend(url, options, create=True) as backend:
+            await body(backend, CheckpointWriter(backend))  # type: ignore[operator]
+
+    asyncio.run(go())
+
+
+async def _rewrites(backend: Backend, w: CheckpointWriter) -> None:
+    first, second = _part(1), _part(1, pad=5000)
+    await w.write_part(first)
+    await w.write_part(second)  # a second attempt of the step: replaced, not appended to or mixed
+    assert await w.read_parts(1) == {0: second}
+    await w.write_part(first)
+    assert await w.read_parts(1) == {0: first}
+    await w.commit(1, 1, timeout=5)
+    assert await w.latest_hint() == 1
+
+
+def test_parts_and_latest_are_replaced_whole(tmp_path: Path) -> None:
+    _run(str(tmp_path / "root"), None, _rewrites)
+    assert sorted(p.name for p in (tmp_path / "root").rglob("*.tmp")) == []
+
+
+@pytest.mark.s3
+def test_parts_and_latest_are_replaced_whole_on_s3(s3_options: dict[str, object]) -> None:
+    _run(f"s3://{BUCKET}/control-writes", s3_options, _rewrites)
+
+
+def test_a_torn_part_is_named_and_a_write_aside_is_not_a_part(tmp_path: Path) -> None:
+    async def body(backend: Backend, w: CheckpointWriter) -> None:
+        whole = fmt.encode_json(_part(3))
+        folder = fmt.parts_dir(3)
+        # a part being written aside (or left by a kill before its rename) is not read as a part
+        await backend.put(f"{folder}/node-0.json.0123abcd.tmp", whole[:7])
+        assert await w.read_parts(3) == {}
+        await backend.put(fmt.part_key(3, 0), whole)
+        assert (await w.read_parts(3))[0] == fmt.decode_part(whole)
+        # torn in place (an earlier release wrote parts in place): a typed error naming it, not a decode error
+        await backend.put(fmt.part_key(3, 0), whole[: len(whole) // 2])
+        with pytest.raises(CorruptCheckpointError, match=r"node-0\.json.*damaged"):
+            await w.read_parts(3)
+
+    _run(str(tmp_path / "root"), None, body)
+
+
+def test_latest_that_cannot_be_moved_leaves_the_step_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body(backend: Backend, w: CheckpointWriter) -> None:
+        await w.write_part(_part(1))
+        await w.commit(1, 1, timeout=5)
+        await w.write_part(_part(2))
+
+        async def full(key: str, data: bytes) -> None:
+            raise StorageFullError(f"{key}: no space left (injected)")
+
+        backend.replace = full  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="ckptd.writer.commit"):
+            manifest = await w.commit(2, 1, timeout=5)
+        assert manifest.step == 2 and await w.is_committed(2)
+        assert await w.latest() == 2  # the markers say so; the hint lags
+        assert await w.latest_hint() == 1
+        assert "step 2 is committed" in caplog.text and "latest" in caplog.text
+
+    _run(str(tmp_path / "root"), None, body)
