@@ -12,7 +12,7 @@ way. Each rank reads only the params its slices touch. Nothing here imports mega
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -241,30 +241,61 @@ def plan_dp_slices(
     # 2. every state of every param at once: each stored chunk that holds any element this rank needs is read
     # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
     # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
+    # The reads are the same for every state but for the arrays' names and the slices they land in: worked
+    # out once, on a meta tensor of the slice's size, then made views of each state's slice.
     planned = SliceRead(commit, slices)
-    overlaps = {(id(piece), id(sp)): _overlapping(piece, sp) for _b, _k, touched in plans
-                for _p, sources in touched for piece, sp in sources}
-    where: dict[tuple[int, tuple[tuple[int, int], ...]], Strided] = {}
-    for state in states:
-        for buf, bucket, touched in plans:
+    for buf, bucket, touched in plans:
+        s = buf.slice_numel(bucket)
+        lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
+        meta = torch.empty(s, device="meta")
+        reads: list[tuple[str, tuple[int, ...], tuple[int, ...], int, Strided]] = []
+        for p, sources in touched:
+            if _scrambled(p, bucket.start, lo, hi):  # a scratch copy per state (no Megatron piece)
+                for state in states:
+                    out = slices[layout.bucket_key(buf, bucket, state)]
+                    for prefix, dst, src in _param_reads(p, sources, out, bucket.start, lo, hi, planned):
+                        planned.gathers.append((prefix + state, dst, src))
+                continue
+            for prefix, dst, src in _param_reads(p, sources, meta, bucket.start, lo, hi, planned):
+                reads.append((prefix, tuple(dst.shape), dst.stride(), int(dst.storage_offset()), src))
+        for state in states:
             out = slices[layout.bucket_key(buf, bucket, state)]
-            s = buf.slice_numel(bucket)
-            lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
-            for p, sources in touched:
-                places = dict(zip(map(id, p.model_pieces), _places(p, out, bucket.start, lo, hi, planned), strict=True))
-                for piece, sp in sources:
-                    inter = overlaps[(id(piece), id(sp))]
-                    for box, dst in places[id(piece)]:
-                        part = _intersect(box, piece.global_offset, inter)  # what sp holds of this part
-                        if part is None:
-                            continue
-                        sel = tuple(slice(x - o - b0, y - o - b0)
-                                    for (x, y), o, (b0, _b1) in zip(part, piece.global_offset, box, strict=True))
-                        src = where.get((id(sp), part))
-                        if src is None:  # the same for every state
-                            src = where[(id(sp), part)] = _saved_elements(sp, part)
-                        planned.gathers.append((sp.prefix + state, dst[sel], src))
+            base = out.storage_offset()
+            planned.gathers += [(prefix + state, out.as_strided(shape, stride, base + at), src)
+                                for prefix, shape, stride, at, src in reads]
     return planned
+
+
+def _param_reads(
+    p: ParamLayout,
+    sources: list[tuple[ModelPiece, _SavedPiece]],
+    out: torch.Tensor,
+    bucket_start: int,
+    lo: int,
+    hi: int,
+    planned: SliceRead,
+) -> Iterator[tuple[str, torch.Tensor, Strided]]:
+    """``p``'s part of the slice ``out``, as reads from the saved pieces that cover it: (saved bucket's key
+    prefix, destination view of ``out``, elements of that bucket)."""
+    places = dict(zip(map(id, p.model_pieces), _places(p, out, bucket_start, lo, hi, planned), strict=True))
+    for piece, sp in sources:
+        inter = _overlapping(piece, sp)
+        for box, dst in places[id(piece)]:
+            part = _intersect(box, piece.global_offset, inter)  # what sp holds of this part
+            if part is None:
+                continue
+            sel = tuple(slice(x - o - b0, y - o - b0)
+                        for (x, y), o, (b0, _b1) in zip(part, piece.global_offset, box, strict=True))
+            yield sp.prefix, dst[sel], _saved_elements(sp, part)
+
+
+def _scrambled(p: ParamLayout, bucket_start: int, lo: int, hi: int) -> bool:
+    """Whether ``p`` straddles the slice ``[lo, hi)`` with a piece view that does not keep the param's
+    element order: :func:`_places` assembles it in a scratch tensor."""
+    a, b = p.start - bucket_start, p.end - bucket_start
+    if (max(a, lo), min(b, hi)) == (a, b):
+        return False
+    return not all(monotone(piece.view_shape, piece.view_stride) for piece in p.model_pieces)
 
 
 def _places(
