@@ -40,7 +40,7 @@ from ckptd.client.state import dtype_name
 from ckptd.writer.arrays import chunk_selection, full_chunk, open_array, read_region
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError, StorageNotFoundError
-from ckptd.writer.fanout import bounded_map
+from ckptd.writer.fanout import bounded_map, in_thread
 from ckptd.writer.format import (
     ArrayRecord,
     ChunkRecord,
@@ -279,7 +279,7 @@ class ChunkReader:
     async def _copy_from_memory(
         self, item: tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]
     ) -> bool:
-        return await asyncio.to_thread(self._copy_checked, *item)
+        return await in_thread(self._copy_checked, *item)
 
     def _copy_checked(
         self, key: str, dst: torch.Tensor, offset: tuple[int, ...], hit: RestoreShard, stored: ShardRecord
@@ -321,7 +321,7 @@ class ChunkReader:
 
     async def _one(self, job: _Job) -> None:
         if self.local_root is not None:
-            await asyncio.to_thread(_read_local, os.path.join(self.local_root, job.path), job)
+            await in_thread(_read_local, os.path.join(self.local_root, job.path), job)
             return
         await self._read_ranged(job)
 
@@ -355,7 +355,7 @@ class ChunkReader:
         if held is not None:
             what = "fewer" if held < 0 else str(held)
             raise CorruptCheckpointError(f"{job.path}: chunk holds {what} bytes, the manifest recorded {nbytes}+{_CRC}")
-        await asyncio.to_thread(_verify, job, body, bytes(trailer))
+        await in_thread(_verify, job, body, bytes(trailer))
 
 
 def _copy_crc(dst: np.ndarray, src: np.ndarray, start: int, stop: int) -> int:

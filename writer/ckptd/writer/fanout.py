@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+import threading
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,3 +46,32 @@ def first_error(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
+
+
+#: worker threads of the process-wide pool :func:`in_thread` runs on
+POOL_THREADS = 8
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads: it starts its own pool
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+async def in_thread(fn: Callable[..., R], /, *args: object) -> R:
+    """``await asyncio.to_thread(fn, *args)`` on one pool of :data:`POOL_THREADS` threads kept for the
+    process's life. A synchronous load runs its own event loop (:func:`~ckptd.writer.sync.run_sync`), whose
+    default pool would start its threads on the load's first reads and join them at its end: milliseconds
+    of every load on a busy host. Idle threads cost nothing; they end with the interpreter."""
+    global _pool
+    pool = _pool
+    if pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="ckptd-io")
+            pool = _pool
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
