@@ -31,6 +31,7 @@ from ckptd.client.megatron import (
     save_checkpoint,
 )
 from ckptd.client.megatron.layout import cached_plan
+from ckptd.client.megatron.model import model_template
 from ckptd.client.reader import read_commit, read_sidecar
 from ckptd.testing.fixtures import megatron_owned_state
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks, spawn_with_daemon
@@ -187,6 +188,25 @@ def _resume_fresh(rank: int, world: int, root: str, build: dict[str, Any]) -> di
     return {"after": after, "final": _model_snapshot(model)}
 
 
+def _reload_into_replaced_params(rank: int, world: int, root: str, build: dict[str, Any]) -> int:
+    """Load twice (the second reuses the model template), then replace two params' ``.data`` and load
+    again: the new tensors are filled, not the old ones the kept template viewed."""
+    from megatron.core.utils import unwrap_model
+
+    model, optimizer, _train_step = build_gpt(**build, seed=4321, data_seed=1234)
+    load_checkpoint(root, K, model, optimizer)
+    loaded = _model_snapshot(model)
+    first = model_template(model)
+    assert all(a is b for a, b in zip(first.values(), model_template(model).values(), strict=True))
+    params = dict(unwrap_model(model[0]).named_parameters())
+    replaced = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc2.weight"]
+    for name in replaced:
+        params[name].data = torch.full_like(params[name], 7.0)
+    load_checkpoint(root, K, model, optimizer)
+    assert all(not torch.equal(params[n], torch.full_like(params[n], 7.0)) for n in replaced)
+    return _assert_same(loaded, _model_snapshot(model), f"rank{rank}")
+
+
 def _load_other_dp(rank: int, world: int, root: str, build: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, train_step = build_gpt(**build, seed=4321, data_seed=1234)
     train_step(0)  # live state exists and must be replaced
@@ -294,6 +314,10 @@ def test_resume_in_fresh_processes_matches_the_uninterrupted_run(saved_run: dict
     for r, ref in zip(resumed, saved_run["results"], strict=True):
         assert r["after"] == ref["after"]  # bit-exact float losses
         _assert_same(ref["final"], r["final"], "final params")
+
+
+def test_a_reload_fills_params_whose_data_was_replaced(saved_run: dict[str, Any]) -> None:
+    assert all(n > 20 for n in spawn_ranks(_reload_into_replaced_params, 2, saved_run["root"], MULTIBUCKET))
 
 
 @pytest.mark.parametrize("loaded_dp", [1, 4])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -79,11 +81,30 @@ def model_state(
 
 
 def model_template(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Shard]:
-    """Every model tensor of this rank as a Shard whose data is a view of the live tensor (no copy)."""
+    """Every model tensor of this rank as a Shard whose data is a view of the live tensor (no copy).
+
+    Built once per set of chunks and kept while every param and buffer is the tensor it was (the same
+    objects, addresses, shapes and dtypes; the kept views hold the old tensors, so no new one can take an
+    old address): Megatron's ``sharded_state_dict()`` walk is milliseconds of every load."""
     modules = [introspect.unwrap(c) for c in model_chunks]  # (DDP's ``buffers`` attribute shadows Module.buffers)
-    storages = {
-        t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *torch.nn.Module.buffers(m))
-    }
+    tensors = [t for m in modules for t in (*m.parameters(), *torch.nn.Module.buffers(m))]
+    signature = (tuple(map(id, model_chunks)), tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors)),
+                 tuple(map(_SHAPE, tensors)), tuple(map(_DTYPE, tensors)))
+    held = _TEMPLATES.get(model_chunks[0]) if model_chunks else None
+    if held is not None and held[0] == signature:
+        return dict(held[1])
+    template = _build_template(model_chunks, {t.untyped_storage().data_ptr() for t in tensors})
+    if model_chunks:
+        _TEMPLATES[model_chunks[0]] = (signature, template)
+    return dict(template)
+
+
+_TEMPLATES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, dict[str, Shard]]] = weakref.WeakKeyDictionary()
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _build_template(model_chunks: Sequence[torch.nn.Module], storages: set[int]) -> dict[str, Shard]:
     template = {}
     for path, leaf in model_state(model_chunks, split_replicas=False).items():
         if not isinstance(leaf, Shard):
