@@ -210,9 +210,9 @@ def _gather_case() -> tuple[list[tuple[str, torch.Tensor, Strided]], list[torch.
 def test_gathered_regions_are_bit_exact_and_every_read_chunk_is_checked(
     root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptd.client import fastread
+    from ckptd.client import chunkio, fastread
 
-    monkeypatch.setattr(fastread, "_PIECE", 40)  # pieces that cut rows; runs of >= 8 bytes read into place
+    monkeypatch.setattr(chunkio, "PIECE", 40)  # pieces that cut rows; runs of >= 8 bytes read into place
     monkeypatch.setattr(fastread, "_RUN", 8)
     regions, pairs = _gather_case()
     _gather(root, regions)

@@ -26,14 +26,13 @@ import asyncio
 import math
 import os
 import sys
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ckptd.client.gather import Strided, normalize, scatter
+from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, copy_crc, read_local, verify
+from ckptd.client.gather import Strided, normalize
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
 from ckptd.client.state import dtype_name
@@ -57,27 +56,7 @@ from ckptd.writer.root import CheckpointRoot
 CHUNK_CONCURRENCY = 8
 #: the largest ranged GET on object stores: a chunk is fetched in parts of this size, concurrently
 PART_BYTES = 8 << 20
-_CRC = 4
-_PIECE = 1 << 20  # read + checksum granularity (fits the CPU cache)
 _RUN = 64 << 10  # a gathered region's contiguous run at least this long is read straight into place
-
-
-@dataclass
-class _Job:
-    path: str  # the chunk object's key, relative to the root
-    chunk: ChunkRecord
-    direct: np.ndarray | None  # uint8 view of the destination run the whole chunk fills, or None
-    dst: np.ndarray | None = None  # scratch case: the destination block (typed view) ...
-    src: tuple[slice, ...] = ()  # ... and the part of the chunk that lands there
-    chunk_shape: tuple[int, ...] = ()
-    item: int = 1
-    # gather case (:meth:`ChunkReader.add_gather`): the chunk's first element in its 1-D array, and the
-    # (region, destination) pairs it holds elements of; read piece by piece through a scratch buffer
-    start: int = 0
-    gather: list[tuple[Strided, np.ndarray]] | None = None
-    # ... of which (local reads) the long runs read straight into place: (first byte, end, destination bytes)
-    runs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
-    scattered: list[tuple[Strided, np.ndarray]] = field(default_factory=list)  # ... and the rest
 
 
 class ChunkReader:
@@ -95,14 +74,14 @@ class ChunkReader:
         self.concurrency = concurrency
         self.part_bytes = max(1, part_bytes)
         self._gets: asyncio.Semaphore | None = None  # ranged GETs in flight (object stores), made in run()
-        self.jobs: list[_Job] = []
+        self.jobs: list[Job] = []
         self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
         self.fast_bytes = 0
         # in-memory restore: regions that are exactly a shard the daemon kept are copied from its arena
         self.memory = memory if memory is not None and memory.step == commit.step else None
         self.from_memory: list[tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]] = []
-        self.gathers: dict[str, _Job] = {}  # chunk path -> the regions it holds elements of
+        self.gathers: dict[str, Job] = {}  # chunk path -> the regions it holds elements of
         self._chunks: dict[str, dict[int, ChunkRecord]] = {}  # 1-D array -> its chunks by index
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
@@ -143,9 +122,9 @@ class ChunkReader:
 
         Every stored chunk holding any of them is read once for all the regions added before :meth:`run`
         (and checksummed whole); a chunk that one contiguous region fills entirely is read straight into the
-        destination, any other piece by piece through a scratch buffer of :data:`_PIECE` bytes that stays
-        in the CPU cache, from which :func:`~ckptd.client.gather.scatter` copies each region's elements into
-        place. Chunks holding none are not read."""
+        destination, any other piece by piece through a scratch buffer of :data:`~ckptd.client.chunkio.PIECE`
+        bytes that stays in the CPU cache, from which :func:`~ckptd.client.gather.scatter` copies each
+        region's elements into place. Chunks holding none are not read."""
         rec = self.arrays[key]
         if len(rec.shape) != 1 or region.offset < 0 or region.stop > rec.shape[0]:
             raise StateMismatchError(f"{key}: elements [{region.offset}, {region.stop}) lie outside {tuple(rec.shape)}")
@@ -176,11 +155,11 @@ class ChunkReader:
             path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
             job = self.gathers.get(path)
             if job is None:
-                job = self.gathers[path] = _Job(path, ch, None, item=item, start=c * size, gather=[])
+                job = self.gathers[path] = Job(path, ch, None, item=item, start=c * size, gather=[])
             job.gather.append(norm)  # type: ignore[union-attr]
         self.fast_bytes += region.numel * item
 
-    def _gather_jobs(self) -> list[_Job]:
+    def _gather_jobs(self) -> list[Job]:
         """The gather jobs: a chunk that one contiguous region fills whole becomes a direct read; in the
         others, a region's long contiguous run that no other region's span touches is read straight into
         place (``runs``), the rest goes through the scratch piece (``scattered``)."""
@@ -198,7 +177,7 @@ class ChunkReader:
                     continue
                 run = dst.reshape(-1)[lo - region.offset : hi - region.offset].view(np.uint8)
                 if (lo, hi) == (job.start, end):  # the whole chunk
-                    job = _Job(job.path, job.chunk, run)
+                    job = Job(job.path, job.chunk, run)
                     break
                 job.runs.append(((lo - job.start) * job.item, (hi - job.start) * job.item, run))
             job.runs.sort(key=lambda r: r[0])
@@ -219,17 +198,17 @@ class ChunkReader:
                 path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
                 whole = all(a == s.start and b == s.stop for a, b, s in zip(lo, hi, ext, strict=True))
                 rel = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
-                run = _contiguous_run(rel, local) if whole else None
+                run = contiguous_run(rel, local) if whole else None
                 if run is not None and run[1] * item == ch.nbytes:
                     start, count = run
-                    self.jobs.append(_Job(path, ch, flat[start * item : (start + count) * item]))
+                    self.jobs.append(Job(path, ch, flat[start * item : (start + count) * item]))
                 else:
                     src = tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, ext, strict=True))
                     shape = tuple(s.stop - s.start for s in ext)
                     if math.prod(rec.chunks) * item == ch.nbytes:  # an edge chunk stored at full size (zarr)
                         shape = tuple(rec.chunks)
                     if not self._gather_part(path, ch, typed[rel], src, shape, item):
-                        self.jobs.append(_Job(path, ch, None, typed[rel], src, shape, item))
+                        self.jobs.append(Job(path, ch, None, typed[rel], src, shape, item))
                 self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
 
     def _gather_part(
@@ -248,7 +227,7 @@ class ChunkReader:
             return False
         job = self.gathers.get(path)
         if job is None:
-            job = self.gathers[path] = _Job(path, ch, None, item=item, start=0, gather=[])
+            job = self.gathers[path] = Job(path, ch, None, item=item, start=0, gather=[])
         job.gather.append(norm)  # type: ignore[union-attr]
         return True
 
@@ -297,12 +276,12 @@ class ChunkReader:
         rels = [(ch, tuple(slice(s.start - o, s.stop - o) for s, o in
                            zip(chunk_selection(ch.coords, rec.chunks, rec.shape), offset, strict=True)))
                 for ch in stored.chunks]
-        runs = [_contiguous_run(rel, tuple(dst.shape)) for _ch, rel in rels]
+        runs = [contiguous_run(rel, tuple(dst.shape)) for _ch, rel in rels]
         if all(run is not None and run[1] * item == ch.nbytes for (ch, _rel), run in zip(rels, runs, strict=True)):
             # each chunk one run: copy and checksum piece by piece, in cache
             for (ch, _rel), run in zip(rels, runs, strict=True):
                 start, stop = run[0] * item, (run[0] + run[1]) * item  # type: ignore[index]
-                if _copy_crc(flat, src, start, stop) != ch.crc32c:
+                if copy_crc(flat, src, start, stop) != ch.crc32c:
                     return False
         else:
             flat[:] = src
@@ -319,18 +298,18 @@ class ChunkReader:
             dst.copy_(target)
         return True
 
-    async def _one(self, job: _Job) -> None:
+    async def _one(self, job: Job) -> None:
         if self.local_root is not None:
-            await in_thread(_read_local, os.path.join(self.local_root, job.path), job)
+            await in_thread(read_local, os.path.join(self.local_root, job.path), job)
             return
         await self._read_ranged(job)
 
-    async def _read_ranged(self, job: _Job) -> None:
+    async def _read_ranged(self, job: Job) -> None:
         """Object stores: the chunk and its trailer in ranged GETs of at most ``part_bytes``, each body read
         straight into the destination run (or a scratch chunk), then the crc32c in a worker thread."""
-        nbytes, size = job.chunk.nbytes, job.chunk.nbytes + _CRC
+        nbytes, size = job.chunk.nbytes, job.chunk.nbytes + CRC_BYTES
         scratch = job.direct if job.direct is not None else np.empty(nbytes, dtype=np.uint8)
-        body, trailer = scratch.data, bytearray(_CRC)
+        body, trailer = scratch.data, bytearray(CRC_BYTES)
         tail = memoryview(trailer)
         if self._gets is None:
             self._gets = asyncio.Semaphore(self.concurrency)
@@ -354,146 +333,8 @@ class ChunkReader:
         held = next((n for n in sizes if n is not None and n != size), None)
         if held is not None:
             what = "fewer" if held < 0 else str(held)
-            raise CorruptCheckpointError(f"{job.path}: chunk holds {what} bytes, the manifest recorded {nbytes}+{_CRC}")
-        await in_thread(_verify, job, body, bytes(trailer))
-
-
-def _copy_crc(dst: np.ndarray, src: np.ndarray, start: int, stop: int) -> int:
-    """Copy bytes ``[start, stop)`` of ``src`` into ``dst`` and return the crc32c of the copy, computed piece
-    by piece while each copied piece is still in the CPU cache."""
-    crc = 0
-    for a in range(start, stop, _PIECE):
-        b = min(a + _PIECE, stop)
-        dst[a:b] = src[a:b]
-        crc = crc32c(dst[a:b].data, crc)
-    return int(crc)
-
-
-def _contiguous_run(rel: Sequence[slice], shape: Sequence[int]) -> tuple[int, int] | None:
-    """``(first element, count)`` when the block ``rel`` of a C-ordered ``shape`` is one contiguous run."""
-    n = len(shape)
-    k = 0
-    while k < n - 1 and rel[k].stop - rel[k].start == 1:
-        k += 1
-    if any(rel[j].start != 0 or rel[j].stop != shape[j] for j in range(k + 1, n)):
-        return None
-    start = 0
-    for s, dim in zip(rel, shape, strict=True):
-        start = start * dim + s.start
-    return start, math.prod(s.stop - s.start for s in rel)
-
-
-def _check(job: _Job, data: memoryview, trailer: bytes, crc: int | None = None) -> None:
-    want = job.chunk.nbytes
-    if data.nbytes != want or len(trailer) != _CRC:
-        raise CorruptCheckpointError(
-            f"{job.path}: chunk holds {data.nbytes + len(trailer)} bytes, the manifest recorded {want} + {_CRC}"
-        )
-    _check_crc(job, int(crc32c(data)) if crc is None else crc, trailer)
-
-
-def _check_crc(job: _Job, crc: int, trailer: bytes) -> None:
-    stored = int.from_bytes(trailer, "little")
-    if crc != stored or crc != job.chunk.crc32c:
-        raise CorruptCheckpointError(
-            f"{job.path}: stored bytes have crc32c {crc:#010x}; the chunk's trailer says {stored:#010x} and the "
-            f"manifest {job.chunk.crc32c:#010x}"
-        )
-
-
-def _read_local(path: str, job: _Job) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: chunk missing") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != job.chunk.nbytes + _CRC:
             raise CorruptCheckpointError(
-                f"{path}: chunk holds {size} bytes, the manifest recorded {job.chunk.nbytes} + {_CRC}"
+                f"{job.path}: chunk holds {what} bytes, the manifest recorded {nbytes}+{CRC_BYTES}"
             )
-        trailer = bytearray(_CRC)
-        _preadv_all(fd, [memoryview(trailer)], path, job.chunk.nbytes)
-        if job.gather is not None:
-            _check_crc(job, _read_gather(fd, path, job), bytes(trailer))
-            return
-        scratch = job.direct if job.direct is not None else np.empty(job.chunk.nbytes, dtype=np.uint8)
-        body = scratch.data
-        # read and checksum piece by piece: each piece is checksummed while it is still in the CPU cache
-        crc, pos = 0, 0
-        while pos < body.nbytes:
-            piece = body[pos : pos + _PIECE]
-            _preadv_all(fd, [piece], path, pos)
-            crc = crc32c(piece, crc)
-            pos += piece.nbytes
-    finally:
-        os.close(fd)
-    _check(job, body, bytes(trailer), crc)
-    if job.direct is None:
-        _scatter(job, body)
+        await in_thread(verify, job, body, bytes(trailer))
 
-
-_local = threading.local()  # each worker thread's scratch piece, kept: its pages stay touched and cached
-
-
-def _read_gather(fd: int, path: str, job: _Job) -> int:
-    """Read a gather job's chunk piece by piece — its long runs straight into place, the rest into this
-    thread's scratch piece — checksum each piece's parts in order and copy the other regions' elements out
-    of the scratch; returns the chunk's crc32c. The destinations are written before the chunk's checksum
-    is compared (as a direct read's are): a mismatch fails the whole load."""
-    scratch: np.ndarray | None = getattr(_local, "piece", None)
-    if scratch is None or len(scratch) < _PIECE:
-        scratch = _local.piece = np.empty(_PIECE, dtype=np.uint8)
-    dtype = f"u{job.item}" if job.item > 1 else "u1"
-    crc, pos, nbytes = 0, 0, job.chunk.nbytes
-    runs, r = job.runs, 0
-    while pos < nbytes:
-        end = min(pos + _PIECE, nbytes)
-        parts, at = [], pos
-        while at < end:  # the piece's bytes in order: runs into place, gaps into the scratch at their offset
-            while r < len(runs) and runs[r][1] <= at:
-                r += 1
-            if r < len(runs) and runs[r][0] <= at:
-                lo, hi, dst = runs[r]
-                stop = min(hi, end)
-                parts.append(dst[at - lo : stop - lo].data)
-            else:
-                stop = min(runs[r][0], end) if r < len(runs) else end
-                parts.append(scratch[at - pos : stop - pos].data)
-            at = stop
-        _preadv_all(fd, list(parts), path, pos)
-        for part in parts:
-            crc = crc32c(part, crc)
-        if job.scattered:
-            scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
-        pos = end
-    return int(crc)
-
-
-def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> None:
-    while bufs:
-        n = os.preadv(fd, bufs, pos)
-        if n == 0:
-            raise CorruptCheckpointError(f"{path}: chunk shorter than recorded")
-        pos += n
-        while bufs and n >= bufs[0].nbytes:
-            n -= bufs[0].nbytes
-            bufs.pop(0)
-        if bufs and n:
-            bufs[0] = bufs[0][n:]
-
-
-def _verify(job: _Job, body: memoryview, trailer: bytes) -> None:
-    _check(job, body, trailer)
-    if job.direct is None:
-        _scatter(job, body)
-
-
-def _scatter(job: _Job, body: memoryview) -> None:
-    if job.gather is not None:
-        scatter(job.gather, np.frombuffer(body, dtype=f"u{job.item}" if job.item > 1 else "u1"), job.start)
-        return
-    if job.dst is None:  # the scratch case always has a destination
-        raise CorruptCheckpointError(f"{job.path}: no destination for a partial chunk")
-    src = np.frombuffer(body, dtype=job.dst.dtype).reshape(job.chunk_shape)
-    job.dst[...] = src[job.src]
