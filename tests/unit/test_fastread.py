@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptd.client.chunkio import Job, read_local
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.gather import Strided
 from ckptd.client.reader import load, read_commit, read_flat
@@ -67,7 +68,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def test_whole_and_partial_regions_are_bit_exact(root: str) -> None:
+def test_whole_and_partial_regions_are_bit_exact(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     w, b16, flat = (ARRAYS[k][0] for k in ("w", "b16", "flat"))
     out = load(root, 1, {"w": torch.zeros(7, 5), "b16": torch.zeros(9, dtype=torch.bfloat16)})
     assert torch.equal(out["w"], w) and torch.equal(out["b16"].view(torch.int16), b16.view(torch.int16))
@@ -78,20 +79,33 @@ def test_whole_and_partial_regions_are_bit_exact(root: str) -> None:
     load(root, 1, {"p": Shard("w", part, (7, 5), (1, 2)), "q": Shard("w", dst, (7, 5), (1, 2))})
     assert torch.equal(part, w[1:6, 2:5]) and torch.equal(dst, w[1:6, 2:5])
     # a chunk a region holds part of is read once for every region in it, piece by piece (no buffer of a
-    # whole chunk): rows 1-5 touch chunks 0-2 (2 rows each), both regions in each; rows 2-3 whole: one read
+    # whole chunk): rows 1-5 touch chunks 0-2 (2 rows each), both regions in each; rows 2-3, which a third
+    # region holds whole (chunk 1), are read with them, not a second time
+    from ckptd.client import fastread
 
-    async def planned() -> ChunkReader:
+    reads: list[str] = []
+
+    def counted(path: str, job: Job) -> None:
+        reads.append(job.path)
+        read_local(path, job)
+
+    monkeypatch.setattr(fastread, "read_local", counted)
+    dsts = [torch.zeros(5, 3), torch.zeros(5, 6)[:, 1:4], torch.zeros(2, 5)]
+
+    async def planned_and_read() -> tuple[list[str], list[int], list[Job]]:
         async with open_root(root, None, create=False) as ckpt:
             reader = ChunkReader(ckpt, await ckpt.read_commit(1))
-            reader.add("w", torch.zeros(5, 3), (1, 2))
-            reader.add("w", torch.zeros(5, 6)[:, 1:4], (1, 2))
-            reader.add("w", torch.zeros(2, 5), (2, 0))
-            return reader
+            for dst, offset in zip(dsts, [(1, 2), (1, 2), (2, 0)], strict=True):
+                reader.add("w", dst, offset)
+            planned = sorted(reader.gathers), [len(j.gather or []) for j in reader.gathers.values()], reader.jobs
+            await reader.run()
+            return planned
 
-    reader = asyncio.run(planned())
-    assert sorted(reader.gathers) == [f"step_1/w/c/{i}/0" for i in range(3)]
-    assert all(len(job.gather or []) == 2 for job in reader.gathers.values())
-    assert [job.path for job in reader.jobs] == ["step_1/w/c/1/0"] and reader.jobs[0].direct is not None
+    gathers, regions, direct = asyncio.run(planned_and_read())
+    assert gathers == [f"step_1/w/c/{i}/0" for i in range(3)] and regions == [2, 2, 2]
+    assert [job.path for job in direct] == ["step_1/w/c/1/0"] and direct[0].direct is not None  # as planned ...
+    assert sorted(reads) == gathers  # ... but read once, with the gather job
+    assert all(torch.equal(d, w[1:6, 2:5]) for d in dsts[:2]) and torch.equal(dsts[2], w[2:4])
     # 1-D regions clipped to the stored length, starting inside a chunk
     got = read_flat(root, read_commit(root, 1), {"flat": (30, 130), "b16": (3, 4)})
     assert torch.equal(got["flat"], flat[30:]) and torch.equal(got["b16"].view(torch.int16), b16[3:4].view(torch.int16))

@@ -162,7 +162,16 @@ class ChunkReader:
     def _gather_jobs(self) -> list[Job]:
         """The gather jobs: a chunk that one contiguous region fills whole becomes a direct read; in the
         others, a region's long contiguous run that no other region's span touches is read straight into
-        place (``runs``), the rest goes through the scratch piece (``scattered``)."""
+        place (``runs``), the rest goes through the scratch piece (``scattered``). A chunk that one region
+        fills whole (a direct read) and others hold parts of is read once, as a gather job whose regions
+        include the whole-chunk one."""
+        whole = [job for job in self.jobs if job.direct is not None and job.path in self.gathers]
+        for job in whole:
+            g = self.gathers[job.path]
+            dst = job.direct.view(f"u{g.item}" if g.item > 1 else "u1")  # type: ignore[union-attr]
+            g.gather.append((Strided(g.start, (len(dst),), (1,)), dst))  # type: ignore[union-attr]
+        if whole:
+            self.jobs = [job for job in self.jobs if not any(job is w for w in whole)]
         jobs = []
         for job in self.gathers.values():
             targets = job.gather or []
@@ -245,7 +254,8 @@ class ChunkReader:
                 self.add(key, dst, offset)
             self.memory = memory
         self._gets = asyncio.Semaphore(self.concurrency)
-        await bounded_map(self._one, self.jobs + self._gather_jobs(), limit=self.concurrency)
+        gathered = self._gather_jobs()  # first: it takes over the direct reads of chunks it reads anyway
+        await bounded_map(self._one, self.jobs + gathered, limit=self.concurrency)
         for key, dst, offset in self.slow:
             arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
             data = await read_region(arr, offset, tuple(dst.shape))
