@@ -54,9 +54,10 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _forget_pool() -> None:  # a forked child has none of the parent's threads: it starts its own pool
-    global _pool
-    _pool = None
+def _forget_pool() -> None:
+    """In a forked child: none of the parent's threads exist there (nor can its lock be held by one)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
