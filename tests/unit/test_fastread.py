@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,37 @@ def test_gathered_regions_are_bit_exact_and_every_read_chunk_is_checked(
             Path(path).write_bytes(bytes(data[:pos] + bytes([data[pos] ^ 0x10]) + data[pos + 1 :]))
         else:
             _gather(copy, regions)
+
+
+def test_a_failed_read_stops_the_others_and_nothing_lands_after_the_error(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local reads: two threads drain one list of chunks; the first failure stops both, and the load raises
+    only once neither is still writing into the destinations."""
+    from ckptd.client import fastread
+
+    landed: list[str] = []
+
+    def slow(path: str, job: Job) -> None:
+        if job.path.endswith("w/c/0/0"):  # fails while the other thread reads the next chunk
+            time.sleep(0.01)
+            raise CorruptCheckpointError(f"{job.path}: injected")
+        time.sleep(0.05)
+        read_local(path, job)
+        landed.append(job.path)
+
+    monkeypatch.setattr(fastread, "read_local", slow)
+
+    async def go() -> list[str]:
+        async with open_root(root, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1), concurrency=2)
+            reader.add("w", torch.zeros(7, 5), (0, 0))  # 4 whole chunks, read first; the first fails
+            reader.add("flat", torch.zeros(100), (0,))  # 4 chunks more
+            with pytest.raises(CorruptCheckpointError, match="injected"):
+                await reader.run()
+            return list(landed)
+
+    at_error = asyncio.run(go())
+    time.sleep(0.2)
+    assert landed == at_error  # nothing landed after the load failed
+    assert landed in ([], ["step_1/w/c/1/0"])  # only the chunk the other thread had begun; nothing after it

@@ -26,6 +26,7 @@ import asyncio
 import math
 import os
 import sys
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -255,7 +256,10 @@ class ChunkReader:
             self.memory = memory
         self._gets = asyncio.Semaphore(self.concurrency)
         gathered = self._gather_jobs()  # first: it takes over the direct reads of chunks it reads anyway
-        await bounded_map(self._one, self.jobs + gathered, limit=self.concurrency)
+        if self.local_root is not None:
+            await self._read_local_all(self.jobs + gathered)
+        else:
+            await bounded_map(self._read_ranged, self.jobs + gathered, limit=self.concurrency)
         for key, dst, offset in self.slow:
             arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
             data = await read_region(arr, offset, tuple(dst.shape))
@@ -308,11 +312,32 @@ class ChunkReader:
             dst.copy_(target)
         return True
 
-    async def _one(self, job: Job) -> None:
-        if self.local_root is not None:
-            await in_thread(read_local, os.path.join(self.local_root, job.path), job)
-            return
-        await self._read_ranged(job)
+    async def _read_local_all(self, jobs: list[Job]) -> None:
+        """Local roots: ``concurrency`` pool threads each read jobs off one shared list until it is empty,
+        one fails or the load is cancelled (the event loop wakes once per thread, not once per chunk). A
+        failure is raised once every thread has stopped: no read lands after the load has failed."""
+        root, todo, lock, stop = self.local_root or "", iter(jobs), threading.Lock(), threading.Event()
+
+        def drain() -> None:
+            while not stop.is_set():
+                with lock:
+                    job = next(todo, None)
+                if job is None:
+                    return
+                try:
+                    read_local(os.path.join(root, job.path), job)
+                except BaseException:
+                    stop.set()
+                    raise
+
+        try:
+            done = await asyncio.gather(*(in_thread(drain) for _ in range(min(self.concurrency, len(jobs)))),
+                                        return_exceptions=True)
+        finally:
+            stop.set()
+        failed = next((r for r in done if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
 
     async def _read_ranged(self, job: Job) -> None:
         """Object stores: the chunk and its trailer in ranged GETs of at most ``part_bytes``, each body read
