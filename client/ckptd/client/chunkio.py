@@ -69,7 +69,7 @@ def contiguous_run(rel: Sequence[slice], shape: Sequence[int]) -> tuple[int, int
     return start, math.prod(s.stop - s.start for s in rel)
 
 
-def check(job: Job, data: memoryview, trailer: bytes, crc: int | None = None) -> None:
+def _check(job: Job, data: memoryview, trailer: bytes, crc: int | None = None) -> None:
     want = job.chunk.nbytes
     if data.nbytes != want or len(trailer) != CRC_BYTES:
         raise CorruptCheckpointError(
@@ -88,6 +88,8 @@ def _check_crc(job: Job, crc: int, trailer: bytes) -> None:
 
 
 def read_local(path: str, job: Job) -> None:
+    """Read the chunk at ``path`` (a local file) into ``job``'s destinations and check it: its size, then its
+    crc32c against the stored trailer and the manifest (:class:`CorruptCheckpointError` names it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -114,9 +116,9 @@ def read_local(path: str, job: Job) -> None:
             pos += piece.nbytes
     finally:
         os.close(fd)
-    check(job, body, bytes(trailer), crc)
+    _check(job, body, bytes(trailer), crc)
     if job.direct is None:
-        scatter_chunk(job, body)
+        _scatter_chunk(job, body)
 
 
 _local = threading.local()  # each worker thread's scratch piece, kept: its pages stay touched and cached
@@ -170,12 +172,14 @@ def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> Non
 
 
 def verify(job: Job, body: memoryview, trailer: bytes) -> None:
-    check(job, body, trailer)
+    """Check a chunk read from an object store (``body`` and its ``trailer``), then copy its elements into
+    place unless it was read there."""
+    _check(job, body, trailer)
     if job.direct is None:
-        scatter_chunk(job, body)
+        _scatter_chunk(job, body)
 
 
-def scatter_chunk(job: Job, body: memoryview) -> None:
+def _scatter_chunk(job: Job, body: memoryview) -> None:
     if job.gather is not None:
         scatter(job.gather, np.frombuffer(body, dtype=f"u{job.item}" if job.item > 1 else "u1"), job.start)
         return
