@@ -96,12 +96,16 @@ def plan_merged_slices(
         s = buf.slice_numel(bucket)
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
         touched = [p for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
+        # where each param's pieces go, worked out once for every state (a scrambled one: per state)
+        meta = torch.empty(s, device="meta")
+        where = [None if _scrambled(p, bucket.start, lo, hi) else
+                 _shapes(_places(p, meta, bucket.start, lo, hi, planned)) for p in touched]
         for state, dtype in states.items():
             key = layout.bucket_key(buf, bucket, state)
             given = dest.get(key) if dest is not None else None
             out = given if given is not None else torch.zeros(s, dtype=torch_dtype(dtype))
-            for p in touched:
-                places = _places(p, out, bucket.start, lo, hi, planned)
+            for p, shapes in zip(touched, where, strict=True):
+                places = _places(p, out, bucket.start, lo, hi, planned) if shapes is None else _views(out, shapes)
                 for piece, placed in zip(p.model_pieces, places, strict=True):
                     name = merged_array_name(state, piece.key)
                     _check_merged(arrays.get(name), piece, state, dtype)
@@ -110,6 +114,22 @@ def plan_merged_slices(
                         planned.regions.append((name, dst, offset))
             planned.slices[key] = out
     return planned
+
+
+Box = tuple[tuple[int, int], ...]
+Places = list[list[tuple[Box, torch.Tensor]]]  # per model piece: (box, destination view)
+Shapes = list[list[tuple[Box, tuple[int, ...], tuple[int, ...], int]]]  # ... the view as (shape, strides, offset)
+
+
+def _shapes(places: Places) -> Shapes:
+    """:func:`_places` worked out on a meta tensor: each destination as (shape, strides, offset)."""
+    return [[(box, tuple(d.shape), d.stride(), int(d.storage_offset())) for box, d in piece] for piece in places]
+
+
+def _views(out: torch.Tensor, shapes: Shapes) -> Places:
+    """:func:`_shapes`' destinations as views of the slice ``out``."""
+    base = out.storage_offset()
+    return [[(box, out.as_strided(shape, stride, base + at)) for box, shape, stride, at in piece] for piece in shapes]
 
 
 def _check_merged(rec: ArrayRecord | None, piece: ModelPiece, state: str, dtype: str) -> None:
