@@ -118,18 +118,28 @@ def plan_merged_slices(
 
 Box = tuple[tuple[int, int], ...]
 Places = list[list[tuple[Box, torch.Tensor]]]  # per model piece: (box, destination view)
-Shapes = list[list[tuple[Box, tuple[int, ...], tuple[int, ...], int]]]  # ... the view as (shape, strides, offset)
+ViewSpec = tuple[tuple[int, ...], tuple[int, ...], int]  # a view of a slice: shape, strides, offset in it
+Shapes = list[list[tuple[Box, ViewSpec]]]
+
+
+def _spec(view: torch.Tensor) -> ViewSpec:
+    """A view of a (meta) slice, as what makes the same view of any slice (:func:`_view`)."""
+    return tuple(view.shape), view.stride(), int(view.storage_offset())
+
+
+def _view(out: torch.Tensor, spec: ViewSpec) -> torch.Tensor:
+    shape, stride, at = spec
+    return out.as_strided(shape, stride, out.storage_offset() + at)
 
 
 def _shapes(places: Places) -> Shapes:
-    """:func:`_places` worked out on a meta tensor: each destination as (shape, strides, offset)."""
-    return [[(box, tuple(d.shape), d.stride(), int(d.storage_offset())) for box, d in piece] for piece in places]
+    """:func:`_places` worked out on a meta tensor: each destination as a :data:`ViewSpec`."""
+    return [[(box, _spec(d)) for box, d in piece] for piece in places]
 
 
 def _views(out: torch.Tensor, shapes: Shapes) -> Places:
     """:func:`_shapes`' destinations as views of the slice ``out``."""
-    base = out.storage_offset()
-    return [[(box, out.as_strided(shape, stride, base + at)) for box, shape, stride, at in piece] for piece in shapes]
+    return [[(box, _view(out, spec)) for box, spec in piece] for piece in shapes]
 
 
 def _check_merged(rec: ArrayRecord | None, piece: ModelPiece, state: str, dtype: str) -> None:
@@ -268,7 +278,7 @@ def plan_dp_slices(
         s = buf.slice_numel(bucket)
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
         meta = torch.empty(s, device="meta")
-        reads: list[tuple[str, tuple[int, ...], tuple[int, ...], int, Strided]] = []
+        reads: list[tuple[str, ViewSpec, Strided]] = []
         for p, sources in touched:
             if _scrambled(p, bucket.start, lo, hi):  # a scratch copy per state (no Megatron piece)
                 for state in states:
@@ -277,12 +287,10 @@ def plan_dp_slices(
                         planned.gathers.append((prefix + state, dst, src))
                 continue
             for prefix, dst, src in _param_reads(p, sources, meta, bucket.start, lo, hi, planned):
-                reads.append((prefix, tuple(dst.shape), dst.stride(), int(dst.storage_offset()), src))
+                reads.append((prefix, _spec(dst), src))
         for state in states:
             out = slices[layout.bucket_key(buf, bucket, state)]
-            base = out.storage_offset()
-            planned.gathers += [(prefix + state, out.as_strided(shape, stride, base + at), src)
-                                for prefix, shape, stride, at, src in reads]
+            planned.gathers += [(prefix + state, _view(out, spec), src) for prefix, spec, src in reads]
     return planned
 
 
