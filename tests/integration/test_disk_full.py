@@ -25,7 +25,7 @@ import torch
 from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.reader import load
 from ckptd.testing.fixtures import unavailable
-from ckptd.writer.backends import open_backend
+from ckptd.writer.backends import Backend, open_backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import StorageError, StorageFullError
 from ckptd.writer.format import FORMAT_VERSION, PartManifest, encode_json, latest_key
@@ -148,14 +148,20 @@ def _tmp_leftovers(root: Path) -> list[str]:
     return [str(p) for p in root.rglob("*.tmp")]
 
 
+async def _with_step_1(backend: Backend) -> CheckpointWriter:
+    """A writer on ``backend`` whose root holds committed step 1 (written while there is space)."""
+    w = CheckpointWriter(backend)
+    await w.write_part(_part(1))
+    await w.commit(1, 1, timeout=5)
+    return w
+
+
 def test_disk_full_during_part_manifest_and_marker_writes(tiny_fs: Path) -> None:
     root = tiny_fs / "ckpt"
 
     async def run() -> None:
         async with await open_backend(str(root)) as backend:
-            w = CheckpointWriter(backend)
-            await w.write_part(_part(1))
-            await w.commit(1, 1, timeout=5)
+            w = await _with_step_1(backend)
 
             filler = fill(tiny_fs, leave=0)
             with pytest.raises(StorageFullError):  # the part manifest
@@ -193,9 +199,7 @@ def test_disk_full_mid_write_leaves_the_earlier_part_and_latest_whole(tiny_fs: P
 
     async def run() -> None:
         async with await open_backend(str(root)) as backend:
-            w = CheckpointWriter(backend)
-            await w.write_part(_part(1))
-            await w.commit(1, 1, timeout=5)
+            w = await _with_step_1(backend)
             earlier = _part(2)  # an earlier attempt's part of step 2
             await w.write_part(earlier)
 
