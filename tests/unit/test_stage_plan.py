@@ -1,4 +1,4 @@
-"""The save plan's pure parts: layout and copy program (client), fingerprints, and the daemon's plan registry."""
+"""The save plan's pure parts: layout and copy program (client), the plan cache, and the daemon's plan registry."""
 
 from __future__ import annotations
 
@@ -9,16 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from ckptd.client.plan import (
-    Fetch,
-    ModuleWatch,
-    Piece,
-    PlanCache,
-    StalePlanError,
-    build_stage_plan,
-    groups_fingerprint,
-    params_fingerprint,
-)
+from ckptd.client.plan import Fetch, Piece, PlanCache, StalePlanError, build_stage_plan
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, SaveRequest, decode_request, encode
 from ckptd.client.state import Shard
 from ckptd.daemon.arena import Lease
@@ -199,35 +190,6 @@ def test_states_and_separate_mains_across_padding_are_one_concatenation_each() -
     opt.state[ps[2]]["exp_avg_sq"] = opt.state[ps[2]]["exp_avg_sq"].view(2, 2)  # count kept, shape not
     with pytest.raises(StalePlanError):
         plan.stage(arena, 0, plan.sources([]))
-
-
-def test_fingerprints_catch_every_structure_change_and_ignore_values() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    watch = ModuleWatch([model])
-    before = watch.fingerprint()
-    with torch.no_grad():
-        model[0].weight.add_(1.0)  # values change every step: not a structure change
-    assert watch.fingerprint() == before
-    changes = [
-        lambda: setattr(model[0].weight, "data", model[0].weight.data.clone()),  # param replaced (.data)
-        lambda: setattr(model[0].weight, "data", model[0].weight.data.double()),  # dtype change
-        lambda: setattr(model[1], "weight", torch.nn.Parameter(torch.ones(4))),  # a new Parameter object
-        lambda: model[1].register_parameter("extra", torch.nn.Parameter(torch.ones(2))),  # a new param
-        lambda: model.append(torch.nn.Linear(4, 2)),  # a new submodule
-        lambda: setattr(model[0], "bias", torch.nn.Parameter(torch.ones(8))),  # resized
-    ]
-    for change in changes:
-        prev = watch.fingerprint()
-        change()
-        assert watch.fingerprint() != prev
-    opt = torch.optim.AdamW(model.parameters())
-    groups = groups_fingerprint(opt)
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5})
-    assert groups_fingerprint(opt) != groups
-    t = torch.zeros(3)
-    fp = params_fingerprint([t])
-    t.resize_(4)
-    assert params_fingerprint([t]) != fp
 
 
 def test_plan_cache_returns_a_plan_only_for_its_fingerprint() -> None:

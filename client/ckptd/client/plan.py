@@ -4,7 +4,7 @@ A :class:`StagePlan` is built from a rank's shards when their structure is new a
 
 - the shard metas and a slot layout inside one contiguous span (registered with the daemon once, then
   named by id: the daemon validates the metas once, the socket carries no per-shard data per save);
-- a copy program: static sources (views of live memory whose address the caller's fingerprint guards)
+- a copy program: static sources (views of live memory whose address the caller's guard checks)
   merged into one byte copy per run that is contiguous in the source — the layout mirrors the source's
   gaps so a run lands in one piece — plus sources looked up at each save (optimizer states, replaced by
   ``load_state_dict``; RNG states) and gaps to zero; on CPU, runs of 1-D sources into slots that lie
@@ -13,10 +13,11 @@ A :class:`StagePlan` is built from a rank's shards when their structure is new a
 - destination views into the mapped arena, prebuilt per span base the daemon grants (a few bases
   alternate), so a save is a few concatenations, one batched ``_foreach_copy_`` and one stream sync.
 
-What keeps a reused plan honest is the caller's fingerprint (:func:`params_fingerprint` over every
-source's address, dtype and shape; a param group's structure), compared on every save; sources looked up
-at save time are checked against the plan's dtype and element count before the lease, and a copy that no
-longer fits its slot raises (:class:`StalePlanError`: the caller plans again).
+What keeps a reused plan honest is the caller's guard (:mod:`ckptd.client.guard`: every static source's
+param still the same tensor with the same address, dtype, storage, sizes and strides; a param group's
+structure), checked on every save; sources looked up at save time are checked against the plan's dtype and
+element count before the lease, and a copy that no longer fits its slot raises (:class:`StalePlanError`:
+the caller plans again).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ import torch
 
 from ckptd.client.copyruns import MAX_GAP, Gaps, cat_runs, numel, uncovered
 from ckptd.client.copyruns import Dst as _Dst
+from ckptd.client.guard import StateIndex
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ReplicaMeta, ShardMeta, Welcome
 from ckptd.client.state import Shard, dtype_name, replica_metas
 from ckptd.writer.errors import CkptdError
@@ -65,7 +67,6 @@ class Piece(NamedTuple):
 
 
 _DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
 
 
 class _Column(NamedTuple):
@@ -79,8 +80,8 @@ class _Column(NamedTuple):
     ptrs: list[int] | None = None  # held (checked at these addresses, not copied: a static source stages them)
 
 
-# per optimizer: the params whose state is looked up, and one column per state name
-_Groups = list[tuple[torch.optim.Optimizer, list[torch.Tensor], list[_Column]]]
+# per optimizer: the params whose state is looked up, one column per state name, and where their states sit
+_Groups = list[tuple[torch.optim.Optimizer, list[torch.Tensor], list[_Column], StateIndex]]
 
 
 def _align(n: int) -> int:
@@ -109,44 +110,6 @@ def shard_meta(shard: Shard, slot: int) -> ShardMeta:
         global_offset=list(shard.global_offset), shape=list(shard.data.shape), chunk_shape=list(shard.grid),
         slot=slot,
     )
-
-
-def params_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[list[Any], ...]:
-    """Address, dtype and shape of every tensor: a param replaced (``.data =``, a new Parameter), cast or
-    resized changes it. Cheap enough for every save (no torch op runs; ``map`` over C getters, ~0.4 µs a
-    tensor, most of it building the ``torch.Size``)."""
-    ts = list(tensors)
-    return list(map(torch.Tensor.data_ptr, ts)), list(map(_DTYPE, ts)), list(map(_SHAPE, ts))
-
-
-class ModuleWatch:
-    """Cheap per-save check that a module tree still holds the same params: each module's param and
-    submodule dicts (a param or submodule replaced, added or removed) and each param's address, dtype and
-    shape (``.data =``, a cast, a resize). Built once; :meth:`fingerprint` runs no torch op and walks no
-    generator (``Module.parameters()`` costs ~10 µs per param through ``named_modules``)."""
-
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        mods = list(dict.fromkeys(m for c in modules for m in c.modules()))
-        self._params = [m._parameters for m in mods]
-        self._subs = [m._modules for m in mods]
-
-    def params(self) -> list[torch.nn.Parameter]:
-        """Every param the modules hold now, in module order."""
-        return [p for p in itertools.chain.from_iterable(map(dict.values, self._params)) if p is not None]
-
-    def fingerprint(self) -> tuple[Any, ...]:
-        # map over C callables: the walk costs ~0.1 µs a param plus params_fingerprint's
-        params = self.params()
-        return (
-            list(map(id, params)),
-            list(map(id, itertools.chain.from_iterable(map(dict.values, self._subs)))),
-            *params_fingerprint(params),
-        )
-
-
-def groups_fingerprint(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
-    """The structure of an optimizer's param groups: which tensors each holds (a new group, a param moved)."""
-    return tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
 
 
 @dataclass
@@ -248,13 +211,14 @@ class StagePlan:
     def fetch(self) -> list[torch.Tensor]:
         """The sources looked up at each save (optimizer states), checked against the plan.
 
-        Per optimizer one ``state.get`` per param, then per state name one ``map`` over C getters (the
+        Per optimizer its params' state dicts (by position while ``state``'s keys stay as they were:
+        :class:`~ckptd.client.guard.StateIndex`), then per state name one ``map`` over C getters (the
         tensor, its dtype, its element count): ~0.3 µs a source. The element count, not the shape: a copy
         of the same count either moves the same elements or raises (broadcasting cannot fill a slot from
-        fewer elements), and a changed param shape is the fingerprint's to catch."""
+        fewer elements), and a changed param shape is the caller's guard's to catch."""
         out: list[torch.Tensor] = []
-        for owner, keys, columns in self._groups or ():
-            dicts: list[Any] = list(map(owner.state.get, keys))  # Tensor.__hash__ is a Python call: once per param
+        for owner, keys, columns, index in self._groups or ():
+            dicts: list[Any] = index.lookup(owner.state, keys)
             for col in columns:
                 try:
                     got = list(map(operator.itemgetter(col.name), map(dicts.__getitem__, col.rows)))
@@ -302,7 +266,7 @@ class StagePlan:
                         name, [index[id(f.key)] for f, _ in hs], list(map(_DTYPE, ts)),
                         list(map(torch.Tensor.numel, ts)), list(map(torch.Tensor.data_ptr, ts)),
                     ))
-            groups.append((owner, keys, columns))
+            groups.append((owner, keys, columns, StateIndex()))
         self._fetched = fetched
         self._groups = groups
 

@@ -2,7 +2,7 @@
 
 The promise (Megatron-LM's ``--ckpt-assume-constant-structure``): between saves the model keeps the same
 param tensors and the optimizer the same param groups and state tensors; values change (training updates
-them in place). Under it a save skips the per-tensor structure fingerprint and the per-param state lookups
+them in place). Under it a save skips the per-tensor structure check and the per-param state lookups
 (:mod:`.staged`): the optimizer's state tensors and per-param scalar states (``step``) are captured after
 a checked save and read straight from there. The planning save re-homed the per-element states into one
 flat tensor per (bucket slice, state) (:mod:`.rehome`: the plan stages each in one byte copy and holds it,
@@ -29,7 +29,6 @@ save plans again.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,14 +36,13 @@ from typing import Any
 
 import torch
 
-from ckptd.client.megatron import introspect
+from ckptd.client.guard import same_objects
 from ckptd.client.megatron.layout import Binding
 from ckptd.client.megatron.optimizer import OptimizerMeta
 from ckptd.client.megatron.rehome import home_scalars
-from ckptd.client.megatron.staged import StagedSave, optimizer_entry, scalar_spec
+from ckptd.client.megatron.staged import StagedSave, group_members, inner_optimizers, optimizer_entry, scalar_spec
 from ckptd.writer.format import MEGATRON_LAYOUT_VERSION
 
-_PARAMS = operator.itemgetter("params")
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -78,13 +76,13 @@ class Frozen:
         maps only."""
         if rng_keys != self.rng_keys or list(map(torch.Tensor.data_ptr, self.params)) != self.ptrs:
             return False
-        inner = _inner(binding)
+        inner = inner_optimizers(binding)
         return (
             len(inner) == len(self.states)
             and all(o.state is s for o, s in zip(inner, self.states, strict=True))
             and [len(o.state) for o in inner] == self.sizes
             and [len(o.param_groups) for o in inner] == self.group_counts
-            and all(map(_same, map(_members, inner), self.alive))
+            and all(map(same_objects, map(group_members, inner), self.alive))
         )
 
     def optim_meta(self, binding: Binding) -> OptimizerMeta:
@@ -125,24 +123,11 @@ def capture(
             if flat is not None:
                 tensors = [o.state[name] for _, o, _ in found]
             scalars[oi].append(_Scalar(name, dtypes.pop(), [pid for pid, _, _ in found], tensors, flat))
-    params = staged.watch.params()
-    inner = _inner(binding)
+    params = staged.structure.watch.params()
+    inner = inner_optimizers(binding)
     return Frozen(
         fetched=staged.plan.fetch(), scalars=scalars, params=list(params),
         ptrs=list(map(torch.Tensor.data_ptr, params)), states=[o.state for o in inner],
-        sizes=[len(o.state) for o in inner], alive=[_members(o) for o in inner],
+        sizes=[len(o.state) for o in inner], alive=[group_members(o) for o in inner],
         group_counts=[len(o.param_groups) for o in inner], rng_keys=rng_keys,
     )
-
-
-def _inner(binding: Binding) -> list[torch.optim.Optimizer]:
-    return [introspect.inner_optimizer(opt) for _, opt in sorted(binding.dist.items())]
-
-
-def _members(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
-
-
-def _same(now: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
-    """The same tensor objects in the same order (held: no new tensor can take one's place by id)."""
-    return len(now) == len(held) and all(map(operator.is_, now, held))

@@ -70,7 +70,7 @@ def _decode(entry: Mapping[str, Any], like: object) -> object:
 
 def extra_state_modules(model_chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
     """The modules that keep an ``_extra_state``, by stored name: what :func:`extra_states` reads. A cached
-    save plan keeps this list while its module fingerprint holds (the walk costs ~4 µs a module). Left
+    save plan keeps this list while its module watch holds (the walk costs ~4 µs a module). Left
     out: modules whose ``get_extra_state`` is code that only returns None (megatron-core's local
     ``ColumnParallelLinear``/``RowParallelLinear``, kept "for compatibility with TE state dict": thousands
     of them in a deep model, ~1 µs each a save for nothing); one set on the instance is kept."""

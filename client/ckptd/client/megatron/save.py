@@ -19,17 +19,16 @@ from ckptd.client.megatron.optimizer import optimizer_shards, state_names
 from ckptd.client.megatron.rehome import rehome_states
 from ckptd.client.megatron.rng import rng_state
 from ckptd.client.megatron.staged import (
+    OwnedStates,
     StagedSave,
+    Structure,
     cached,
     forget,
     optim_meta,
     owned_by_optimizer,
-    owned_states,
     remember,
-    state_counts,
-    structure,
 )
-from ckptd.client.plan import ModuleWatch, StalePlanError, build_stage_plan
+from ckptd.client.plan import StalePlanError, build_stage_plan
 from ckptd.client.state import Plan, Shard, plan_state
 from ckptd.writer.format import (
     EXTRA,
@@ -171,7 +170,7 @@ def save_checkpoint(
 
     Everything static (keys, shapes, bucket layout, the shard metas, the slot layout and the copy
     program) is planned on the first call and registered with the daemon; a later call checks the
-    structure's fingerprint (see :mod:`.staged`), does the batched copies and two short socket round trips
+    structure (see :mod:`.staged`), does the batched copies and two short socket round trips
     naming the plan. A change of structure plans again. No collective.
 
     ``assume_constant_structure`` (default: the client's setting) promises that the model's params and the
@@ -187,7 +186,7 @@ def save_checkpoint(
     constant = client.assume_constant_structure if assume_constant_structure is None else assume_constant_structure
     try:
         return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
-    except StalePlanError:  # a state tensor changed under the plan in a way the fingerprint missed: replan once
+    except StalePlanError:  # a state tensor changed under the plan in a way the structure check missed: replan once
         forget(optimizer)
         return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
 
@@ -218,11 +217,10 @@ def _save_once(
         objects[OPTIM_META] = frozen.optim_meta(binding)
         fetched = frozen.fetched
     else:
-        states = owned_states(staged.owned) if staged is not None else {}
         if (
             staged is None
             or staged.chunk_ids != chunk_ids
-            or staged.fingerprint != (structure(staged.watch, binding), state_counts(states), rng_keys)
+            or not staged.structure.holds(binding, staged.states.lookup(), rng_keys)
         ):
             # what the old plan holds (captured tensors, re-homed states) goes before re-homing allocates:
             # the cache's reference, and the pipelined saves' (kept for a resend until their answers are read)
@@ -230,9 +228,8 @@ def _save_once(
             client.read_answers()
             forget(optimizer)
             staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
-            states = owned_states(staged.owned)
-        objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
-        staged.frozen = capture(staged, binding, states, rng_keys) if constant else None
+        objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, staged.states.now)
+        staged.frozen = capture(staged, binding, staged.states.now, rng_keys) if constant else None
     objects[MEGATRON_RECORD] = staged.record
     modules_extra = extra_states(model_chunks, staged.extra_modules)
     if modules_extra:
@@ -253,18 +250,18 @@ def _plan_staged(
     rank: int,
     rng_shards: list[Shard],
 ) -> StagedSave:
-    """Plan the save from scratch (the fingerprint changed): shards, layout, copy program, plain-data walk."""
+    """Plan the save from scratch (the structure changed): shards, layout, copy program, plain-data walk."""
     rank_plan(optimizer).save = None  # the shard plan is rebuilt too, whatever its own check says
     elem_names, scalar_names = state_names(binding)
     moved = rehome_states(binding, layout, elem_names)  # one flat tensor per (bucket slice, state): one copy each
     plan = save_plan(model_chunks, optimizer, rank, elem_names)
     owned = owned_by_optimizer(binding, layout)
-    watch = ModuleWatch(model_chunks)
+    states = OwnedStates(owned).lookup()
     rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
-    fingerprint = (structure(watch, binding), state_counts(owned_states(owned)), rng_keys)
-    stage_plan = build_stage_plan(plan.shards, rng_shards, fingerprint, plan.replicas)
+    structure = Structure(model_chunks, binding, states, rng_keys)
+    stage_plan = build_stage_plan(plan.shards, rng_shards, replicas=plan.replicas)
     staged = StagedSave(
-        fingerprint, watch, stage_plan, plan.layout_json, plan.record, scalar_names, owned,
+        structure, states, stage_plan, plan.layout_json, plan.record, scalar_names, owned,
         tuple(id(c) for c in model_chunks), extra_state_modules(model_chunks),
     )
     remember(optimizer, staged)

@@ -1,11 +1,13 @@
 """The Megatron save's per-run cache: a registered :class:`~ckptd.client.plan.StagePlan` and the optimizer's
-plain data, with the fingerprint that says when either must be planned again.
+plain data, with the :class:`Structure` that says when either must be planned again.
 
-Checked on every save, without a torch op: the address, dtype and shape of every model param and of every
-tensor in the inner optimizers' param groups (a param replaced, cast or resized; a resized bucket moves
-them all), the groups' membership (a new param group), how many states each owned param keeps (a state
-that appeared after the first step), and the RNG keys. Any difference plans the save again; sources looked
-up per save (optimizer states) are also checked against the plan before the lease.
+Checked on every save, in ``map``s over C callables (:mod:`ckptd.client.guard`; ~1 µs a param, no Python
+call per tensor): every model param and every tensor in the inner optimizers' param groups is the same
+object with the same dtype, address and shape (a param replaced, cast, reshaped or
+resized; a resized bucket moves them all), the groups' membership (a new param group), how many states each
+owned param keeps (a state that appeared after the first step), and the RNG keys. Any difference plans the
+save again; sources looked up per save (optimizer states) are also checked against the plan before the
+lease.
 
 The optimizer's plain data (``optim_meta``) changes every step (``step``, the learning rate), so it is
 recomputed per save, but in bulk: the per-param scalar states (Adam's ``step``) are re-homed into one 1-D
@@ -18,19 +20,20 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from ckptd.client.guard import ModuleWatch, StateIndex, TensorGuard, same_objects
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import Binding
 from ckptd.client.megatron.optimizer import OptimizerMeta, _param_id, _plain, optimizer_meta
 from ckptd.client.megatron.rehome import home_scalars
-from ckptd.client.plan import ModuleWatch, StagePlan, groups_fingerprint, params_fingerprint
+from ckptd.client.plan import StagePlan
 from ckptd.client.state import dtype_name
 from ckptd.writer.format import MEGATRON_LAYOUT_VERSION
 from ckptd.writer.layout import MegatronLayout
@@ -40,8 +43,8 @@ from ckptd.writer.layout import MegatronLayout
 class StagedSave:
     """One optimizer's registered plan and what the per-save plain data walks."""
 
-    fingerprint: tuple[Any, ...]
-    watch: ModuleWatch
+    structure: Structure
+    states: OwnedStates  # the owned params' state dicts, looked up at each save
     plan: StagePlan
     layout_json: str
     record: dict[str, Any]
@@ -49,7 +52,7 @@ class StagedSave:
     # per DistributedOptimizer index: its owned params (and their ids in optim_meta)
     owned: dict[int, list[tuple[str, Owned]]] = field(default_factory=dict)
     chunk_ids: tuple[int, ...] = ()
-    # modules with an _extra_state (read every save; the list is covered by the watch's fingerprint)
+    # modules with an _extra_state (read every save; the list is covered by the structure's module watch)
     extra_modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     frozen: Any = None  # a constant.Frozen: what saves under assume_constant_structure read, captured once
     # (DistributedOptimizer index, scalar state name) -> the 1-D tensor its per-param values are re-homed
@@ -89,39 +92,72 @@ def owned_by_optimizer(binding: Binding, layout: MegatronLayout) -> dict[int, li
     return out
 
 
-def structure(watch: ModuleWatch, binding: Binding) -> tuple[Any, ...]:
-    """The part of the fingerprint read from the model (through ``watch``) and the optimizers' groups."""
-    inner = [introspect.inner_optimizer(opt) for _, opt in sorted(binding.dist.items())]
-    return (
-        watch.fingerprint(),
-        tuple(groups_fingerprint(o) for o in inner),
-        tuple(params_fingerprint(itertools.chain.from_iterable(map(_PARAMS, o.param_groups))) for o in inner),
-    )
+class Structure:
+    """What a staged plan was made for, captured when planned; :meth:`holds` checks it at every save: the
+    model's modules and params (:class:`~ckptd.client.guard.ModuleWatch`), each inner optimizer (the same
+    object, its groups' sizes, every param in them the same tensor unchanged: a new group, a param moved,
+    replaced, cast or resized), how many states each owned param keeps (a state that appeared after the
+    first step), and the RNG keys. ~1 µs a param, in ``map``s over C callables."""
+
+    def __init__(
+        self, model_chunks: Sequence[torch.nn.Module], binding: Binding, states: OwnedStates, rng_keys: object
+    ) -> None:
+        self.watch = ModuleWatch(model_chunks)
+        self._inner = inner_optimizers(binding)
+        self._group_sizes = [list(map(len, map(_PARAMS, o.param_groups))) for o in self._inner]
+        self._members = [TensorGuard(group_members(o)) for o in self._inner]
+        self._counts = states.counts()
+        self._rng_keys = rng_keys
+
+    def holds(self, binding: Binding, states: OwnedStates, rng_keys: object) -> bool:
+        inner = inner_optimizers(binding)
+        return (
+            rng_keys == self._rng_keys
+            and same_objects(inner, self._inner)
+            and [list(map(len, map(_PARAMS, o.param_groups))) for o in inner] == self._group_sizes
+            and all(guard.holds(group_members(o)) for guard, o in zip(self._members, inner, strict=True))
+            and self.watch.holds()
+            and states.counts() == self._counts
+        )
+
+
+def inner_optimizers(binding: Binding) -> list[torch.optim.Optimizer]:
+    return [introspect.inner_optimizer(opt) for _, opt in sorted(binding.dist.items())]
+
+
+def group_members(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
 
 
 _PARAMS = operator.itemgetter("params")
 
 
-def owned_states(owned: dict[int, list[tuple[str, Owned]]]) -> dict[int, list[Mapping[str, Any]]]:
-    """Each owned param's state dict, looked up once per save (``Tensor.__hash__`` is a Python call), with
-    one ``map`` per run of params of one inner optimizer (its ``state`` is read here: load_state_dict
-    replaces it)."""
-    out: dict[int, list[Mapping[str, Any]]] = {}
-    for oi, entries in owned.items():
-        states: list[Mapping[str, Any]] = []
-        for inner, run in itertools.groupby((o for _, o in entries), key=operator.attrgetter("inner")):
-            states += map(inner.state.get, map(_MAIN, run), itertools.repeat(_NO_STATE))
-        out[oi] = states
-    return out
+class OwnedStates:
+    """Each owned param's state dict, per DistributedOptimizer index, looked up at every save (its inner
+    optimizer's ``state`` is read there: ``load_state_dict`` replaces it): by position while the ``state``
+    keeps its keys (:class:`~ckptd.client.guard.StateIndex`), one ``state.get`` per param otherwise."""
+
+    def __init__(self, owned: dict[int, list[tuple[str, Owned]]]) -> None:
+        self._runs: dict[int, list[tuple[torch.optim.Optimizer, list[torch.Tensor], StateIndex]]] = {}
+        for oi, entries in owned.items():
+            runs = itertools.groupby((o for _, o in entries), key=operator.attrgetter("inner"))
+            self._runs[oi] = [(inner, [o.main for o in run], StateIndex()) for inner, run in runs]
+        self.now: dict[int, list[Mapping[str, Any]]] = {}  # as of the last lookup()
+
+    def lookup(self) -> OwnedStates:
+        self.now = {
+            oi: list(itertools.chain.from_iterable(index.lookup(inner.state, mains, _NO_STATE)
+                                                   for inner, mains, index in runs))
+            for oi, runs in self._runs.items()
+        }
+        return self
+
+    def counts(self) -> list[int]:
+        """How many states each owned param keeps: a state that appeared (or went) changes it."""
+        return list(itertools.chain.from_iterable(map(len, ds) for ds in self.now.values()))
 
 
-_MAIN = operator.attrgetter("main")
 _NO_STATE: Mapping[str, Any] = MappingProxyType({})  # a param without state (read-only: shared)
-
-
-def state_counts(states: dict[int, list[Mapping[str, Any]]]) -> tuple[int, ...]:
-    """How many states each owned param keeps: a state that appeared (or went) changes it."""
-    return tuple(itertools.chain.from_iterable(map(len, ds) for ds in states.values()))
 
 
 def optim_meta(
