@@ -121,9 +121,9 @@ def test_malformed_frames_and_versions(served):
     reply = peer.send_raw(HEADER.pack(len(future)) + future)
     assert isinstance(reply, ErrorReply) and reply.code == ProtocolVersionError.__name__
     # wrong field types and unknown fields
-    for bad in ({"type": "hello", "v": 1, "pid": "x", "rank": 0},
-                {"type": "hello", "v": 1, "pid": 1, "rank": 0, "z": 1},
-                {"type": "nope", "v": 1}):
+    for bad in ({"type": "hello", "v": PROTOCOL_VERSION, "pid": "x", "rank": 0},
+                {"type": "hello", "v": PROTOCOL_VERSION, "pid": 1, "rank": 0, "z": 1},
+                {"type": "nope", "v": PROTOCOL_VERSION}):
         body = msgspec.msgpack.encode(bad)
         reply = peer.send_raw(HEADER.pack(len(body)) + body)
         assert isinstance(reply, ErrorReply) and issubclass(error_classes()[reply.code], ProtocolError), bad

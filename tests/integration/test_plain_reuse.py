@@ -46,8 +46,9 @@ def _arena(client: CheckpointClient) -> tuple[int, int]:
     return r.leases, r.arena_bytes - r.arena_free_bytes  # type: ignore[attr-defined]
 
 
-# assume_constant_structure: plan saves wait for no answer and lease the next save's span ahead; a save of
-# another structure gives that lease back first (a leak would leave one lease per structure change)
+# plan saves ask for the next save's span with their request (assume_constant_structure: and wait for no
+# answer); a save of another structure gives that lease back first (a leak would leave one lease per
+# structure change)
 @pytest.mark.parametrize("constant", [False, True])
 def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exact(start_daemon, tmp_path, constant):
     d = start_daemon(str(tmp_path / "ckpt"), "d0")
@@ -72,11 +73,11 @@ def test_repeated_structure_is_saved_through_one_plan_and_changes_reload_bit_exa
             assert torch.equal(_bits(out[k]), _bits(v)), (step, k)
     # a plan save's span is kept whole for an in-memory restore, then freed once: the arena adds up
     report = _status(d.socket)
-    # only the newest step's span stays (a few hundred bytes: one 4 KiB arena page), plus under the promise
-    # the one lease granted ahead for the next save
+    # only the newest step's span stays (a few hundred bytes: one 4 KiB arena page), plus the one lease
+    # granted ahead for the next save
     used = report["arena_bytes"] - report["arena_free_bytes"]  # whole 4 KiB pages
     assert 0 < report["arena_retained_bytes"] <= 4096, report
-    assert (report["leases"], used) == ((1, 8192) if constant else (0, 4096)), report
+    assert (report["leases"], used) == (1, 8192), report
     client.close()
     probe = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
     for _ in range(100):  # the daemon frees a departed client's leases once it sees the connection end
@@ -113,4 +114,28 @@ def test_constant_structure_delivers_a_refused_save_at_wait_and_frees_its_lease(
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     load(d.root, 3, out)
     assert all(torch.equal(_bits(out[k]), _bits(v)) for k, v in state.items())
+    client.close()
+
+
+def test_a_checked_plan_save_copies_into_the_lease_asked_for_with_the_previous_save(start_daemon, tmp_path):
+    """Without the promise a plan save still waits for the daemon's answer (a refusal raises at once), but
+    asks for the next save's staging space in the same exchange: one round trip a save, not two."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", arena="16MiB")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    for step in (1, 2, 3):  # the second save of a structure plans, the third reuses the plan
+        client.save(step, _state(step)).wait(60)
+    held = client._pipe.held  # asked for with step 3's save; its answer was read by that save's wait()
+    assert held is not None
+    state = _state(4)
+    saved = {k: v.clone() for k, v in state.items()}
+    handle = client.save(4, state)
+    # the save took the held lease and asked for the next one, whose answer is still unread
+    assert client._pipe.held is None and len(client._pipe.owed) == 1
+    handle.wait(60)
+    out = {k: torch.full_like(v, 7) for k, v in saved.items()}
+    load(d.root, 4, out)
+    assert all(torch.equal(_bits(out[k]), _bits(v)) for k, v in saved.items())
+    with pytest.raises(StepCommittedError):  # refused by the daemon: raised by save() itself
+        client.save(4, _state(5))
+    assert _arena(client)[0] == 1  # the refused save's lease was given back; the one asked for ahead stays
     client.close()

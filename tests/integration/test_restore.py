@@ -25,6 +25,7 @@ from ckptd.daemon.arena import Arena
 from ckptd.daemon.restore import Retention
 from ckptd.testing.launch import DaemonProcess, run_ranks
 from ckptd.testing.toy_gpt import build_gpt
+from ckptd.writer.errors import BackpressureError
 
 pytestmark = pytest.mark.megatron
 K = 2
@@ -109,3 +110,26 @@ def test_a_save_evicts_the_kept_step() -> None:
 
     before, after, offsets = asyncio.run(go())
     assert (before, after, offsets) == (1, 0, [0])
+
+
+def test_a_lease_asked_for_ahead_never_evicts_the_kept_step() -> None:
+    """The lease a save asks for on behalf of the next one (``LeaseRequest.ahead``) comes from free space
+    only: the kept step stays for an in-memory restore, and the next save leases (and evicts) when it runs."""
+    async def go() -> tuple[str, int]:
+        arena = Arena(1 << 20, prefault=False)
+        try:
+            kept = Retention(arena)
+            lease = await arena.lease(1, [600 << 10], timeout=0)
+            meta = ShardMeta("w", "uint8", [600 << 10], [0], [600 << 10], [600 << 10], 0)
+            assert kept.keep(3, meta, lease)
+            kept.step_committed(3)
+            try:
+                await arena.lease(2, [600 << 10], timeout=0, evict=False)
+                refused = ""
+            except BackpressureError as exc:
+                refused = type(exc).__name__
+            return refused, len(kept.reply(3).shards)
+        finally:
+            arena.close()
+
+    assert asyncio.run(go()) == ("BackpressureError", 1)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptd.client.protocol import STEP_STATES, SaveRequest, StepState
+from ckptd.client.protocol import PROTOCOL_VERSION, STEP_STATES, SaveRequest, StepState
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.job import TRANSITIONS, NodeStep, RankSave, StepJob
 from ckptd.writer.errors import SaveTimeoutError, StepFailedError, StepStateError
@@ -22,7 +22,7 @@ def new_job(local_world_size: int = 2) -> StepJob:
 
 
 def rank_save(rank: int) -> RankSave:
-    req = SaveRequest(v=1, lease_id=rank, step=7, rank=rank, world_size=2, node=0, num_nodes=1,
+    req = SaveRequest(v=PROTOCOL_VERSION, lease_id=rank, step=7, rank=rank, world_size=2, node=0, num_nodes=1,
                       local_world_size=2, shards=[], objects={})
     return RankSave(req, Lease(lease_id=rank, owner=1, offsets=[], sizes=[]))
 

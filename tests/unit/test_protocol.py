@@ -145,7 +145,7 @@ def test_a_request_is_not_a_reply_and_vice_versa() -> None:
 
 
 # --- versions -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("v", [0, 2, -1, 99, "1", "x", None, [1], {"v": 1}, 2.5])
+@pytest.mark.parametrize("v", [0, 1, -1, 99, "2", "x", None, [2], {"v": 2}, 2.5])
 @pytest.mark.parametrize("decode", [p.decode_request, p.decode_reply])
 def test_other_protocol_versions_are_refused_by_version(v: Any, decode: Any) -> None:
     with pytest.raises(ProtocolVersionError, match="protocol version"):
@@ -164,7 +164,7 @@ def test_version_is_checked_before_the_body() -> None:
         p.decode_request(raw(v=V + 1, type="brand_new", whatever=[1, 2, 3]))
 
 
-@pytest.mark.parametrize("v", [True, 1.0])
+@pytest.mark.parametrize("v", [True, float(V)])
 def test_version_lookalikes_are_still_rejected(v: Any) -> None:
     with pytest.raises(ProtocolError):
         p.decode_request(raw(v=v, type="hello", pid=1, rank=0))

@@ -24,7 +24,7 @@ from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
-from ckptd.client.pipeline import Pipeline, save_span
+from ckptd.client.pipeline import Pipeline, lease_ahead, save_span
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
 from ckptd.client.protocol import (
@@ -244,7 +244,10 @@ class CheckpointClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, msg: _Msg) -> Reply:
+    def _request(self, msg: _Msg, ahead: LeaseRequest | None = None) -> Reply:
+        """Send ``msg`` and read its answer. ``ahead``: a lease request for the next save, sent with it; its
+        answer stays owed (:mod:`ckptd.client.pipeline`: read by the next exchange, the next save takes the
+        lease)."""
         if self._pipe.owed:
             self._pipe.drain(self)
         if self._sock is None:
@@ -253,7 +256,9 @@ class CheckpointClient:
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {self.socket_path}")
         try:
-            sock.sendall(encode(msg))
+            sock.sendall(encode(msg) if ahead is None else encode(msg) + encode(ahead))
+            if ahead is not None:
+                self._pipe.owe_lease(ahead.sizes[0])
             header = self._recv_exactly(HEADER.size)
             reply = decode_reply(self._recv_exactly(frame_length(header)))
         except TimeoutError as exc:
@@ -399,14 +404,17 @@ class CheckpointClient:
         if self.assume_constant_structure if pipelined is None else pipelined:
             return save_span(self, step, plan, sources, objects, docs, t0)
         plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)
-        grant = self._lease(step, [plan.span], t0)
+        self._pipe.drain(self)  # the lease asked for with the previous save, if its answer is still unread
+        grant: LeaseGranted | SaveHandle | None = self._pipe.take(self, plan.span)
+        if grant is None:
+            grant = self._lease(step, [plan.span], t0)
         if isinstance(grant, SaveHandle):
             return grant
         try:
             self._staging.stage_plan(plan, grant.offsets[0], sources)
             req = self._save_request(step, grant, [], objects, docs, plan_id, t0)
-            try:
-                reply = self._request(req)
+            try:  # the next save's lease asked for with this one: one round trip a save, not two
+                reply = self._request(req, ahead=lease_ahead(step, self.placement.rank, plan.span))
             except PlanUnknownError:  # the daemon dropped it (or is another one): register again, resend
                 reply = self._request(msgspec.structs.replace(req, plan_id=self._register_plan(plan)))
             self._sidecars_sent.update(docs)

@@ -133,10 +133,20 @@ class Pipeline:
             client._release(held.grant)
         return None
 
+    def owe_lease(self, size: int) -> None:
+        """A lease request for the next save (``size`` bytes) went out; its answer is read later, in order."""
+        self.owed.append(_Owed(size=size))
+
     def release(self, client: CheckpointClient) -> None:
         """Give back the lease granted ahead (a save of another kind leases the usual way)."""
         if self.held is not None:
             self.take(client, -1)
+
+
+def lease_ahead(step: int, rank: int, size: int) -> LeaseRequest:
+    """The request for the next save's staging space, sent with this save's: granted at once from free
+    space, or refused (never waited for, never evicting what the daemon keeps for an in-memory restore)."""
+    return LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=rank, sizes=[size], timeout_s=0.0, ahead=True)
 
 
 def save_span(
@@ -158,7 +168,7 @@ def save_span(
         client._staging.stage_plan(plan, grant.offsets[0], sources)
         req = client._save_request(step, grant, [], objects, docs, plan_id, t0)
         rank = client.placement.rank
-        ahead = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=rank, sizes=[plan.span], timeout_s=0.0)
+        ahead = lease_ahead(step, rank, plan.span)
         # earlier saves' states are asked for here too, so the next save learns of a background failure
         # without a round trip of its own (the client's check of earlier saves skips polled handles)
         polls = [h for h in client._handles if not h.state.final]

@@ -17,7 +17,7 @@ import msgspec
 
 from ckptd.writer.errors import ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: LeaseRequest.ahead
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 32 << 20
 
@@ -65,6 +65,9 @@ class LeaseRequest(_Msg, frozen=True, tag="lease"):
     rank: int
     sizes: list[int]
     timeout_s: float
+    # for the next save, asked for with this one: granted from free space only, never by evicting the bytes
+    # kept for an in-memory restore (a save's own lease may evict them: saves win the space)
+    ahead: bool = False
 
 
 class ShardMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -155,8 +155,9 @@ class Arena:
     def leases(self) -> int:
         return len(self._leases)
 
-    async def lease(self, owner: int, sizes: list[int], timeout: float) -> Lease:
-        """Grant slots for ``sizes`` (all or nothing), waiting FIFO up to ``timeout`` seconds."""
+    async def lease(self, owner: int, sizes: list[int], timeout: float, evict: bool = True) -> Lease:
+        """Grant slots for ``sizes`` (all or nothing), waiting FIFO up to ``timeout`` seconds; ``evict``: free
+        what :attr:`on_pressure` can free (kept steps) when the free space is not enough."""
         need = sum(_align(max(n, 1)) for n in sizes)
         if need > self.size:
             raise ArenaError(
@@ -166,7 +167,7 @@ class Arena:
         deadline = time.monotonic() + timeout
         while True:
             got = self._try_alloc(sizes)
-            if got is None and self.on_pressure is not None and self.on_pressure():
+            if got is None and evict and self.on_pressure is not None and self.on_pressure():
                 got = self._try_alloc(sizes)
             if got is not None:
                 lease = Lease(self._next_id, owner, got, list(sizes))

@@ -52,7 +52,13 @@ from ckptd.daemon.journal import StepJournal, abandon_predecessor_steps, journal
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.stats import DaemonStats, status_report
 from ckptd.writer.backends import Backend, open_backend
-from ckptd.writer.errors import CkptdError, DaemonShuttingDownError, InvalidRequestError, ProtocolError
+from ckptd.writer.errors import (
+    BackpressureError,
+    CkptdError,
+    DaemonShuttingDownError,
+    InvalidRequestError,
+    ProtocolError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +329,13 @@ class Daemon:
                     raise DaemonShuttingDownError("the daemon is shutting down and grants no staging space")
                 if any(n < 0 for n in req.sizes):
                     raise InvalidRequestError(f"lease sizes must be >= 0: {req.sizes[:8]}")
-                lease = await arena.lease(conn, req.sizes, max(0.0, req.timeout_s))
+                if req.ahead:  # for the client's next save: no room now is an answer, not an event to log
+                    try:
+                        lease = await arena.lease(conn, req.sizes, 0.0, evict=False)
+                    except BackpressureError as exc:
+                        return ErrorReply(v=v, code=type(exc).__name__, message=str(exc))
+                else:
+                    lease = await arena.lease(conn, req.sizes, max(0.0, req.timeout_s))
                 return LeaseGranted(v=v, lease_id=lease.lease_id, offsets=lease.offsets)
             case SaveRequest():
                 nbytes = await service.accept(req, conn, since=self._conn_since.get(conn, 0.0))
