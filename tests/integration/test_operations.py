@@ -71,8 +71,11 @@ def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
     assert pending.exception() is not None
     report = json.loads(ckptd("status", "--socket", d.socket, "--json").stdout)
     assert report["in_flight"] == 0 and report["failures"] == 1 and "never saved" in report["last_error"]
-    # the abandoned step's staging space is back; what is still used is step 1, kept for an in-memory restore
-    assert report["arena_free_bytes"] + report["arena_retained_bytes"] == report["arena_bytes"]
+    # the abandoned step's staging space is back; what is still used is step 1, kept for an in-memory restore,
+    # and the space each rank's last save asked for its next one
+    assert report["arena_ahead_bytes"] > 0
+    assert (report["arena_free_bytes"] + report["arena_retained_bytes"] + report["arena_ahead_bytes"]
+            == report["arena_bytes"])
     assert report["arena_retained_bytes"] > 0
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -84,6 +87,7 @@ def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
     assert _metric(text, "ckptd_step_drain_seconds_count") == 1.0
     assert _metric(text, "ckptd_arena_bytes") == 32 << 20
     assert _metric(text, "ckptd_arena_used_bytes") == report["arena_bytes"] - report["arena_free_bytes"]
+    assert _metric(text, "ckptd_arena_ahead_bytes") == report["arena_ahead_bytes"]
     assert _metric(text, "ckptd_storage_retries_total") == 0
     for c in clients:
         c.close()

@@ -93,15 +93,21 @@ def test_restore_from_memory_after_the_ranks_were_killed(tmp_path: Path) -> None
     assert r["newer"][0] > 0 and r["newer"][1], r
 
 
+async def _kept(arena: Arena) -> Retention:
+    """Step 3 committed and kept: 600 KiB of a 1 MiB arena."""
+    kept = Retention(arena)
+    lease = await arena.lease(1, [600 << 10], timeout=0)
+    meta = ShardMeta("w", "uint8", [600 << 10], [0], [600 << 10], [600 << 10], 0)
+    assert kept.keep(3, meta, lease)
+    kept.step_committed(3)
+    return kept
+
+
 def test_a_save_evicts_the_kept_step() -> None:
     async def go() -> tuple[int, int, list[int]]:
         arena = Arena(1 << 20, prefault=False)
         try:
-            kept = Retention(arena)
-            lease = await arena.lease(1, [600 << 10], timeout=0)
-            meta = ShardMeta("w", "uint8", [600 << 10], [0], [600 << 10], [600 << 10], 0)
-            assert kept.keep(3, meta, lease)
-            kept.step_committed(3)
+            kept = await _kept(arena)
             before = len(kept.reply(3).shards)
             again = await arena.lease(2, [600 << 10], timeout=0)  # does not fit next to the kept bytes
             return before, len(kept.reply(3).shards), again.offsets
@@ -118,13 +124,9 @@ def test_a_lease_asked_for_ahead_never_evicts_the_kept_step() -> None:
     async def go() -> tuple[str, int]:
         arena = Arena(1 << 20, prefault=False)
         try:
-            kept = Retention(arena)
-            lease = await arena.lease(1, [600 << 10], timeout=0)
-            meta = ShardMeta("w", "uint8", [600 << 10], [0], [600 << 10], [600 << 10], 0)
-            assert kept.keep(3, meta, lease)
-            kept.step_committed(3)
+            kept = await _kept(arena)
             try:
-                await arena.lease(2, [600 << 10], timeout=0, evict=False)
+                await arena.lease(2, [600 << 10], timeout=0, ahead=True)
                 refused = ""
             except BackpressureError as exc:
                 refused = type(exc).__name__

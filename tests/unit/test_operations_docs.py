@@ -68,10 +68,10 @@ def test_status_example_is_what_status_prints() -> None:
                         nbytes=1600 * mib, age_s=212.4)]
     report = StatusReport(
         v=PROTOCOL_VERSION, daemon_pid=41733, root="s3://bucket/run7", uptime_s=5214, draining=False,
-        arena_bytes=16384 * mib, arena_free_bytes=14336 * mib, leases=2, in_flight=1, steps=steps, commits=52,
+        arena_bytes=16384 * mib, arena_free_bytes=12736 * mib, leases=10, in_flight=1, steps=steps, commits=52,
         failures=1, bytes_written=83200 * mib, bytes_per_s=1480 * mib, retries=17,
         last_error="step 4100: StorageFullError: /ckpt: no space left (ENOSPC)", arena_retained_bytes=1600 * mib,
-        job_id="slurm:8812", owner_pid=41700, socket="/run/user/1000/ckptd/daemon.sock",
+        job_id="slurm:8812", owner_pid=41700, socket="/run/user/1000/ckptd/daemon.sock", arena_ahead_bytes=1600 * mib,
     )
     printed = [ln.rstrip() for ln in format_report(report, "/elsewhere.sock").splitlines()]  # empty error column
     assert printed == shown.splitlines()

@@ -15,6 +15,10 @@ optimizer states) are freed before the new plan allocates its own.
 
 The pre-granted lease belongs to the connection: the daemon frees it when the client disconnects, and a
 save of another size, or any save that leases the usual way, gives it back first (:meth:`Pipeline.release`).
+The daemon grants it from free space only (:func:`lease_ahead`): it never evicts the step kept for an
+in-memory restore. A checked plan save (without the promise) asks for it too, with its own request, and
+still waits for that request's answer: one round trip a save instead of two; its lease answer is read like
+the pipelined ones (:meth:`Pipeline.owe_lease`).
 """
 
 from __future__ import annotations

@@ -228,6 +228,8 @@ class StatusReport(_Msg, frozen=True, tag="report_reply"):
     job_id: str = ""
     owner_pid: int = 0
     socket: str = ""
+    # of the used bytes: leases granted to clients for their next save (``LeaseRequest.ahead``), not used yet
+    arena_ahead_bytes: int = 0
 
 
 

@@ -103,6 +103,7 @@ class Lease:
     offsets: list[int]
     sizes: list[int]
     released: list[bool] = field(default_factory=list)
+    ahead: bool = False  # granted for the connection's next save, not yet used by one
 
     def __post_init__(self) -> None:
         self.released = [False] * len(self.offsets)
@@ -155,9 +156,15 @@ class Arena:
     def leases(self) -> int:
         return len(self._leases)
 
-    async def lease(self, owner: int, sizes: list[int], timeout: float, evict: bool = True) -> Lease:
-        """Grant slots for ``sizes`` (all or nothing), waiting FIFO up to ``timeout`` seconds; ``evict``: free
-        what :attr:`on_pressure` can free (kept steps) when the free space is not enough."""
+    @property
+    def ahead_bytes(self) -> int:
+        """Held by leases granted ahead for a connection's next save and not used yet."""
+        return sum(_align(max(n, 1)) for lease in self._leases.values() if lease.ahead for n in lease.sizes)
+
+    async def lease(self, owner: int, sizes: list[int], timeout: float, ahead: bool = False) -> Lease:
+        """Grant slots for ``sizes`` (all or nothing), waiting FIFO up to ``timeout`` seconds. ``ahead``: for
+        the connection's next save, from free space only (what :attr:`on_pressure` could free, kept steps,
+        stays)."""
         need = sum(_align(max(n, 1)) for n in sizes)
         if need > self.size:
             raise ArenaError(
@@ -167,10 +174,10 @@ class Arena:
         deadline = time.monotonic() + timeout
         while True:
             got = self._try_alloc(sizes)
-            if got is None and evict and self.on_pressure is not None and self.on_pressure():
+            if got is None and not ahead and self.on_pressure is not None and self.on_pressure():
                 got = self._try_alloc(sizes)
             if got is not None:
-                lease = Lease(self._next_id, owner, got, list(sizes))
+                lease = Lease(self._next_id, owner, got, list(sizes), ahead=ahead)
                 self._next_id += 1
                 self._leases[lease.lease_id] = lease
                 return lease
@@ -218,6 +225,7 @@ class Arena:
     def adopt(self, lease: Lease) -> None:
         """The lease now belongs to a save job, not to the connection that asked for it."""
         lease.owner = -1
+        lease.ahead = False
 
     def release_slot(self, lease: Lease, i: int) -> None:
         if lease.released[i]:

@@ -73,6 +73,8 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily("ckptd_arena_used_bytes", "Staging arena bytes held by saves",
                                 value=arena.size - arena.free_bytes)
         yield GaugeMetricFamily("ckptd_arena_leases", "Staging leases held", value=arena.leases)
+        yield GaugeMetricFamily("ckptd_arena_ahead_bytes", "Staging arena bytes granted ahead for clients' next saves",
+                                value=arena.ahead_bytes)
         metrics = self._backend.metrics
         yield CounterMetricFamily("ckptd_storage_retries", "Storage requests retried (S3)",
                                   value=metrics.retries if metrics is not None else 0)
