@@ -170,8 +170,9 @@ def save_checkpoint(
 
     Everything static (keys, shapes, bucket layout, the shard metas, the slot layout and the copy
     program) is planned on the first call and registered with the daemon; a later call checks the
-    structure (see :mod:`.staged`), does the batched copies and two short socket round trips
-    naming the plan. A change of structure plans again. No collective.
+    structure (see :mod:`.staged`), does the batched copies and one short socket round trip naming the
+    plan (with a request for the next save's staging space). A change of structure plans again. No
+    collective.
 
     ``assume_constant_structure`` (default: the client's setting) promises that the model's params and the
     optimizer's param groups and state tensors stay the same objects between saves (values change): a save
@@ -217,10 +218,11 @@ def _save_once(
         objects[OPTIM_META] = frozen.optim_meta(binding)
         fetched = frozen.fetched
     else:
+        states = staged.states.lookup() if staged is not None else {}
         if (
             staged is None
             or staged.chunk_ids != chunk_ids
-            or not staged.structure.holds(binding, staged.states.lookup(), rng_keys)
+            or not staged.structure.holds(binding, states, rng_keys)
         ):
             # what the old plan holds (captured tensors, re-homed states) goes before re-homing allocates:
             # the cache's reference, and the pipelined saves' (kept for a resend until their answers are read)
@@ -228,8 +230,9 @@ def _save_once(
             client.read_answers()
             forget(optimizer)
             staged = _plan_staged(model_chunks, optimizer, layout, binding, p.rank, rng_shards)
-        objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, staged.states.now)
-        staged.frozen = capture(staged, binding, staged.states.now, rng_keys) if constant else None
+            states = staged.states.lookup()
+        objects[OPTIM_META] = optim_meta(staged, optimizer, binding, layout, states)
+        staged.frozen = capture(staged, binding, states, rng_keys) if constant else None
     objects[MEGATRON_RECORD] = staged.record
     modules_extra = extra_states(model_chunks, staged.extra_modules)
     if modules_extra:
@@ -256,9 +259,9 @@ def _plan_staged(
     moved = rehome_states(binding, layout, elem_names)  # one flat tensor per (bucket slice, state): one copy each
     plan = save_plan(model_chunks, optimizer, rank, elem_names)
     owned = owned_by_optimizer(binding, layout)
-    states = OwnedStates(owned).lookup()
+    states = OwnedStates(owned)
     rng_keys = tuple((s.key, s.data.dtype, s.data.shape) for s in rng_shards)
-    structure = Structure(model_chunks, binding, states, rng_keys)
+    structure = Structure(model_chunks, binding, states.lookup(), rng_keys)
     stage_plan = build_stage_plan(plan.shards, rng_shards, replicas=plan.replicas)
     staged = StagedSave(
         structure, states, stage_plan, plan.layout_json, plan.record, scalar_names, owned,

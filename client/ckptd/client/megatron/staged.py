@@ -100,16 +100,16 @@ class Structure:
     first step), and the RNG keys. ~1 µs a param, in ``map``s over C callables."""
 
     def __init__(
-        self, model_chunks: Sequence[torch.nn.Module], binding: Binding, states: OwnedStates, rng_keys: object
+        self, model_chunks: Sequence[torch.nn.Module], binding: Binding, states: StateDicts, rng_keys: object
     ) -> None:
         self.watch = ModuleWatch(model_chunks)
         self._inner = inner_optimizers(binding)
         self._group_sizes = [list(map(len, map(_PARAMS, o.param_groups))) for o in self._inner]
         self._members = [TensorGuard(group_members(o)) for o in self._inner]
-        self._counts = states.counts()
+        self._counts = state_counts(states)
         self._rng_keys = rng_keys
 
-    def holds(self, binding: Binding, states: OwnedStates, rng_keys: object) -> bool:
+    def holds(self, binding: Binding, states: StateDicts, rng_keys: object) -> bool:
         inner = inner_optimizers(binding)
         return (
             rng_keys == self._rng_keys
@@ -117,7 +117,7 @@ class Structure:
             and [list(map(len, map(_PARAMS, o.param_groups))) for o in inner] == self._group_sizes
             and all(guard.holds(group_members(o)) for guard, o in zip(self._members, inner, strict=True))
             and self.watch.holds()
-            and states.counts() == self._counts
+            and state_counts(states) == self._counts
         )
 
 
@@ -142,19 +142,22 @@ class OwnedStates:
         for oi, entries in owned.items():
             runs = itertools.groupby((o for _, o in entries), key=operator.attrgetter("inner"))
             self._runs[oi] = [(inner, [o.main for o in run], StateIndex()) for inner, run in runs]
-        self.now: dict[int, list[Mapping[str, Any]]] = {}  # as of the last lookup()
 
-    def lookup(self) -> OwnedStates:
-        self.now = {
+    def lookup(self) -> StateDicts:
+        """Now (not kept: a ``state`` that ``load_state_dict`` replaced is not held alive here)."""
+        return {
             oi: list(itertools.chain.from_iterable(index.lookup(inner.state, mains, _NO_STATE)
                                                    for inner, mains, index in runs))
             for oi, runs in self._runs.items()
         }
-        return self
 
-    def counts(self) -> list[int]:
-        """How many states each owned param keeps: a state that appeared (or went) changes it."""
-        return list(itertools.chain.from_iterable(map(len, ds) for ds in self.now.values()))
+
+StateDicts = dict[int, list[Mapping[str, Any]]]  # per DistributedOptimizer index: each owned param's state
+
+
+def state_counts(states: StateDicts) -> list[int]:
+    """How many states each owned param keeps: a state that appeared (or went) changes it."""
+    return list(itertools.chain.from_iterable(map(len, ds) for ds in states.values()))
 
 
 _NO_STATE: Mapping[str, Any] = MappingProxyType({})  # a param without state (read-only: shared)
