@@ -53,9 +53,6 @@ class TensorGuard:
         self._dtypes = list(map(_DTYPE, held))
         self._shapes = list(map(_SHAPE, held))
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """``tensors`` are the captured ones, unchanged."""
         return same_objects(tensors, self._held) and self.unchanged()
