@@ -135,3 +135,24 @@ def test_a_lease_asked_for_ahead_never_evicts_the_kept_step() -> None:
             arena.close()
 
     assert asyncio.run(go()) == ("BackpressureError", 1)
+
+
+def test_a_lease_asked_for_ahead_never_takes_space_a_waiting_save_needs() -> None:
+    """Space freed while a save waits goes to that save, even when a lease asked for ahead comes first."""
+    async def go() -> tuple[str, list[int]]:
+        arena = Arena(1 << 20, prefault=False)
+        try:
+            first = await arena.lease(1, [800 << 10], timeout=0)
+            waiting = asyncio.create_task(arena.lease(2, [600 << 10], timeout=10))
+            await asyncio.sleep(0)  # the save is waiting now
+            arena.release(first)  # its space is back; the waiter has not run yet
+            try:
+                await arena.lease(3, [600 << 10], timeout=0, ahead=True)
+                refused = ""
+            except BackpressureError as exc:
+                refused = type(exc).__name__
+            return refused, (await waiting).offsets
+        finally:
+            arena.close()
+
+    assert asyncio.run(go()) == ("BackpressureError", [0])

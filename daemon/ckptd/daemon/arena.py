@@ -164,8 +164,11 @@ class Arena:
     async def lease(self, owner: int, sizes: list[int], timeout: float, ahead: bool = False) -> Lease:
         """Grant slots for ``sizes`` (all or nothing), waiting FIFO up to ``timeout`` seconds. ``ahead``: for
         the connection's next save, from free space only (what :attr:`on_pressure` could free, kept steps,
-        stays)."""
+        stays), and never while a save waits for space (a waiter stays listed until it has run again, so
+        space freed for it is not taken by a lease that only reserves)."""
         need = sum(_align(max(n, 1)) for n in sizes)
+        if ahead and self._waiters:
+            raise BackpressureError(f"{len(self._waiters)} save(s) waiting for staging space: none granted ahead")
         if need > self.size:
             raise ArenaError(
                 f"a save of {need / 2**20:.1f} MiB cannot fit the {self.size / 2**20:.1f} MiB staging arena; "
