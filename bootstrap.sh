@@ -14,9 +14,9 @@ fi
 stamp=.venv/.ckptd-installed
 want=$(cat pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "bootstrap: installing into .venv (torch 2.13.0 CPU first, then ckptd[all,test,verl])" >&2
+  echo "bootstrap: installing into .venv (torch 2.13.0 CPU first, then ckptd[all,test,verl,bench])" >&2
   .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
-  .venv/bin/pip install --quiet --disable-pip-version-check -c .ci/constraints.txt -e ".[all,test,verl]"
+  .venv/bin/pip install --quiet --disable-pip-version-check -c .ci/constraints.txt -e ".[all,test,verl,bench]"
   echo "$want" > "$stamp"
 fi
 # s3rver (npm), the second S3 implementation the S3 tests run against; skipped where npm is missing

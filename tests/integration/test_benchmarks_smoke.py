@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 RUNNER = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+PLOT = RUNNER.parent / "plot_stall_scale.py"
 
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_benchmarks_run_at_smoke_size(tmp_path):
+def test_benchmarks_run_at_smoke_size(tmp_path, tmp_path_factory):
     out = subprocess.run([sys.executable, str(RUNNER), "--smoke", "--root", str(tmp_path)],
                          capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -35,3 +36,13 @@ def test_benchmarks_run_at_smoke_size(tmp_path):
         assert row["runs"] == 1, row
         assert row[f"{figure}_min"] <= row[figure] <= row[f"{figure}_max"], row
     assert not list(tmp_path.iterdir()), "the benchmarks left files behind"
+    # docs/benchmarks.md's plot is drawn from these lines: every series the run measured is drawn
+    svg = tmp_path_factory.mktemp("plot") / "stall_scale.svg"
+    plotted = subprocess.run([sys.executable, str(PLOT), "-", "--out", str(svg)], input=out.stdout,
+                             capture_output=True, text=True, timeout=300)
+    assert plotted.returncode == 0, plotted.stderr[-4000:]
+    drawing = svg.read_text()
+    for label in ("Megatron async dp_reshardable save", "ckptd save_checkpoint (checked, the default)",
+                  "ckptd, assume_constant_structure=True", "bare copy of the same bytes (memcpy)"):
+        assert label in drawing, label
+    assert "4 series" in plotted.stderr, plotted.stderr
