@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptd.client import CheckpointClient, Placement
+from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.protocol import PROTOCOL_VERSION, ReportRequest
 from ckptd.client.reader import load
 from ckptd.writer.errors import StepCommittedError
@@ -139,3 +139,28 @@ def test_a_checked_plan_save_copies_into_the_lease_asked_for_with_the_previous_s
         client.save(4, _state(5))
     assert _arena(client)[0] == 1  # the refused save's lease was given back; the one asked for ahead stays
     client.close()
+
+
+
+def test_a_lease_asked_for_ahead_leaves_room_for_the_local_saves_still_due(start_daemon, tmp_path):
+    """Two local ranks, an arena of two and a half saves, the in-memory restore on (the default): the rank
+    that saves a step first must not take, for its next save, the space the other rank's save of that step
+    needs. Before, it did (after evicting the kept step, with its own save's span kept for the step in
+    flight): the other rank waited for space held until the first rank's next save, and timed out."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", arena="10MiB")
+    clients = [CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0), timeout_s=20) for r in (0, 1)]
+    rows = 1 << 18  # 4 MiB a rank
+    states = [{"w": Shard("w", torch.full((rows, 4), float(r)), (2 * rows, 4), (r * rows, 0))} for r in (0, 1)]
+    for step in range(1, 6):  # from the third save on, each save is a plan save that asks ahead
+        handles = []
+        for state, client in zip(states, clients, strict=True):  # rank 0 first: its step waits for rank 1
+            state["w"].data.add_(1)
+            handles.append(client.save(step, state))
+        for h in handles:
+            h.wait(60)
+    for r, state in enumerate(states):
+        out = {"w": Shard("w", torch.zeros(rows, 4), (2 * rows, 4), (r * rows, 0))}
+        load(d.root, 5, out, rank=r)
+        assert torch.equal(out["w"].data, state["w"].data), r
+    for c in clients:
+        c.close()

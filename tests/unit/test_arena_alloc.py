@@ -220,6 +220,27 @@ async def test_lease_is_all_or_nothing(arena: Arena) -> None:
     assert arena.free_bytes == MiB
 
 
+async def test_a_lease_asked_for_ahead_leaves_room_for_the_saves_still_due(arena: Arena) -> None:
+    """Granted ahead only when the slots of ``leave`` still fit beside it, contiguous where they must be;
+    a refusal gives everything back."""
+    held = await arena.lease(1, [MiB // 2], timeout=0)
+    with pytest.raises(BackpressureError, match="still due"):
+        await arena.lease(1, [MiB // 4], timeout=0, ahead=True, leave=[MiB // 4 + 1])
+    assert (arena.free_bytes, arena.leases, arena.ahead_bytes) == (MiB // 2, 1, 0)
+    small = await arena.lease(1, [MiB // 4], timeout=0, ahead=True, leave=[MiB // 8, MiB // 8])
+    assert (arena.free_bytes, arena.ahead_bytes) == (MiB // 4, MiB // 4)
+    arena.release(small)
+    hole = await arena.lease(2, [MiB // 8], timeout=0)  # splits the free half in two eighths around it
+    rest = await arena.lease(2, [MiB // 8], timeout=0)
+    arena.release(hole)  # free: an eighth at the hole, a quarter at the end
+    with pytest.raises(BackpressureError):  # 5/16 due: as many bytes as are left free, but not in one run
+        await arena.lease(1, [MiB // 16], timeout=0, ahead=True, leave=[5 * MiB // 16])
+    assert arena.free_bytes == 3 * MiB // 8
+    for lease in (held, rest):
+        arena.release(lease)
+    assert arena.free_bytes == MiB
+
+
 async def test_a_lease_larger_than_the_arena_fails_at_once(arena: Arena) -> None:
     t0 = time.monotonic()
     with pytest.raises(ArenaError, match="larger --arena-size"):

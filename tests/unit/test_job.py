@@ -101,3 +101,25 @@ def test_wire_states_are_the_strings_of_protocol_one() -> None:
     assert [s.value for s in STEP_STATES] == ["pending", "durable", "committed", "failed", "unknown"]
     assert StepState.COMMITTED == "committed" and StepState("failed") is StepState.FAILED
     assert {s for s in StepState if s.final} == {StepState.COMMITTED, StepState.FAILED, StepState.SKIPPED}
+
+
+def test_the_slots_a_step_still_waits_for() -> None:
+    """What a lease granted ahead must leave room for: the other local ranks' saves of a step in flight, at
+    their registered plan's span, else the largest save or plan seen; nothing for the asking rank itself,
+    nor once every rank saved or the step failed."""
+    job = StepJob(NodeStep(step=7, node=0, num_nodes=1, world_size=4, local_world_size=4))
+    assert job.due_slots(0, {}) == []  # nobody saved yet: the step's first save leases the usual way
+    first = rank_save(0)
+    first.staged = [100, 50]
+    job.add_save(first, 150)
+    assert job.due_slots(0, {}) == [100, 50] * 3  # three ranks still due, each as large as rank 0's save
+    assert job.due_slots(1, {}) == [100, 50] * 2  # rank 1 asks for its own next save: it is not counted
+    assert job.due_slots(0, {2: 400}) == [400, 400, 400]  # rank 2's plan is known; the others as the largest
+    assert job.due_slots(0, {1: 10, 2: 20, 3: 30}) == [10, 20, 30]
+    for r in (1, 2, 3):
+        job.add_save(rank_save(r), 1)
+    assert job.due_slots(0, {}) == []
+    failed = new_job()
+    failed.add_save(rank_save(0), 1)
+    failed.fail(StepFailedError("gone"))
+    assert failed.due_slots(0, {}) == []

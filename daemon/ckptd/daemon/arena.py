@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ckptd.client.ownership import pid_alive
@@ -161,11 +161,15 @@ class Arena:
         """Held by leases granted ahead for a connection's next save and not used yet."""
         return sum(_align(max(n, 1)) for lease in self._leases.values() if lease.ahead for n in lease.sizes)
 
-    async def lease(self, owner: int, sizes: list[int], timeout: float, ahead: bool = False) -> Lease:
+    async def lease(
+        self, owner: int, sizes: list[int], timeout: float, ahead: bool = False, leave: Sequence[int] = ()
+    ) -> Lease:
         """Grant slots for ``sizes`` (all or nothing), waiting FIFO up to ``timeout`` seconds. ``ahead``: for
         the connection's next save, from free space only (what :attr:`on_pressure` could free, kept steps,
-        stays), and never while a save waits for space (a waiter stays listed until it has run again, so
-        space freed for it is not taken by a lease that only reserves)."""
+        stays), never while a save waits for space (a waiter stays listed until it has run again, so space
+        freed for it is not taken by a lease that only reserves), and only if slots of ``leave`` still fit
+        beside it: the saves other ranks still owe a step in flight, which cannot commit without them while
+        a lease granted ahead is held until its rank's next save."""
         need = sum(_align(max(n, 1)) for n in sizes)
         if ahead and self._waiters:
             raise BackpressureError(f"{len(self._waiters)} save(s) waiting for staging space: none granted ahead")
@@ -179,6 +183,12 @@ class Arena:
             got = self._try_alloc(sizes)
             if got is None and not ahead and self.on_pressure is not None and self.on_pressure():
                 got = self._try_alloc(sizes)
+            if got is not None and ahead and leave and not self._would_fit(list(leave)):
+                self._free(got, sizes)
+                raise BackpressureError(
+                    f"{need >> 20} MiB granted ahead would leave no room for the {len(leave)} save(s) still due "
+                    "for steps in flight: none granted ahead"
+                )
             if got is not None:
                 lease = Lease(self._next_id, owner, got, list(sizes), ahead=ahead)
                 self._next_id += 1
@@ -210,11 +220,21 @@ class Arena:
         for n in sizes:
             off = self._alloc.alloc(n)
             if off is None:
-                for o, m in zip(got, sizes, strict=False):
-                    self._alloc.free(o, m)
+                self._free(got, sizes)
                 return None
             got.append(off)
         return got
+
+    def _free(self, offsets: list[int], sizes: list[int]) -> None:
+        for o, m in zip(offsets, sizes, strict=False):
+            self._alloc.free(o, m)
+
+    def _would_fit(self, sizes: list[int]) -> bool:
+        """Whether slots of ``sizes`` could be granted now (tried and given back)."""
+        got = self._try_alloc(sizes)
+        if got is not None:
+            self._free(got, sizes)
+        return got is not None
 
     def _wake(self) -> None:
         for fut in self._waiters:

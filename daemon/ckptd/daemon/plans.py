@@ -109,6 +109,13 @@ class PlanRegistry:
         for pid in [pid for pid, plan in self._plans.items() if plan.owner == owner]:
             del self._plans[pid]
 
+    def spans(self) -> dict[int, int]:
+        """Each rank's largest registered span: what its next plan save will lease."""
+        out: dict[int, int] = {}
+        for plan in self._plans.values():
+            out[plan.rank] = max(out.get(plan.rank, 0), plan.span)
+        return out
+
     def get(self, plan_id: int) -> SavePlan:
         plan = self._plans.get(plan_id)
         if plan is None:

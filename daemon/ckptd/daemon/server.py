@@ -331,7 +331,7 @@ class Daemon:
                     raise InvalidRequestError(f"lease sizes must be >= 0: {req.sizes[:8]}")
                 if req.ahead:  # for the client's next save: no room now is an answer, not an event to log
                     try:
-                        lease = await arena.lease(conn, req.sizes, 0.0, ahead=True)
+                        lease = await arena.lease(conn, req.sizes, 0.0, ahead=True, leave=service.due_slots(req.rank))
                     except BackpressureError as exc:
                         return ErrorReply(v=v, code=type(exc).__name__, message=str(exc))
                 else:

@@ -121,7 +121,7 @@ class CheckpointService:
                     await self.root.write_sidecar(name, text)
                 self._sidecars_stored.add(name)
         self.arena.adopt(span or lease)
-        save = RankSave(req, lease)
+        save = RankSave(req, lease, staged=list((span or lease).sizes))
         nbytes = sum(lease.sizes[s.slot] for s in req.shards)
         last = job.add_save(save, nbytes)
         self.stats.on_save(req.stall_s)
@@ -323,6 +323,12 @@ class CheckpointService:
 
     def in_flight(self) -> list[StepJob]:
         return [j for j in self.jobs.values() if not j.final]
+
+    def due_slots(self, rank: int) -> list[int]:
+        """The arena slots the node's other ranks' saves of the steps in flight still need: what a lease
+        granted ahead for ``rank``'s next save must leave room for (:meth:`StepJob.due_slots`)."""
+        spans = self.plans.spans()
+        return [n for job in self.in_flight() for n in job.due_slots(rank, spans)]
 
     async def drain(self, grace: float) -> bool:
         """Stop accepting saves; wait up to ``grace`` seconds for in-flight steps. True if all finished."""
