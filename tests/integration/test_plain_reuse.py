@@ -141,7 +141,6 @@ def test_a_checked_plan_save_copies_into_the_lease_asked_for_with_the_previous_s
     client.close()
 
 
-
 def test_a_lease_asked_for_ahead_leaves_room_for_the_local_saves_still_due(start_daemon, tmp_path):
     """Two local ranks, an arena of two and a half saves, the in-memory restore on (the default): the rank
     that saves a step first must not take, for its next save, the space the other rank's save of that step

@@ -110,15 +110,16 @@ def test_the_slots_a_step_still_waits_for() -> None:
     job = StepJob(NodeStep(step=7, node=0, num_nodes=1, world_size=4, local_world_size=4))
     assert job.due_slots(0, {}) == []  # nobody saved yet: the step's first save leases the usual way
     first = rank_save(0)
-    first.staged = [100, 50]
+    first.staged = 150
     job.add_save(first, 150)
-    assert job.due_slots(0, {}) == [100, 50] * 3  # three ranks still due, each as large as rank 0's save
-    assert job.due_slots(1, {}) == [100, 50] * 2  # rank 1 asks for its own next save: it is not counted
+    assert job.due_slots(0, {}) == [150] * 3  # three ranks still due, each as large as rank 0's save
+    assert job.due_slots(1, {}) == [150] * 2  # rank 1 asks for its own next save: it is not counted
     assert job.due_slots(0, {2: 400}) == [400, 400, 400]  # rank 2's plan is known; the others as the largest
     assert job.due_slots(0, {1: 10, 2: 20, 3: 30}) == [10, 20, 30]
+    assert job.due_slots(0, {0: 150, 1: 10, 2: 20, 3: 30, 9: 90}) == [10, 20, 30]  # never more than are due
     for r in (1, 2, 3):
         job.add_save(rank_save(r), 1)
-    assert job.due_slots(0, {}) == []
+    assert job.due_slots(0, {4: 99}) == []
     failed = new_job()
     failed.add_save(rank_save(0), 1)
     failed.fail(StepFailedError("gone"))

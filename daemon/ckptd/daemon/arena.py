@@ -35,6 +35,10 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _slots_bytes(sizes: Sequence[int]) -> int:
+    return sum(_align(max(n, 1)) for n in sizes)
+
+
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
     """Bytes the current user can still allocate in ``shm_dir`` (a tmpfs: this is memory, not disk)."""
     st = os.statvfs(shm_dir)
@@ -108,6 +112,11 @@ class Lease:
     def __post_init__(self) -> None:
         self.released = [False] * len(self.offsets)
 
+    @property
+    def nbytes(self) -> int:
+        """The arena bytes its slots take (each rounded up to whole pages)."""
+        return _slots_bytes(self.sizes)
+
 
 class Arena:
     """The shared-memory staging area of one daemon."""
@@ -159,7 +168,7 @@ class Arena:
     @property
     def ahead_bytes(self) -> int:
         """Held by leases granted ahead for a connection's next save and not used yet."""
-        return sum(_align(max(n, 1)) for lease in self._leases.values() if lease.ahead for n in lease.sizes)
+        return sum(lease.nbytes for lease in self._leases.values() if lease.ahead)
 
     async def lease(
         self, owner: int, sizes: list[int], timeout: float, ahead: bool = False, leave: Sequence[int] = ()
@@ -170,7 +179,7 @@ class Arena:
         freed for it is not taken by a lease that only reserves), and only if slots of ``leave`` still fit
         beside it: the saves other ranks still owe a step in flight, which cannot commit without them while
         a lease granted ahead is held until its rank's next save."""
-        need = sum(_align(max(n, 1)) for n in sizes)
+        need = _slots_bytes(sizes)
         if ahead and self._waiters:
             raise BackpressureError(f"{len(self._waiters)} save(s) waiting for staging space: none granted ahead")
         if need > self.size:

@@ -54,7 +54,7 @@ class RankSave:
     request: SaveRequest
     lease: Lease
     records: list[tuple[ShardMeta, ShardRecord]] = field(default_factory=list)
-    staged: list[int] = field(default_factory=list)  # the arena slot sizes it asked for (a plan save: its span)
+    staged: int = 0  # the arena bytes its lease took (a plan save: its span)
 
 
 @dataclass
@@ -169,16 +169,12 @@ class StepJob:
         return self.where.local_world_size - len(self.saves)
 
     def due_slots(self, rank: int, spans: Mapping[int, int]) -> list[int]:
-        """The arena slots the local saves still due for this step (``rank``'s aside) will ask for: the span
-        of a rank's registered plan (``spans``), else the largest save or plan seen; none once the step
-        left PENDING."""
-        if self._state is not StepState.PENDING or not self.saves:
+        """One arena slot for each local save still due for this step (``rank``'s aside): the span of the
+        rank's registered plan (``spans``: rank -> bytes), else the largest save or plan seen; none once the
+        step left PENDING."""
+        due = self.missing_ranks - (rank not in self.saves)
+        if self._state is not StepState.PENDING or not self.saves or due <= 0:
             return []
-        known = [n for r, n in spans.items() if r != rank and r not in self.saves]
-        unknown = self.missing_ranks - (rank not in self.saves) - len(known)
-        if unknown <= 0:
-            return known
-        largest = max((s.staged for s in self.saves.values()), key=sum)
-        if sum(largest) < max(spans.values(), default=0):
-            largest = [max(spans.values())]
-        return known + largest * unknown
+        known = [n for r, n in sorted(spans.items()) if r != rank and r not in self.saves][:due]
+        largest = max(max(s.staged for s in self.saves.values()), max(spans.values(), default=0))
+        return known + [largest] * (due - len(known))

@@ -121,7 +121,7 @@ class CheckpointService:
                     await self.root.write_sidecar(name, text)
                 self._sidecars_stored.add(name)
         self.arena.adopt(span or lease)
-        save = RankSave(req, lease, staged=list((span or lease).sizes))
+        save = RankSave(req, lease, staged=(span or lease).nbytes)
         nbytes = sum(lease.sizes[s.slot] for s in req.shards)
         last = job.add_save(save, nbytes)
         self.stats.on_save(req.stall_s)
