@@ -141,16 +141,13 @@ def test_a_checked_plan_save_copies_into_the_lease_asked_for_with_the_previous_s
     client.close()
 
 
-def test_a_lease_asked_for_ahead_leaves_room_for_the_local_saves_still_due(start_daemon, tmp_path):
-    """Two local ranks, an arena of two and a half saves, the in-memory restore on (the default): the rank
-    that saves a step first must not take, for its next save, the space the other rank's save of that step
-    needs. Before, it did (after evicting the kept step, with its own save's span kept for the step in
-    flight): the other rank waited for space held until the first rank's next save, and timed out."""
-    d = start_daemon(str(tmp_path / "ckpt"), "d0", arena="10MiB")
-    clients = [CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0), timeout_s=20) for r in (0, 1)]
+def _two_ranks_save_and_reload(socket: str, root: str, steps: int = 5) -> None:
+    """Two local ranks (two connections) save 4 MiB each per step, rank 0 first, then wait for the step;
+    the last step reloads bit-exact for both."""
+    clients = [CheckpointClient(socket, placement=Placement(r, 2, 2, 0), timeout_s=20) for r in (0, 1)]
     rows = 1 << 18  # 4 MiB a rank
     states = [{"w": Shard("w", torch.full((rows, 4), float(r)), (2 * rows, 4), (r * rows, 0))} for r in (0, 1)]
-    for step in range(1, 6):  # from the third save on, each save is a plan save that asks ahead
+    for step in range(1, steps + 1):
         handles = []
         for state, client in zip(states, clients, strict=True):  # rank 0 first: its step waits for rank 1
             state["w"].data.add_(1)
@@ -159,7 +156,25 @@ def test_a_lease_asked_for_ahead_leaves_room_for_the_local_saves_still_due(start
             h.wait(60)
     for r, state in enumerate(states):
         out = {"w": Shard("w", torch.zeros(rows, 4), (2 * rows, 4), (r * rows, 0))}
-        load(d.root, 5, out, rank=r)
+        load(root, steps, out, rank=r)
         assert torch.equal(out["w"].data, state["w"].data), r
     for c in clients:
         c.close()
+
+
+def test_a_lease_asked_for_ahead_leaves_room_for_the_local_saves_still_due(start_daemon, tmp_path):
+    """Two local ranks, an arena of two and a half saves, the in-memory restore on (the default): the rank
+    that saves a step first must not take, for its next save, the space the other rank's save of that step
+    needs (from the third save on, each save is a plan save that asks ahead). Before, it did (after evicting
+    the kept step, with its own save's span kept for the step in flight): the other rank waited for space
+    held until the first rank's next save, and timed out."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", arena="10MiB")
+    _two_ranks_save_and_reload(d.socket, d.root)
+
+
+def test_a_waiting_save_gets_the_space_kept_for_its_step_once_written(start_daemon, tmp_path):
+    """An arena of one and a half saves: the second rank's save waits until the first rank's bytes are
+    written (after the stage grace), then evicts them from the in-memory restore's keeping. Before, keeping
+    them woke no waiter: the save waited until it timed out, though with the restore off it went through."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", "--stage-grace", "0.3", arena="6MiB")
+    _two_ranks_save_and_reload(d.socket, d.root, steps=3)

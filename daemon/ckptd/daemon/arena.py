@@ -270,10 +270,12 @@ class Arena:
 
     def retain_slot(self, lease: Lease, i: int) -> tuple[int, int]:
         """Take slot ``i`` out of its lease without freeing its bytes: ``(offset, size)``, to be given back
-        with :meth:`free_range` (in-memory restore keeps a committed step's staged bytes this way)."""
+        with :meth:`free_range` (in-memory restore keeps a committed step's staged bytes this way). Waiting
+        saves are woken: what is kept, :attr:`on_pressure` can free for them."""
         lease.released[i] = True
         if all(lease.released):
             self._leases.pop(lease.lease_id, None)
+        self._wake()
         return lease.offsets[i], lease.sizes[i]
 
     def free_range(self, offset: int, size: int) -> None:
