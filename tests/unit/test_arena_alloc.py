@@ -239,6 +239,15 @@ async def test_a_lease_asked_for_ahead_leaves_room_for_the_saves_still_due(arena
     for lease in (held, rest):
         arena.release(lease)
     assert arena.free_bytes == MiB
+    kept = await arena.lease(3, [MiB // 2], timeout=0)  # stands for bytes kept for an in-memory restore
+    with pytest.raises(BackpressureError, match="still due"):
+        await arena.lease(1, [MiB // 2], timeout=0, ahead=True, leave=[MiB // 2])
+    arena.evictable = lambda: [(kept.offsets[0], MiB // 2)]  # ... which a due save would evict
+    ahead = await arena.lease(1, [MiB // 2], timeout=0, ahead=True, leave=[MiB // 2])
+    assert (arena.free_bytes, arena.ahead_bytes) == (0, MiB // 2)
+    arena.evictable = None
+    for lease in (kept, ahead):
+        arena.release(lease)
 
 
 async def test_a_lease_larger_than_the_arena_fails_at_once(arena: Arena) -> None:

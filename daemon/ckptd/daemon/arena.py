@@ -72,6 +72,12 @@ class Allocator:
     def free_bytes(self) -> int:
         return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
 
+    def copy(self) -> Allocator:
+        """An independent allocator in the same state (to try allocations on)."""
+        other = Allocator(self.size)
+        other._starts, other._ends = list(self._starts), list(self._ends)
+        return other
+
     def alloc(self, n: int) -> int | None:
         n = _align(max(n, 1))
         for i, (s, e) in enumerate(zip(self._starts, self._ends, strict=True)):
@@ -144,6 +150,8 @@ class Arena:
         # Frees space kept for in-memory restore (ckptd.daemon.restore) when a lease does not fit:
         # saves always win the space. Returns the bytes it freed.
         self.on_pressure: Callable[[], int] | None = None
+        # The ranges on_pressure would free: (offset, size) each
+        self.evictable: Callable[[], list[tuple[int, int]]] | None = None
 
     def _prefault(self) -> None:
         t0 = time.perf_counter()
@@ -177,8 +185,9 @@ class Arena:
         the connection's next save, from free space only (what :attr:`on_pressure` could free, kept steps,
         stays), never while a save waits for space (a waiter stays listed until it has run again, so space
         freed for it is not taken by a lease that only reserves), and only if slots of ``leave`` still fit
-        beside it: the saves other ranks still owe a step in flight, which cannot commit without them while
-        a lease granted ahead is held until its rank's next save."""
+        beside it, in free space or in what :attr:`on_pressure` would free for them: the saves other ranks
+        still owe a step in flight, which cannot commit without them while a lease granted ahead is held
+        until its rank's next save."""
         need = _slots_bytes(sizes)
         if ahead and self._waiters:
             raise BackpressureError(f"{len(self._waiters)} save(s) waiting for staging space: none granted ahead")
@@ -192,7 +201,7 @@ class Arena:
             got = self._try_alloc(sizes)
             if got is None and not ahead and self.on_pressure is not None and self.on_pressure():
                 got = self._try_alloc(sizes)
-            if got is not None and ahead and leave and not self._would_fit(list(leave)):
+            if got is not None and ahead and leave and not self._would_fit(leave):
                 self._free(got, sizes)
                 raise BackpressureError(
                     f"{need >> 20} MiB granted ahead would leave no room for the {len(leave)} save(s) still due "
@@ -238,12 +247,13 @@ class Arena:
         for o, m in zip(offsets, sizes, strict=False):
             self._alloc.free(o, m)
 
-    def _would_fit(self, sizes: list[int]) -> bool:
-        """Whether slots of ``sizes`` could be granted now (tried and given back)."""
-        got = self._try_alloc(sizes)
-        if got is not None:
-            self._free(got, sizes)
-        return got is not None
+    def _would_fit(self, sizes: Sequence[int]) -> bool:
+        """Whether slots of ``sizes`` could be granted now, after evicting what :attr:`evictable` names
+        (tried on a copy of the allocator)."""
+        trial = self._alloc.copy()
+        for offset, size in self.evictable() if self.evictable is not None else ():
+            trial.free(offset, size)
+        return all(trial.alloc(n) is not None for n in sizes)
 
     def _wake(self) -> None:
         for fut in self._waiters:

@@ -42,6 +42,7 @@ class Retention:
         self.evictions = 0
         if enabled:
             arena.on_pressure = self.evict
+            arena.evictable = self.ranges
         else:
             log.info("in-memory restore off: staged slots are freed once written; loads read storage")
 
@@ -69,6 +70,10 @@ class Retention:
             return False
         kept.ranges.append(self.arena.retain_slot(span, 0))
         return True
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The arena ranges held for an in-memory restore, ``(offset, size)`` each: :meth:`evict` frees them."""
+        return [r for kept in self.kept.values() for r in kept.ranges]
 
     @property
     def retained_bytes(self) -> int:
