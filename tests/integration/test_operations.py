@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient, Placement, Shard
+from ckptd.client.protocol import PROTOCOL_VERSION, LeaseGranted, LeaseRequest, ReleaseRequest
 from ckptd.daemon.cli import main
 from ckptd.daemon.sizing import plan_arena
 from ckptd.testing.launch import free_port
@@ -141,3 +143,32 @@ def test_plan_matches_the_sizing_rule():
     assert "16 B/param" in text.stdout and "--arena-size" in text.stdout
     bad = ckptd("plan", "--params", "lots")
     assert bad.returncode == 2 and "ConfigError" in bad.stderr
+
+
+def test_status_counts_the_saves_waiting_for_staging_space(start_daemon, tmp_path):
+    """A lease request that waits for space shows in ``ckptd status`` (JSON, text, metric) while it waits,
+    and no longer once the space it waited for is given back and granted."""
+    port = free_port()
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", "--metrics-port", str(port), arena="8MiB")
+    holder, waiter = (CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0)) for r in (0, 1))
+    held = holder._request(LeaseRequest(v=PROTOCOL_VERSION, step=1, rank=0, sizes=[6 << 20], timeout_s=0))
+    assert isinstance(held, LeaseGranted)
+    answers: list[object] = []
+    asking = threading.Thread(target=lambda: answers.append(
+        waiter._request(LeaseRequest(v=PROTOCOL_VERSION, step=1, rank=1, sizes=[4 << 20], timeout_s=60))))
+    asking.start()
+    deadline = time.monotonic() + 30
+    while (report := json.loads(ckptd("status", "--socket", d.socket, "--json").stdout))["arena_waiting"] != 1:
+        assert time.monotonic() < deadline, report
+        time.sleep(0.1)
+    assert "; 1 save(s) waiting for staging space" in ckptd("status", "--socket", d.socket).stdout
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert _metric(text, "ckptd_arena_waiting") == 1
+    holder._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=held.lease_id))
+    asking.join(30)
+    assert [type(a) for a in answers] == [LeaseGranted]
+    report = json.loads(ckptd("status", "--socket", d.socket, "--json").stdout)
+    assert report["arena_waiting"] == 0 and report["leases"] == 1
+    assert "waiting for staging space" not in ckptd("status", "--socket", d.socket).stdout
+    for c in (holder, waiter):
+        c.close()

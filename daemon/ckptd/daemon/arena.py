@@ -174,6 +174,11 @@ class Arena:
         return len(self._leases)
 
     @property
+    def waiting(self) -> int:
+        """Lease requests waiting for space now."""
+        return len(self._waiters)
+
+    @property
     def ahead_bytes(self) -> int:
         """Held by leases granted ahead for a connection's next save and not used yet."""
         return sum(lease.nbytes for lease in self._leases.values() if lease.ahead)

@@ -120,7 +120,8 @@ def format_report(r: StatusReport, path: str) -> str:
         f"state    {state if r.draining else 'serving'}",
         f"root     {r.root}",
         f"arena    {used / mib:.0f} MiB used / {r.arena_bytes / mib:.0f} MiB  ({r.arena_free_bytes / mib:.0f} MiB "
-        f"free, {r.leases} lease(s); {r.arena_ahead_bytes / mib:.0f} MiB granted ahead for next saves)",
+        f"free, {r.leases} lease(s); {r.arena_ahead_bytes / mib:.0f} MiB granted ahead for next saves)"
+        + (f"; {r.arena_waiting} save(s) waiting for staging space" if r.arena_waiting else ""),
         "restore  in-memory restore off (--no-retain)" if not r.retain else
         f"restore  in-memory restore on, {r.arena_retained_bytes / mib:.0f} MiB of the newest commit kept",
         f"steps    {r.in_flight} in flight, {r.commits} committed, {r.failures} failed since start",

@@ -75,6 +75,7 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily("ckptd_arena_leases", "Staging leases held", value=arena.leases)
         yield GaugeMetricFamily("ckptd_arena_ahead_bytes", "Staging arena bytes granted ahead for clients' next saves",
                                 value=arena.ahead_bytes)
+        yield GaugeMetricFamily("ckptd_arena_waiting", "Lease requests waiting for staging space", value=arena.waiting)
         metrics = self._backend.metrics
         yield CounterMetricFamily("ckptd_storage_retries", "Storage requests retried (S3)",
                                   value=metrics.retries if metrics is not None else 0)

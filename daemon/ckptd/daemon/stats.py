@@ -68,5 +68,5 @@ def status_report(
         failures=stats.failures, bytes_written=stats.bytes_written, bytes_per_s=stats.bytes_per_s,
         retries=backend.metrics.retries if backend.metrics is not None else 0, last_error=stats.last_error,
         arena_retained_bytes=retained, retain=retain, job_id=job_id, owner_pid=owner_pid, socket=socket,
-        arena_ahead_bytes=arena.ahead_bytes,
+        arena_ahead_bytes=arena.ahead_bytes, arena_waiting=arena.waiting,
     )
