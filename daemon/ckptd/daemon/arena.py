@@ -39,6 +39,11 @@ def _slots_bytes(sizes: Sequence[int]) -> int:
     return sum(_align(max(n, 1)) for n in sizes)
 
 
+def _all_fit(alloc: Allocator, sizes: Sequence[int]) -> bool:
+    """Allocate every slot of ``sizes`` in ``alloc`` (a trial copy); False at the first that does not fit."""
+    return all(alloc.alloc(n) is not None for n in sizes)
+
+
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
     """Bytes the current user can still allocate in ``shm_dir`` (a tmpfs: this is memory, not disk)."""
     st = os.statvfs(shm_dir)
@@ -253,12 +258,17 @@ class Arena:
             self._alloc.free(o, m)
 
     def _would_fit(self, sizes: Sequence[int]) -> bool:
-        """Whether slots of ``sizes`` could be granted now, after evicting what :attr:`evictable` names
-        (tried on a copy of the allocator)."""
+        """Whether slots of ``sizes`` could be granted now, in free space or after evicting what
+        :attr:`evictable` names (tried on copies of the allocator; the kept ranges are walked only when free
+        space is not enough)."""
+        if _all_fit(self._alloc.copy(), sizes):
+            return True
+        if self.evictable is None:
+            return False
         trial = self._alloc.copy()
-        for offset, size in self.evictable() if self.evictable is not None else ():
+        for offset, size in self.evictable():
             trial.free(offset, size)
-        return all(trial.alloc(n) is not None for n in sizes)
+        return _all_fit(trial, sizes)
 
     def _wake(self) -> None:
         for fut in self._waiters:

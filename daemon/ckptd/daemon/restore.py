@@ -78,7 +78,7 @@ class Retention:
     @property
     def retained_bytes(self) -> int:
         """Arena bytes held for an in-memory restore (given back to any save that needs them)."""
-        return sum(size for kept in self.kept.values() for _o, size in kept.ranges)
+        return sum(size for _o, size in self.ranges())
 
     def step_committed(self, step: int) -> None:
         """``step`` is the newest commit: free every older step's slots."""
