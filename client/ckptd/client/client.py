@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import torch
 
+from ckptd.client.collector import paused
 from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
@@ -280,6 +281,7 @@ class CheckpointClient:
         return _expect(self._request(StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s)), StepStatus)
 
     # --- save -------------------------------------------------------------------------------------
+    @paused
     def save(self, step: int, state: StateDict, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Stage ``state`` for ``step`` and return once it is copied; the caller may then overwrite it.
 
@@ -294,10 +296,12 @@ class CheckpointClient:
         plan = plan_state(state, self.placement.rank)
         return self._save(step, plan, sidecars, t0)
 
+    @paused
     def save_plan(self, step: int, plan: Plan, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Like :meth:`save` for an already planned state (callers that cache their plan)."""
         return self._save(step, plan, sidecars, time.perf_counter())
 
+    @paused
     def save_staged(
         self,
         step: int,

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ckptd.client.collector import paused
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.restore import ArenaSource
 from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard, torch_dtype
@@ -136,6 +137,7 @@ async def read_sidecar_async(
 
 
 # --- synchronous entry points ---------------------------------------------------------------------
+@paused
 def load(
     root: str,
     step: Step,

@@ -8,8 +8,12 @@ Megatron is untyped, so its objects are ``Any`` here (and only here); megatron i
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -202,10 +206,33 @@ def _iter_sharded(obj: object) -> Iterator[Any]:
         yield obj
 
 
+_LEAVES: ContextVar[dict[int, tuple[torch.nn.Module, list[Any]]] | None] = ContextVar("ckptd_leaves", default=None)
+
+
+@contextmanager
+def leaves_reused() -> Iterator[None]:
+    """Inside the block each chunk's ``sharded_state_dict()`` is built once: planning a save or a load needs
+    its leaves twice (the grad-buffer layout, the model shards), and Megatron builds every ShardedTensor anew
+    at each call (~25 µs a tensor: 0.25 s of a first save at ~20,000 of them)."""
+    token = _LEAVES.set({})
+    try:
+        yield
+    finally:
+        _LEAVES.reset(token)
+
+
 def sharded_leaves(chunk: torch.nn.Module) -> list[Any]:
-    """The ``ShardedTensor``/``ShardedObject`` leaves of a chunk's ``sharded_state_dict()``, factories built."""
+    """The ``ShardedTensor``/``ShardedObject`` leaves of a chunk's ``sharded_state_dict()``, factories built
+    (the same list again for the same chunk inside :func:`leaves_reused`; callers only read it)."""
+    memo = _LEAVES.get()
+    held = memo.get(id(chunk)) if memo is not None else None
+    if held is not None and held[0] is chunk:
+        return held[1]
     module: Any = unwrap(chunk)
-    return list(_iter_sharded(module.sharded_state_dict()))
+    leaves = list(_iter_sharded(module.sharded_state_dict()))
+    if memo is not None:
+        memo[id(chunk)] = (chunk, leaves)
+    return leaves
 
 
 def is_sharded_tensor(obj: object) -> bool:
@@ -235,10 +262,43 @@ def expert_storage_spans(chunk: torch.nn.Module) -> list[tuple[int, int, int]]:
     return [storage_span(p) for p in unwrap(chunk).parameters() if getattr(p, "allreduce", True) is False]
 
 
+class ParamSpans:
+    """Which param's memory holds an element range of a storage: the first param (in ``parameters()``
+    order) whose span contains it. A storage whose params' spans do not overlap (Megatron's grad buffers
+    hold every param of a chunk in one storage, back to back) is searched by bisection, not param by param:
+    a chunk of ~8,400 params has ~20,000 ShardedTensors to place."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        by_storage: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
+        for i, p in enumerate(params):
+            ptr, lo, hi = storage_span(p)
+            if hi > lo:  # an empty param holds no element
+                by_storage.setdefault(ptr, []).append((lo, hi, i, p))
+        self._spans = {ptr: sorted(spans, key=lambda s: (s[0], s[2])) for ptr, spans in by_storage.items()}
+        self._starts = {ptr: [s[0] for s in spans] for ptr, spans in self._spans.items()}
+        self._disjoint = {
+            ptr: all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) for ptr, spans in self._spans.items()
+        }
+
+    def owner(self, ptr: int, lo: int, hi: int) -> tuple[torch.nn.Parameter, int] | None:
+        """(param, its first element in the storage) whose span holds elements ``[lo, hi)``, or None."""
+        spans = self._spans.get(ptr)
+        if spans is None:
+            return None
+        if self._disjoint[ptr]:
+            i = bisect.bisect_right(self._starts[ptr], lo) - 1
+            found = [spans[i]] if i >= 0 and hi <= spans[i][1] else []
+        else:
+            found = [s for s in spans if s[0] <= lo and hi <= s[1]]
+        if not found:
+            return None
+        first = min(found, key=lambda s: s[2])
+        return first[3], first[0]
+
+
 def model_pieces(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, list[ModelPiece]]:
     """Map each param to the built ShardedTensors that view it (by storage and element range)."""
-    params = list(unwrap(chunk).parameters())
-    spans = [(*storage_span(p), p) for p in params]
+    spans = ParamSpans(list(unwrap(chunk).parameters()))
     out: dict[torch.nn.Parameter, list[ModelPiece]] = {}
     for st in sharded_leaves(chunk):
         if not is_sharded_tensor(st) or st.flattened_range is not None:
@@ -249,16 +309,17 @@ def model_pieces(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, list[ModelP
         ptr = t.untyped_storage().data_ptr()
         lo = t.storage_offset()
         hi = lo + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-        owner = next((sp for sp in spans if sp[0] == ptr and sp[1] <= lo and hi <= sp[2]), None)
+        owner = spans.owner(ptr, lo, hi)
         if owner is None:
             continue  # not a param (a buffer) or a copy: model_state still saves it
-        out.setdefault(owner[3], []).append(
+        param, start = owner
+        out.setdefault(param, []).append(
             ModelPiece(
                 key=st.key,
                 global_shape=tuple(int(n) for n in st.global_shape),
                 global_offset=tuple(int(o) for o in st.global_offset),
                 prepend_axis_num=int(st.prepend_axis_num),
-                view_offset=lo - owner[1],
+                view_offset=lo - start,
                 view_shape=tuple(int(n) for n in t.shape),
                 view_stride=tuple(int(s) for s in t.stride()),
                 replica_id=replica_tuple(st.replica_id),

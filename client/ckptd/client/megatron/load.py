@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckptd.client.collector import paused
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.checks import (
@@ -66,6 +67,7 @@ class LoadedCheckpoint:
     from_memory_bytes: int = 0  # bytes copied from the daemon's arena (in-memory restore), checksummed
 
 
+@paused
 def load_checkpoint(
     root_or_client: str | CheckpointClient,
     step: int | str,
@@ -133,9 +135,10 @@ async def load_checkpoint_async(
     records = saved_records(commit)
     if optimizer is None:
         return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng)
-    layout = get_layout(model_chunks, optimizer)
+    with introspect.leaves_reused():  # the layout and the model template walk the model's sharded_state_dict() once
+        layout = get_layout(model_chunks, optimizer)
+        template = model_template(model_chunks)
     same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
-    template = model_template(model_chunks)
     reason: CkptdError | None = None
     try:
         check_parallel_sizes(commit.step, records, layout)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckptd.client.collector import paused
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.constant import capture
 from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_modules, extra_states
@@ -136,6 +137,7 @@ def model_only_plan(model_chunks: Sequence[torch.nn.Module], rank: int) -> SaveP
     return plan
 
 
+@paused
 def save_checkpoint(
     client: CheckpointClient,
     step: int,
@@ -186,10 +188,12 @@ def save_checkpoint(
     t0 = time.perf_counter()
     constant = client.assume_constant_structure if assume_constant_structure is None else assume_constant_structure
     try:
-        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
+        with introspect.leaves_reused():  # a planning save walks the model's sharded_state_dict() once
+            return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
     except StalePlanError:  # a state tensor changed under the plan in a way the structure check missed: replan once
         forget(optimizer)
-        return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
+        with introspect.leaves_reused():
+            return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
 
 
 def _save_once(
