@@ -23,6 +23,7 @@ big-endian hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_regio
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import sys
@@ -84,6 +85,8 @@ class ChunkReader:
         self.from_memory: list[tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]] = []
         self.gathers: dict[str, Job] = {}  # chunk path -> the regions it holds elements of
         self._chunks: dict[str, dict[int, ChunkRecord]] = {}  # 1-D array -> its chunks by index
+        self._grid: dict[str, dict[tuple[int, ...], ChunkRecord]] = {}  # N-d array -> its chunks by coords
+        self._stored: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ShardRecord]] = {}  # by region
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
         """Fill ``dst`` with the region of array ``key`` that starts at ``offset`` (shape: ``dst.shape``).
@@ -94,8 +97,10 @@ class ChunkReader:
             return
         if self.memory is not None:
             hit = self.memory.find(key, tuple(offset), tuple(dst.shape))
-            stored = next((s for s in rec.shards if tuple(s.offset) == tuple(offset)
-                           and tuple(s.shape) == tuple(dst.shape)), None)
+            by_region = self._stored.get(key)
+            if by_region is None:
+                by_region = self._stored[key] = {(tuple(s.offset), tuple(s.shape)): s for s in reversed(rec.shards)}
+            stored = by_region.get((tuple(offset), tuple(dst.shape)))
             if hit is not None and stored is not None and hit.dtype == rec.torch_dtype and \
                     hit.nbytes == dst.numel() * itemsize(rec.torch_dtype):
                 self.from_memory.append((key, dst, tuple(offset), hit, stored))
@@ -198,28 +203,34 @@ class ChunkReader:
     def _plan(self, rec: ArrayRecord, typed: np.ndarray, flat: np.ndarray, offset: tuple[int, ...], item: int) -> None:
         local = typed.shape
         end = tuple(o + n for o, n in zip(offset, local, strict=True))
-        for shard in rec.shards:
-            for ch in shard.chunks:
-                ext = chunk_selection(ch.coords, rec.chunks, rec.shape)
-                lo = tuple(max(s.start, o) for s, o in zip(ext, offset, strict=True))
-                hi = tuple(min(s.stop, e) for s, e in zip(ext, end, strict=True))
-                if any(a >= b for a, b in zip(lo, hi, strict=True)):
-                    continue
-                path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
-                whole = all(a == s.start and b == s.stop for a, b, s in zip(lo, hi, ext, strict=True))
-                rel = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
-                run = contiguous_run(rel, local) if whole else None
-                if run is not None and run[1] * item == ch.nbytes:
-                    start, count = run
-                    self.jobs.append(Job(path, ch, flat[start * item : (start + count) * item]))
-                else:
-                    src = tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, ext, strict=True))
-                    shape = tuple(s.stop - s.start for s in ext)
-                    if math.prod(rec.chunks) * item == ch.nbytes:  # an edge chunk stored at full size (zarr)
-                        shape = tuple(rec.chunks)
-                    if not self._gather_part(path, ch, typed[rel], src, shape, item):
-                        self.jobs.append(Job(path, ch, None, typed[rel], src, shape, item))
-                self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
+        grid = self._grid.get(rec.name)
+        if grid is None:  # the chunks by coords, once per array: a region visits only the ones it overlaps
+            grid = self._grid[rec.name] = {tuple(ch.coords): ch for shard in rec.shards for ch in shard.chunks}
+        spans = (range(o // c, -(-e // c)) for o, e, c in zip(offset, end, rec.chunks, strict=True))
+        for coords in itertools.product(*spans):
+            ch = grid.get(coords)
+            if ch is None:
+                continue
+            ext = chunk_selection(ch.coords, rec.chunks, rec.shape)
+            lo = tuple(max(s.start, o) for s, o in zip(ext, offset, strict=True))
+            hi = tuple(min(s.stop, e) for s, e in zip(ext, end, strict=True))
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
+            whole = all(a == s.start and b == s.stop for a, b, s in zip(lo, hi, ext, strict=True))
+            rel = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
+            run = contiguous_run(rel, local) if whole else None
+            if run is not None and run[1] * item == ch.nbytes:
+                start, count = run
+                self.jobs.append(Job(path, ch, flat[start * item : (start + count) * item]))
+            else:
+                src = tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, ext, strict=True))
+                shape = tuple(s.stop - s.start for s in ext)
+                if math.prod(rec.chunks) * item == ch.nbytes:  # an edge chunk stored at full size (zarr)
+                    shape = tuple(rec.chunks)
+                if not self._gather_part(path, ch, typed[rel], src, shape, item):
+                    self.jobs.append(Job(path, ch, None, typed[rel], src, shape, item))
+            self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
 
     def _gather_part(
         self, path: str, ch: ChunkRecord, dst: np.ndarray, src: tuple[slice, ...], shape: tuple[int, ...], item: int
