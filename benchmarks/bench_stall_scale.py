@@ -15,7 +15,7 @@ shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size
   neither its sources nor its staging space are cached. The cold pair compares like with like;
 - ``megatron_dp_reshardable``: Megatron-LM's async ``dist_checkpointing.save`` (bench_megatron's code);
 - ``ckptd_first_save``: the first save of the run, which plans (shards, layout, copy program, re-homing,
-  the plan's registration with the daemon); the call only, shim off (with it on until 2026-12-02 22:00).
+  the plan's registration with the daemon); the call only, shim off (with it on up to the run of 2026-12-02 21:59).
 
 Stall: wall time of the call the training loop blocks on, slowest rank, median over repeats.
 ``overhead_us_per_shard`` is (stall - memcpy) / shards per rank.

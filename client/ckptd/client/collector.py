@@ -2,9 +2,10 @@
 
 A trainer's process holds millions of Python objects: a Megatron model's modules, params and their
 attributes, the optimizer's state dicts, the data loader. Planning a save (or a load) allocates tens of
-thousands of small objects; every 700 net allocations start a collection, and every hundredth of those
-walks every tracked object in the process, the model's included. Such a full pass, started at a random
-point of a save, is paid by the rank that hit it and so by the whole job. Measured on the toy GPT
+thousands of small objects; every 700 net allocations start a young-generation collection, and after a
+hundred of those, once enough objects have outlived them, the oldest-generation pass walks every tracked
+object in the process, the model's included. Such a full pass, started at a random point of a save, is paid
+by the rank that hit it and so by the whole job. Measured on the toy GPT
 (2 ranks, ``benchmarks/bench_stall_scale.py``'s sizes): the first save of 96 layers (1,352 shards a rank)
 took 0.71 s with the collector on and 0.24 s with it held off (docs/benchmarks.md).
 

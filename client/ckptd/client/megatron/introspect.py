@@ -285,15 +285,12 @@ class ParamSpans:
         spans = self._spans.get(ptr)
         if spans is None:
             return None
-        if self._disjoint[ptr]:
+        if self._disjoint[ptr]:  # the one span starting at or before lo, if it reaches hi
             i = bisect.bisect_right(self._starts[ptr], lo) - 1
-            found = [spans[i]] if i >= 0 and hi <= spans[i][1] else []
+            found = spans[i] if i >= 0 and hi <= spans[i][1] else None
         else:
-            found = [s for s in spans if s[0] <= lo and hi <= s[1]]
-        if not found:
-            return None
-        first = min(found, key=lambda s: s[2])
-        return first[3], first[0]
+            found = min((s for s in spans if s[0] <= lo and hi <= s[1]), key=lambda s: s[2], default=None)
+        return None if found is None else (found[3], found[0])
 
 
 def model_pieces(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, list[ModelPiece]]:
