@@ -84,8 +84,7 @@ class ChunkReader:
         self.memory = memory if memory is not None and memory.step == commit.step else None
         self.from_memory: list[tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]] = []
         self.gathers: dict[str, Job] = {}  # chunk path -> the regions it holds elements of
-        self._chunks: dict[str, dict[int, ChunkRecord]] = {}  # 1-D array -> its chunks by index
-        self._grid: dict[str, dict[tuple[int, ...], ChunkRecord]] = {}  # N-d array -> its chunks by coords
+        self._grid: dict[str, dict[tuple[int, ...], ChunkRecord]] = {}  # array -> its chunks by coords
         self._stored: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ShardRecord]] = {}  # by region
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
@@ -150,12 +149,10 @@ class ChunkReader:
             self.add(key, span, (region.offset,))
             self.copies.append((span.as_strided(region.sizes, region.strides, 0), dst))
             return
-        chunks = self._chunks.get(key)
-        if chunks is None:  # a 1-D array's chunks by index, once per array
-            chunks = self._chunks[key] = {ch.coords[0]: ch for shard in rec.shards for ch in shard.chunks}
+        chunks = self._chunk_grid(rec)
         size = rec.chunks[0]
         for c in range(region.offset // size, (region.stop - 1) // size + 1):
-            ch = chunks.get(c)
+            ch = chunks.get((c,))
             if ch is None:
                 raise CorruptCheckpointError(f"{key}: chunk {c} is not in the manifest")
             path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
@@ -203,9 +200,7 @@ class ChunkReader:
     def _plan(self, rec: ArrayRecord, typed: np.ndarray, flat: np.ndarray, offset: tuple[int, ...], item: int) -> None:
         local = typed.shape
         end = tuple(o + n for o, n in zip(offset, local, strict=True))
-        grid = self._grid.get(rec.name)
-        if grid is None:  # the chunks by coords, once per array: a region visits only the ones it overlaps
-            grid = self._grid[rec.name] = {tuple(ch.coords): ch for shard in rec.shards for ch in shard.chunks}
+        grid = self._chunk_grid(rec)  # a region visits only the chunks it overlaps
         spans = (range(o // c, -(-e // c)) for o, e, c in zip(offset, end, rec.chunks, strict=True))
         for coords in itertools.product(*spans):
             ch = grid.get(coords)
@@ -231,6 +226,14 @@ class ChunkReader:
                 if not self._gather_part(path, ch, typed[rel], src, shape, item):
                     self.jobs.append(Job(path, ch, None, typed[rel], src, shape, item))
             self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
+
+    def _chunk_grid(self, rec: ArrayRecord) -> dict[tuple[int, ...], ChunkRecord]:
+        """The array's chunks by coords, indexed once per array (a deep model's stacked arrays have
+        hundreds of chunks, and a load hundreds of regions in each)."""
+        grid = self._grid.get(rec.name)
+        if grid is None:
+            grid = self._grid[rec.name] = {tuple(ch.coords): ch for shard in rec.shards for ch in shard.chunks}
+        return grid
 
     def _gather_part(
         self, path: str, ch: ChunkRecord, dst: np.ndarray, src: tuple[slice, ...], shape: tuple[int, ...], item: int
