@@ -257,9 +257,9 @@ def storage_span(t: torch.Tensor) -> tuple[int, int, int]:
     return t.untyped_storage().data_ptr(), off, off + t.numel()
 
 
-def expert_storage_spans(chunk: torch.nn.Module) -> list[tuple[int, int, int]]:
-    """Storage spans of expert params (``allreduce=False``), which replicate over the expert-DP group."""
-    return [storage_span(p) for p in unwrap(chunk).parameters() if getattr(p, "allreduce", True) is False]
+def expert_params(chunk: torch.nn.Module) -> ParamSpans:
+    """The spans of the expert params (``allreduce=False``), which replicate over the expert-DP group."""
+    return ParamSpans([p for p in unwrap(chunk).parameters() if getattr(p, "allreduce", True) is False])
 
 
 class ParamSpans:

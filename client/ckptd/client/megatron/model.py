@@ -47,14 +47,14 @@ def model_state(
     out: dict[str, object] = {}
     dense = introspect.dense_dp()
     for chunk in model_chunks:
-        expert_ptrs = introspect.expert_storage_spans(chunk)
+        experts = introspect.expert_params(chunk)
         for leaf in introspect.sharded_leaves(chunk):
             if introspect.is_sharded_tensor(leaf):
                 if leaf.flattened_range is not None:
                     raise InvalidRequestError(f"{leaf.key}: flattened model ShardedTensors are not supported")
                 base = replace(Shard.from_sharded_tensor(leaf), key=model_key(leaf.key, prefix))
                 if split_replicas:
-                    dp = introspect.expert_dp() if _views_any(leaf.data, expert_ptrs) else dense
+                    dp = introspect.expert_dp() if _views_any(leaf.data, experts) else dense
                     shards = _split_replicated(base, dp[0], dp[1], min_split_bytes)
                 else:
                     shards = [base]
@@ -115,11 +115,10 @@ def _build_template(model_chunks: Sequence[torch.nn.Module], storages: set[int])
     return template
 
 
-def _views_any(t: torch.Tensor, spans: list[tuple[int, int, int]]) -> bool:
-    if not spans:
-        return False
-    ptr, off = t.untyped_storage().data_ptr(), t.storage_offset()
-    return any(ptr == p and lo <= off < hi for p, lo, hi in spans)
+def _views_any(t: torch.Tensor, spans: introspect.ParamSpans) -> bool:
+    """Whether ``t`` starts inside one of the params ``spans`` holds."""
+    off = int(t.storage_offset())
+    return spans.owner(t.untyped_storage().data_ptr(), off, off + 1) is not None
 
 
 def _split_replicated(shard: Shard, dp_size: int, dp_rank: int, min_split_bytes: int) -> list[Shard]:
