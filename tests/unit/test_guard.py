@@ -9,7 +9,24 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from ckptd.client import guard as guard_module
 from ckptd.client.guard import ModuleWatch, StateIndex, TensorGuard
+
+
+@pytest.fixture(params=["torch primitives", "plain"])
+def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: with torch's dict versions and TensorGuards where present, and with the plain
+    walks and ``map``s that serve where they are not."""
+    if request.param == "plain":
+        monkeypatch.setattr(guard_module, "_DICT_VERSION", None)
+        monkeypatch.setattr(guard_module, "_shape_guard", lambda tensors: None)
+    return str(request.param)
+
+
+def test_the_torch_primitives_pass_their_self_test_here() -> None:
+    """On the pinned torch and Python both fast paths are on (else the fast path is not what runs)."""
+    assert guard_module._DICT_VERSION is not None
+    assert guard_module._shape_guard([torch.zeros(2, 3), torch.zeros(4)]) is not None
 
 
 def _model() -> torch.nn.Sequential:
@@ -37,19 +54,38 @@ CHANGES: dict[str, Callable[[torch.nn.Sequential], object]] = {
     "a param removed": lambda m: setattr(m[0], "bias", None),
     "a submodule added": lambda m: m.append(torch.nn.Linear(4, 2)),
     "a submodule replaced": lambda m: m.__setitem__(1, torch.nn.LayerNorm(4)),
+    "a param replaced in the module's dict": lambda m: m[1]._parameters.__setitem__(
+        "weight", torch.nn.Parameter(torch.ones(4))),
+    "a submodule replaced in the dict": lambda m: m._modules.__setitem__("0", torch.nn.Linear(4, 4)),
+    "a param deleted": lambda m: delattr(m[1], "bias"),
+    "transposed (same memory, shape and count)": lambda m: _set_data(m[0].weight, m[0].weight.data.t()),
 }
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_module_watch_sees_each_structure_change(change: str) -> None:
+def test_module_watch_sees_each_structure_change(change: str, checks: str) -> None:
     model = _model()
     watch = ModuleWatch([model])
     assert watch.holds()
+    assert watch.holds()  # twice: the second by the dicts' versions where they are used
     CHANGES[change](model)
+    assert not watch.holds()
     assert not watch.holds()
 
 
-def test_module_watch_ignores_values_and_gradients() -> None:
+def test_module_watch_holds_after_writes_that_leave_the_same_objects(checks: str) -> None:
+    model = _model()
+    watch = ModuleWatch([model])
+    assert watch.holds()
+    model[0].weight = model[0].weight  # a write to the dict, the same Parameter
+    model._modules["1"] = model[1]
+    model[1].register_parameter("scratch", torch.nn.Parameter(torch.ones(1)))
+    del model[1].scratch  # added and removed again
+    assert watch.holds()
+    assert watch.holds()
+
+
+def test_module_watch_ignores_values_and_gradients(checks: str) -> None:
     model = _model()
     watch = ModuleWatch([model])
     with torch.no_grad():
@@ -60,14 +96,14 @@ def test_module_watch_ignores_values_and_gradients() -> None:
     assert [id(p) for p in watch.params()] == [id(p) for p in model.parameters()]
 
 
-def test_tensor_guard_sees_a_dtype_reinterpreted_in_the_same_memory() -> None:
+def test_tensor_guard_sees_a_dtype_reinterpreted_in_the_same_memory(checks: str) -> None:
     t = torch.zeros(4)
     guard = TensorGuard([t])
     t.data = t.data.view(torch.int32)  # same memory and shape: only the dtype tells
     assert not guard.holds([t])
 
 
-def test_tensor_guard_wants_the_same_objects_in_the_same_order() -> None:
+def test_tensor_guard_wants_the_same_objects_in_the_same_order(checks: str) -> None:
     a, b = torch.zeros(2), torch.zeros(2)
     guard = TensorGuard([a, b])
     assert guard.holds([a, b])

@@ -1,11 +1,12 @@
 """The Megatron save's per-run cache: a registered :class:`~ckptd.client.plan.StagePlan` and the optimizer's
 plain data, with the :class:`Structure` that says when either must be planned again.
 
-Checked on every save, in ``map``s over C callables (:mod:`ckptd.client.guard`; ~1 µs a param, no Python
-call per tensor): every model param and every tensor in the inner optimizers' param groups is the same
-object with the same dtype, address and shape (a param replaced, cast, reshaped or
-resized; a resized bucket moves them all), the groups' membership (a new param group), how many states each
-owned param keeps (a state that appeared after the first step), and the RNG keys. Any difference plans the
+Checked on every save, in ``map``s over C callables and torch's own guard primitives
+(:mod:`ckptd.client.guard`; under 1 µs a param, no Python call per tensor): every model param and every
+tensor in the inner optimizers' param groups is the same object with the same dtype, address, shape and
+strides (a param replaced, cast, reshaped or resized; a resized bucket moves them all), the groups'
+membership (a new param group), how many states each owned param keeps (a state that appeared after the
+first step), and the RNG keys. Any difference plans the
 save again; sources looked up per save (optimizer states) are also checked against the plan before the
 lease.
 
@@ -97,7 +98,7 @@ class Structure:
     model's modules and params (:class:`~ckptd.client.guard.ModuleWatch`), each inner optimizer (the same
     object, its groups' sizes, every param in them the same tensor unchanged: a new group, a param moved,
     replaced, cast or resized), how many states each owned param keeps (a state that appeared after the
-    first step), and the RNG keys. ~1 µs a param, in ``map``s over C callables."""
+    first step), and the RNG keys. Under 1 µs a param, in ``map``s over C callables."""
 
     def __init__(
         self, model_chunks: Sequence[torch.nn.Module], binding: Binding, states: StateDicts, rng_keys: object
