@@ -112,6 +112,23 @@ def test_tensor_guard_wants_the_same_objects_in_the_same_order(checks: str) -> N
     assert not guard.holds([a, b.clone()])
 
 
+def test_tensor_guard_ignores_what_does_not_move_bytes(checks: str) -> None:
+    """requires_grad toggled, or a TorchDispatchMode active at the check and not at capture (torch's
+    TensorGuards fails on both): still unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    guard = TensorGuard([p, torch.zeros(2, 2)])
+    p.requires_grad_(False)
+    assert guard.unchanged()
+    with Passthrough():
+        assert guard.unchanged()
+
+
 def test_state_index_gives_what_state_get_gives_as_the_state_changes() -> None:
     ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
     opt = torch.optim.Adam(ps[:3])
