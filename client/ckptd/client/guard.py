@@ -28,7 +28,8 @@ described:
 - ``TensorGuards``: dtype, device, shape and strides of a list of tensors in one C++ loop, instead of one
   ``map`` each building a ``torch.Size`` or a tuple per tensor. It also compares what does not matter
   here (``requires_grad``; the dispatch keys, which a ``TorchDispatchMode`` active at one save and not
-  at planning changes); when it fails, the ``map``s decide.
+  at planning changes); when it fails, the ``map``s decide, and where they find no change it is built
+  anew, so a difference that stays costs one slow check, not one a save.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def _probe_dict_version() -> Callable[[dict[Any, Any]], int] | None:
 _DICT_VERSION = _probe_dict_version()
 
 
+def _over(make: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """A ``TensorGuards`` (``make``) over ``tensors`` as they are now: their shapes and strides, all static."""
+    return make(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+
 def _probe_tensor_guards() -> Any | None:
     """torch's ``TensorGuards`` class when it takes a list of tensors the way this module calls it, passes
     them unchanged and fails them cast or reshaped."""
@@ -75,8 +82,7 @@ def _probe_tensor_guards() -> Any | None:
 
         make: Any = guards.TensorGuards  # its stub says keywords only; it takes the tensors first
         a, b = torch.zeros(2, 3), torch.zeros(4)
-        guard = make(a, b, dynamic_dims_sizes=[list(a.shape), list(b.shape)],
-                     dynamic_dims_strides=[list(a.stride()), list(b.stride())])
+        guard = _over(make, [a, b])
         works = guard.check(a, b) and not guard.check(a.double(), b) and not guard.check(a.view(3, 2), b)
     except Exception:  # a private primitive whose signature moved: compare in Python
         return None
@@ -92,10 +98,7 @@ def _shape_guard(tensors: Sequence[torch.Tensor]) -> Any | None:
     if _TENSOR_GUARDS is None:
         return None
     try:
-        guard = _TENSOR_GUARDS(
-            *tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[list(t.stride()) for t in tensors],
-        )
+        guard = _over(_TENSOR_GUARDS, tensors)
         return guard if guard.check(*tensors) else None
     except Exception:  # tensors it does not take (another subclass, a device it does not know)
         return None
@@ -141,11 +144,14 @@ class TensorGuard:
             return True
         # no fast guard, or it failed: also on what does not matter here (requires_grad, or the dispatch
         # keys a TorchDispatchMode active now and not then adds): the exact comparison decides
-        return (
+        same = (
             list(map(_DTYPE, held)) == self._dtypes
             and list(map(_SHAPE, held)) == self._shapes
             and list(map(torch.Tensor.stride, held)) == self._strides
         )
+        if same and self._torch_guard is not None:  # a benign difference that stays: take it in, once
+            self._torch_guard = _shape_guard(held)
+        return same
 
 
 class ModuleWatch:

@@ -6,9 +6,8 @@ Checked on every save, in ``map``s over C callables and torch's own guard primit
 tensor in the inner optimizers' param groups is the same object with the same dtype, address, shape and
 strides (a param replaced, cast, reshaped or resized; a resized bucket moves them all), the groups'
 membership (a new param group), how many states each owned param keeps (a state that appeared after the
-first step), and the RNG keys. Any difference plans the
-save again; sources looked up per save (optimizer states) are also checked against the plan before the
-lease.
+first step), and the RNG keys. Any difference plans the save again; sources looked up per save (optimizer
+states) are also checked against the plan before the lease.
 
 The optimizer's plain data (``optim_meta``) changes every step (``step``, the learning rate), so it is
 recomputed per save, but in bulk: the per-param scalar states (Adam's ``step``) are re-homed into one 1-D
