@@ -223,14 +223,15 @@ async def _fill_model(
     fp32 model's params share the grad buffer with them): the optimizer's read writes those. ``then`` adds
     that read to the same pass. Of a model tensor that the main params hold in part (a param across a DP
     slice's edge) only the rest is read (:meth:`~.targets.SliceTargets.outside`), in the same pass; where
-    that cannot be split (an odd view; a load from the daemon's memory, which copies whole shards) it is
-    read whole, first, on its own, so the main params win where they share memory. Every read is added,
-    and so checked, before the first is made."""
+    that cannot be split (an odd view) it is read whole, first, on its own, so the main params win where they
+    share memory. The parts are not staged shards, so an in-memory restore reads them from storage while the
+    main params come from the arena: each rank reads the rest of such a param, not all of it a second time
+    under the arena's copy. Every read is added, and so checked, before the first is made."""
     shards = [sh for sh in plan_reads(commit, template) if not targets.covers(sh.data)]
     first, rest = ChunkReader(ckpt, commit, memory=memory), ChunkReader(ckpt, commit, memory=memory)
     for sh in shards:  # every read is added (and checked) before any is made
         touches = targets.touches(sh.data)
-        parts = targets.outside(sh.data) if touches and memory is None else None
+        parts = targets.outside(sh.data) if touches else None
         if parts is not None:
             for sel, part in parts:
                 offset = tuple(o + x.start for o, x in zip(sh.global_offset, sel, strict=True))
