@@ -13,12 +13,23 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from test_merged_read import DATA, PARAMS, STATES
 
-from ckptd.client.megatron.reshard import plan_dp_slices
+from ckptd.client.gather import Strided
+from ckptd.client.megatron.reshard import (
+    SliceRead,
+    _cover,
+    _param_read_specs,
+    _param_reads,
+    _saved_elements,
+    _SavedIndex,
+    _spec,
+    plan_dp_slices,
+)
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink
 from ckptd.writer.backends import open_backend
@@ -94,7 +105,10 @@ def test_dp_slices_of_another_bucket_layout_read_only_what_the_slice_holds(tmp_p
             lo, hi = dp_rank * s, (dp_rank + 1) * s
             held = sum(max(0, min(p.end, hi) - max(p.start, lo)) for p in live.buffers[0].buckets[0].params)
             assert not planned.straddling
-            assert sum(dst.numel() for _k, dst, _r in planned.gathers) == held * len(STATES)
+            planned_elements = sum(dst.numel() for _k, dst, _r in planned.gathers) + sum(
+                math.prod(spec[0]) * len(keys) for keys, _outs, spec, _r in planned.states
+            )
+            assert planned_elements == held * len(STATES)
             return await planned.read(ckpt)
 
     for dp_rank in range(dp_size):
@@ -138,3 +152,43 @@ def test_a_param_whose_piece_scrambles_its_elements_is_read_through_a_scratch_co
             for state in STATES:
                 want = _bucket(state, live, data)[dp_rank * s : (dp_rank + 1) * s]
                 assert torch.equal(got[f"optim/tp0.pp0/buf0/bucket0/{state}"], want), (state, dp_size, dp_rank)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_the_read_plan_in_integers_matches_torch_view_arithmetic(dp_size: int) -> None:
+    """The reads of a TP/bucket change are planned once per param in integers (a deep model has thousands):
+    every destination view and source region equals what torch's own view arithmetic on a meta slice gives,
+    for whole, cut, stacked (prepended axes) and two-piece params, inside a slice and across its edges."""
+    saved = _layout(SAVED_AT, 256, 0, 2)
+    index = _SavedIndex.of([saved])
+    checked = 0
+    for dp_rank in range(dp_size):
+        live = _layout(LOADED_AT, 160, dp_rank, dp_size)
+        bucket = live.buffers[0].buckets[0]
+        s = 160 // dp_size
+        lo, hi = dp_rank * s, (dp_rank + 1) * s
+        meta = torch.empty(s, device="meta")
+        for p in bucket.params:
+            if not (p.start < hi and p.end > lo):
+                continue
+            sources = [(piece, sp, inter) for piece in p.model_pieces
+                       for sp, inter in _cover(piece, index.overlapping(piece))]
+            by_torch = [(prefix, _spec(dst), src)
+                        for prefix, dst, src in _param_reads(p, sources, meta, 0, lo, hi, SliceRead(None))]  # type: ignore[arg-type]
+            assert _param_read_specs(p, sources, meta, 0, lo, hi, SliceRead(None)) == by_torch  # type: ignore[arg-type]
+            for _piece, sp, inter in sources:  # where the saved elements sit in their bucket
+                assert _saved_elements(sp, inter) == _saved_by_torch(sp, inter)
+            checked += len(by_torch)
+    assert checked >= len(PARAMS)
+
+
+def _saved_by_torch(sp: Any, region: tuple[tuple[int, int], ...]) -> Strided:
+    """The saved piece's elements ``region`` located in its bucket by torch: its view of a meta param,
+    with the leading axes unsqueezed, indexed."""
+    piece = sp.piece
+    view = torch.empty(sp.param.shape, device="meta").as_strided(piece.view_shape, piece.view_stride,
+                                                                 piece.view_offset)
+    for _ in range(piece.prepend_axis_num):
+        view = view.unsqueeze(0)
+    src = view[tuple(slice(x - o, y - o) for (x, y), o in zip(region, piece.global_offset, strict=True))]
+    return Strided(sp.lo + int(src.storage_offset()), tuple(src.shape), tuple(src.stride()))

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, copy_crc, read_local, verify
-from ckptd.client.gather import Strided, normalize
+from ckptd.client.gather import Strided, merge_dims, normalize
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
 from ckptd.client.state import dtype_name
@@ -86,6 +86,8 @@ class ChunkReader:
         self.gathers: dict[str, Job] = {}  # chunk path -> the regions it holds elements of
         self._grid: dict[str, dict[tuple[int, ...], ChunkRecord]] = {}  # array -> its chunks by coords
         self._stored: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ShardRecord]] = {}  # by region
+        self._gather_by_chunk: dict[tuple[str, int], Job] = {}  # (1-D array, chunk) -> its gather job
+        self._bases: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # add_gathers' slices as flat numpy arrays
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
         """Fill ``dst`` with the region of array ``key`` that starts at ``offset`` (shape: ``dst.shape``).
@@ -149,16 +151,69 @@ class ChunkReader:
             self.add(key, span, (region.offset,))
             self.copies.append((span.as_strided(region.sizes, region.strides, 0), dst))
             return
+        self._add_normalized(rec, norm, item)
+
+    def add_gathers(
+        self, keys: Sequence[str], slices: Sequence[torch.Tensor], view: tuple[tuple[int, ...], tuple[int, ...], int],
+        region: Strided,
+    ) -> None:
+        """:meth:`add_gather` of one region of several arrays, each into the same view of its own 1-D slice:
+        ``keys[i]``'s elements ``region`` into ``slices[i].as_strided(shape, strides, first + at)`` for
+        ``view = (shape, strides, at)`` (a TP-change load reads each param's part of every optimizer state
+        this way). The geometry is worked out once for all of them; the destinations are numpy views made
+        straight over each slice's memory. A slice that is not a contiguous CPU tensor of its array's raw
+        dtype goes through :meth:`add_gather`."""
+        shape, strides, at = view
+        merged: tuple[Strided, tuple[int, ...]] | None = None
+        for key, out in zip(keys, slices, strict=True):
+            rec = self.arrays[key]
+            base = self._flat(rec, out)
+            if base is not None and merged is None and region.numel:
+                merged = merge_dims(region, strides)
+            if base is None or merged is None or tuple(shape) != region.sizes or at < 0:
+                self.add_gather(key, out.as_strided(shape, strides, out.storage_offset() + at), region)
+                continue
+            if region.offset < 0 or region.stop > rec.shape[0]:
+                raise StateMismatchError(
+                    f"{key}: elements [{region.offset}, {region.stop}) lie outside {tuple(rec.shape)}"
+                )
+            norm, dst_strides = merged
+            item = base.itemsize
+            dst = np.ndarray(norm.sizes, base.dtype, base, at * item, tuple(d * item for d in dst_strides))
+            self._add_normalized(rec, (norm, dst), item)
+
+    def _flat(self, rec: ArrayRecord, out: torch.Tensor) -> np.ndarray | None:
+        """``out`` (a 1-D contiguous CPU tensor of ``rec``'s dtype, ``rec`` raw) as a flat numpy array of
+        unsigned ints of its item size, made once per tensor; None otherwise."""
+        got = self._bases.get(id(out))
+        if got is not None and got[0] is out:
+            return got[1]
+        if not (rec.codec == "raw" and sys.byteorder == "little" and len(rec.shape) == 1 and out.dim() == 1
+                and out.device.type == "cpu" and out.is_contiguous() and rec.torch_dtype == dtype_name(out.dtype)):
+            return None
+        item = itemsize(rec.torch_dtype)
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
+        flat = out.detach().view(ints).numpy().view(f"u{item}" if item > 1 else "u1")
+        self._bases[id(out)] = (out, flat)  # the tensor held: its id cannot be reused meanwhile
+        return flat
+
+    def _add_normalized(self, rec: ArrayRecord, norm: tuple[Strided, np.ndarray], item: int) -> None:
+        """Add a normalized region of the 1-D array ``rec`` to the gather job of every chunk holding any of its
+        elements."""
+        region = norm[0]
         chunks = self._chunk_grid(rec)
         size = rec.chunks[0]
         for c in range(region.offset // size, (region.stop - 1) // size + 1):
-            ch = chunks.get((c,))
-            if ch is None:
-                raise CorruptCheckpointError(f"{key}: chunk {c} is not in the manifest")
-            path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
-            job = self.gathers.get(path)
+            job = self._gather_by_chunk.get((rec.name, c))
             if job is None:
-                job = self.gathers[path] = Job(path, ch, None, item=item, start=c * size, gather=[])
+                ch = chunks.get((c,))
+                if ch is None:
+                    raise CorruptCheckpointError(f"{rec.name}: chunk {c} is not in the manifest")
+                path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
+                job = self.gathers.get(path)
+                if job is None:
+                    job = self.gathers[path] = Job(path, ch, None, item=item, start=c * size, gather=[])
+                self._gather_by_chunk[(rec.name, c)] = job
             job.gather.append(norm)  # type: ignore[union-attr]
         self.fast_bytes += region.numel * item
 
@@ -194,7 +249,7 @@ class ChunkReader:
                 job.runs.append(((lo - job.start) * job.item, (hi - job.start) * job.item, run))
             job.runs.sort(key=lambda r: r[0])
             jobs.append(job)
-        self.gathers = {}
+        self.gathers, self._gather_by_chunk, self._bases = {}, {}, {}
         return jobs
 
     def _plan(self, rec: ArrayRecord, typed: np.ndarray, flat: np.ndarray, offset: tuple[int, ...], item: int) -> None:

@@ -65,7 +65,19 @@ def normalize(region: Strided, dst: np.ndarray) -> tuple[Strided, np.ndarray] | 
     item = dst.itemsize
     if any(d % item for d in dst.strides):
         return None  # a destination stride that is not a whole number of elements
-    dims = [(n, s, d // item) for n, s, d in zip(region.sizes, region.strides, dst.strides, strict=True) if n != 1]
+    merged = merge_dims(region, tuple(d // item for d in dst.strides))
+    if merged is None:
+        return None
+    norm, dst_strides = merged
+    return norm, np.lib.stride_tricks.as_strided(dst, norm.sizes, tuple(d * item for d in dst_strides))
+
+
+def merge_dims(region: Strided, dst_strides: tuple[int, ...]) -> tuple[Strided, tuple[int, ...]] | None:
+    """:func:`normalize`'s arithmetic alone: ``region`` (non-empty) with unit dimensions dropped and
+    neighbours merged where the region and a destination of strides ``dst_strides`` (in elements) are both
+    contiguous across them, and the destination's strides to match; None when the result is not monotone.
+    Pure integers: a plan of many regions of one geometry works it out once."""
+    dims = [(n, s, d) for n, s, d in zip(region.sizes, region.strides, dst_strides, strict=True) if n != 1]
     merged: list[tuple[int, int, int]] = []
     for n, s, d in reversed(dims):
         if merged and s == merged[-1][0] * merged[-1][1] and d == merged[-1][0] * merged[-1][2]:
@@ -78,8 +90,7 @@ def normalize(region: Strided, dst: np.ndarray) -> tuple[Strided, np.ndarray] | 
     strides = tuple(s for _n, s, _d in merged)
     if not monotone(sizes, strides):
         return None
-    view = np.lib.stride_tricks.as_strided(dst, sizes, tuple(d * item for _n, _s, d in merged))
-    return Strided(region.offset, sizes, strides), view
+    return Strided(region.offset, sizes, strides), tuple(d for _n, _s, d in merged)
 
 
 def monotone(sizes: Sequence[int], strides: Sequence[int]) -> bool:

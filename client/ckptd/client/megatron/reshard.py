@@ -39,6 +39,8 @@ class SliceRead:
     slices: dict[str, torch.Tensor] = field(default_factory=dict)
     regions: list[tuple[str, torch.Tensor, tuple[int, ...]]] = field(default_factory=list)  # (array, dst, offset)
     gathers: list[tuple[str, torch.Tensor, Strided]] = field(default_factory=list)  # (1-D array, dst, elements)
+    # one region of several 1-D arrays (every state of a saved bucket), each into the same view of its slice
+    states: list[tuple[list[str], list[torch.Tensor], ViewSpec, Strided]] = field(default_factory=list)
     straddling: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (slice part, scratch part)
 
     def add_to(self, reader: ChunkReader) -> None:
@@ -47,6 +49,8 @@ class SliceRead:
             reader.add(key, dst, offset)
         for key, dst, region in self.gathers:
             reader.add_gather(key, dst, region)
+        for keys, outs, spec, region in self.states:
+            reader.add_gathers(keys, outs, spec, region)
 
     async def read(self, root: CheckpointRoot) -> dict[str, torch.Tensor]:
         """Read through a reader of its own: the filled slices."""
@@ -198,8 +202,9 @@ class _SavedIndex:
             for lay in saved for buf, bucket in lay.buckets() for p in bucket.params for piece in p.model_pieces
         )
 
-    def overlapping(self, piece: ModelPiece) -> list[_SavedPiece]:
-        """The saved pieces whose region meets ``piece``'s, in the index's order."""
+    def overlapping(self, piece: ModelPiece) -> list[tuple[_SavedPiece, Box]]:
+        """The saved pieces whose region meets ``piece``'s, in the index's order, each with the meeting
+        region (global coordinates)."""
         pieces = self._pieces.get(piece.key, [])
         axis0 = self._axis0.get(piece.key)
         if axis0 is None or not piece.global_offset:
@@ -210,7 +215,12 @@ class _SavedIndex:
             hi = lo + piece.stored_shape[0]
             window = order[bisect.bisect_left(starts, lo - widest + 1) : bisect.bisect_left(starts, hi)]
             candidates = [pieces[i] for i in sorted(window)]
-        return [sp for sp in candidates if _overlap(piece, sp.piece) is not None]
+        found = []
+        for sp in candidates:
+            inter = _overlap(piece, sp.piece)
+            if inter is not None:
+                found.append((sp, inter))
+        return found
 
 
 def _block(view: torch.Tensor, piece: ModelPiece) -> torch.Tensor:
@@ -264,7 +274,7 @@ def plan_dp_slices(
     states = saved_states(commit, saved)
 
     # 1. which saved params this rank needs, for which of its param pieces
-    plans: list[tuple[BufferLayout, BucketLayout, list[tuple[ParamLayout, list[tuple[ModelPiece, _SavedPiece]]]]]] = []
+    plans: list[tuple[BufferLayout, BucketLayout, list[tuple[ParamLayout, list[_Source]]]]] = []
     wanted: set[str] = set()  # the saved buckets read
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
@@ -280,8 +290,8 @@ def plan_dp_slices(
                     raise StateMismatchError(
                         f"{p.name}: no saved optimizer state covers model piece {piece.key} at {piece.global_offset}"
                     )
-                for sp in _cover(piece, found):
-                    sources.append((piece, sp))
+                for sp, inter in _cover(piece, found):
+                    sources.append((piece, sp, inter))
                     wanted.add(sp.prefix)
             touched.append((p, sources))
         plans.append((buf, bucket, touched))
@@ -301,7 +311,8 @@ def plan_dp_slices(
     # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
     # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
     # The reads are the same for every state but for the arrays' names and the slices they land in: worked
-    # out once, on a meta tensor of the slice's size, then made views of each state's slice.
+    # out once, in integers (:func:`_param_read_specs`), and added for all states at once
+    # (:meth:`~ckptd.client.fastread.ChunkReader.add_gathers`).
     planned = SliceRead(commit, slices)
     for buf, bucket, touched in plans:
         s = buf.slice_numel(bucket)
@@ -315,35 +326,61 @@ def plan_dp_slices(
                     for prefix, dst, src in _param_reads(p, sources, out, bucket.start, lo, hi, planned):
                         planned.gathers.append((prefix + state, dst, src))
                 continue
-            for prefix, dst, src in _param_reads(p, sources, meta, bucket.start, lo, hi, planned):
-                reads.append((prefix, _spec(dst), src))
-        for state in states:
-            out = slices[layout.bucket_key(buf, bucket, state)]
-            planned.gathers += [(prefix + state, _view(out, spec), src) for prefix, spec, src in reads]
+            reads += _param_read_specs(p, sources, meta, bucket.start, lo, hi, planned)
+        outs = [slices[layout.bucket_key(buf, bucket, state)] for state in states]
+        planned.states += [([prefix + state for state in states], outs, spec, src) for prefix, spec, src in reads]
     return planned
 
 
+_Source = tuple[ModelPiece, _SavedPiece, Box]  # a piece of a live param, a saved piece covering part of it, and
+# where the two meet (global coordinates)
+
+
 def _param_reads(
-    p: ParamLayout,
-    sources: list[tuple[ModelPiece, _SavedPiece]],
-    out: torch.Tensor,
-    bucket_start: int,
-    lo: int,
-    hi: int,
-    planned: SliceRead,
+    p: ParamLayout, sources: list[_Source], out: torch.Tensor, bucket_start: int, lo: int, hi: int, planned: SliceRead,
 ) -> Iterator[tuple[str, torch.Tensor, Strided]]:
     """``p``'s part of the slice ``out``, as reads from the saved pieces that cover it: (saved bucket's key
     prefix, destination view of ``out``, elements of that bucket)."""
     places = dict(zip(map(id, p.model_pieces), _places(p, out, bucket_start, lo, hi, planned), strict=True))
-    for piece, sp in sources:
-        inter = _overlapping(piece, sp)
+    for piece, sp, inter in sources:
         for box, dst in places[id(piece)]:
             part = _intersect(box, piece.global_offset, inter)  # what sp holds of this part
             if part is None:
                 continue
-            sel = tuple(slice(x - o - b0, y - o - b0)
-                        for (x, y), o, (b0, _b1) in zip(part, piece.global_offset, box, strict=True))
-            yield sp.prefix, dst[sel], _saved_elements(sp, part)
+            yield sp.prefix, dst[_box_sel(part, piece.global_offset, box)], _saved_elements(sp, part)
+
+
+def _param_read_specs(
+    p: ParamLayout, sources: list[_Source], meta: torch.Tensor, bucket_start: int, lo: int, hi: int, planned: SliceRead,
+) -> list[tuple[str, ViewSpec, Strided]]:
+    """:func:`_param_reads` of the meta slice ``meta``, each destination as the :data:`ViewSpec` that makes it
+    of any slice, in integers (a deep model has thousands of params); torch's view arithmetic only places a
+    param that the slice's edge cuts (:func:`_places`). The test checks the two agree."""
+    a, b = p.start - bucket_start, p.end - bucket_start
+    if lo <= a and b <= hi:  # wholly inside the slice: each piece's view of the param, placed at ``a - lo``
+        places = {id(piece): [(tuple((0, n) for n in piece.stored_shape),
+                               (piece.stored_shape, _prepended_strides(piece), a - lo + piece.view_offset))]
+                  for piece in p.model_pieces}
+    else:
+        placed = _places(p, meta, bucket_start, lo, hi, planned)
+        places = {id(piece): [(box, _spec(dst)) for box, dst in boxes]
+                  for piece, boxes in zip(p.model_pieces, placed, strict=True)}
+    out = []
+    for piece, sp, inter in sources:
+        for box, (_shape, stride, at) in places[id(piece)]:
+            part = _intersect(box, piece.global_offset, inter)
+            if part is None:
+                continue
+            sel = _box_sel(part, piece.global_offset, box)
+            first = at + sum(x.start * t for x, t in zip(sel, stride, strict=True))
+            spec = (tuple(x.stop - x.start for x in sel), stride, first)
+            out.append((sp.prefix, spec, _saved_elements(sp, part)))
+    return out
+
+
+def _box_sel(part: Box, offset: Sequence[int], box: Box) -> tuple[slice, ...]:
+    """``part`` (global coordinates) as a selection of ``box``'s destination (``box`` relative to ``offset``)."""
+    return tuple(slice(x - o - b0, y - o - b0) for (x, y), o, (b0, _b1) in zip(part, offset, box, strict=True))
 
 
 def _scrambled(p: ParamLayout, bucket_start: int, lo: int, hi: int) -> bool:
@@ -393,13 +430,6 @@ def _place(
     return ((0, 1),) * piece.prepend_axis_num + tuple((s.start, s.stop) for s in sel), _block(dst, piece)
 
 
-def _overlapping(piece: ModelPiece, sp: _SavedPiece) -> tuple[tuple[int, int], ...]:
-    inter = _overlap(piece, sp.piece)
-    if inter is None:  # _cover chose sp for its overlap
-        raise StateMismatchError(f"{piece.key}: saved piece at {sp.piece.global_offset} does not overlap")
-    return inter
-
-
 def _intersect(
     box: tuple[tuple[int, int], ...], offset: Sequence[int], region: tuple[tuple[int, int], ...]
 ) -> tuple[tuple[int, int], ...] | None:
@@ -414,12 +444,26 @@ def _intersect(
 
 
 def _saved_elements(sp: _SavedPiece, region: tuple[tuple[int, int], ...]) -> Strided:
-    """Where the global ``region`` (inside the saved piece ``sp``) sits in the saved bucket (worked out on a
-    meta tensor, so the views' own arithmetic says where)."""
-    sel = tuple(slice(x - o, y - o) for (x, y), o in zip(region, sp.piece.global_offset, strict=True))
-    meta = torch.empty(sp.param.shape, device="meta")
-    src = _block(view_of(sp.piece, meta), sp.piece)[sel]
-    return Strided(sp.lo + int(src.storage_offset()), tuple(int(n) for n in src.shape), tuple(src.stride()))
+    """Where the global ``region`` (inside the saved piece ``sp``) sits in the saved bucket: the piece's view
+    of its param (``view_offset``, ``view_stride``; its ``prepend_axis_num`` leading axes of extent 1 add
+    nothing) indexed by the region's start."""
+    piece = sp.piece
+    k = piece.prepend_axis_num
+    starts = [x - o for (x, _y), o in zip(region, piece.global_offset, strict=True)]
+    strides = _prepended_strides(piece)
+    first = piece.view_offset + sum(a * t for a, t in zip(starts[k:], piece.view_stride, strict=True))
+    return Strided(sp.lo + first, tuple(y - x for x, y in region), strides)
+
+
+def _prepended_strides(piece: ModelPiece) -> tuple[int, ...]:
+    """The strides of the piece's view with its ``prepend_axis_num`` leading axes, as ``unsqueeze(0)`` gives
+    them (the stride of an axis of extent 1 locates nothing)."""
+    strides = list(piece.view_stride)
+    sizes = list(piece.view_shape)
+    for _ in range(piece.prepend_axis_num):
+        strides.insert(0, sizes[0] * strides[0] if sizes else 1)
+        sizes.insert(0, 1)
+    return tuple(strides)
 
 
 def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None:
@@ -430,15 +474,15 @@ def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None
     return _intersect(whole, a.global_offset, tuple((r.start, r.stop) for r in b.region()))
 
 
-def _cover(piece: ModelPiece, found: list[_SavedPiece]) -> list[_SavedPiece]:
-    """Saved pieces that together cover ``piece``, one copy per region (replicas are skipped)."""
-    chosen: list[_SavedPiece] = []
-    seen: set[tuple[tuple[int, int], ...]] = set()
-    for sp in found:
-        inter = _overlap(piece, sp.piece)
-        if inter is not None and inter not in seen:
+def _cover(piece: ModelPiece, found: list[tuple[_SavedPiece, Box]]) -> list[tuple[_SavedPiece, Box]]:
+    """Saved pieces (with where they meet ``piece``) that together cover ``piece``, one copy per region
+    (replicas are skipped)."""
+    chosen: list[tuple[_SavedPiece, Box]] = []
+    seen: set[Box] = set()
+    for sp, inter in found:
+        if inter not in seen:
             seen.add(inter)
-            chosen.append(sp)
+            chosen.append((sp, inter))
     need = math.prod(piece.stored_shape)
     have = sum(math.prod(y - x for x, y in inter) for inter in seen)
     if have < need:
