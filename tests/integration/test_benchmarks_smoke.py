@@ -24,7 +24,7 @@ def test_benchmarks_run_at_smoke_size(tmp_path, tmp_path_factory):
     figures = [("stall", "ratio_vs_memcpy"), ("drain", "ratio_vs_raw_write"), ("daemon_rss", "ratio_4x_data"),
                ("megatron_stall", "ratio_vs_memcpy"), ("merge", "throughput_ratio_vs_copy"),
                ("s3_drain", "ratio_vs_raw_put"), ("stall_scale", "ratio_vs_memcpy"),
-               ("load", "ratio_ckptd_vs_raw_warm")]
+               ("load", "ratio_ckptd_vs_raw_warm"), ("load", "ratio_ckptd_vs_raw_plain_warm")]
     for bench, figure in figures:
         assert bench in by_bench, f"{bench} missing: {sorted(by_bench)}\n{out.stderr[-2000:]}"
         assert by_bench[bench].get(figure, 0) > 0, by_bench[bench]
