@@ -22,8 +22,10 @@ def _saved(pieces):
 
 
 def _walk(saved, piece):
+    """Every saved piece tested, in the index's order, each with where it meets ``piece``."""
     ordered = sorted(saved, key=lambda s: any(s.piece.replica_id))
-    return [sp for sp in ordered if sp.piece.key == piece.key and _overlap(piece, sp.piece) is not None]
+    met = [(sp, _overlap(piece, sp.piece)) for sp in ordered if sp.piece.key == piece.key]
+    return [(sp, inter) for sp, inter in met if inter is not None]
 
 
 def test_stacked_layers_split_over_tp_match_the_walk():
