@@ -61,6 +61,15 @@ PART_BYTES = 8 << 20
 _RUN = 64 << 10  # a gathered region's contiguous run at least this long is read straight into place
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_uints(t: torch.Tensor, item: int) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of unsigned ints of its ``item`` size, in its shape and strides
+    (the raw codec's bytes, whatever the dtype: numpy has no bfloat16)."""
+    return t.detach().view(_INTS[item]).numpy().view(f"u{item}" if item > 1 else "u1")
+
+
 class ChunkReader:
     """Reads regions of a committed step's arrays into tensors; one instance per load."""
 
@@ -144,8 +153,7 @@ class ChunkReader:
         item = itemsize(rec.torch_dtype)
         norm = None
         if rec.codec == "raw" and sys.byteorder == "little" and dst.device.type == "cpu":
-            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
-            norm = normalize(region, dst.detach().view(ints).numpy().view(f"u{item}" if item > 1 else "u1"))
+            norm = normalize(region, _as_uints(dst, item))
         if norm is None:  # compressed, another device or an odd view: read its span, then copy the elements
             span = torch.empty(region.stop - region.offset, dtype=dst.dtype)
             self.add(key, span, (region.offset,))
@@ -191,9 +199,7 @@ class ChunkReader:
         if not (rec.codec == "raw" and sys.byteorder == "little" and len(rec.shape) == 1 and out.dim() == 1
                 and out.device.type == "cpu" and out.is_contiguous() and rec.torch_dtype == dtype_name(out.dtype)):
             return None
-        item = itemsize(rec.torch_dtype)
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
-        flat = out.detach().view(ints).numpy().view(f"u{item}" if item > 1 else "u1")
+        flat = _as_uints(out, itemsize(rec.torch_dtype))
         self._bases[id(out)] = (out, flat)  # the tensor held: its id cannot be reused meanwhile
         return flat
 
