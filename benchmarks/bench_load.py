@@ -229,7 +229,7 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
 
     arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64
     root = os.path.join(workdir, "load-ckptd")
-    sock = os.path.join(workdir, "load.sock")
+    sock = os.path.join(args.sockets, "load.sock")
     daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1",
                            log_path=os.path.join(workdir, "load-daemon.log"))
     paths = [root, os.path.join(workdir, "load-megatron")]

@@ -189,7 +189,7 @@ def bench_megatron(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
     params = _gpt_params(cfg)
     arena_mib = int(params * 16 / MiB * 1.2) + 64  # fp32: 4 B model + 12 B optimizer per param, over the node
     root = os.path.join(workdir, "ckptd")
-    sock = os.path.join(workdir, "megatron.sock")
+    sock = os.path.join(args.sockets, "megatron.sock")
     daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1",
                            log_path=os.path.join(workdir, "megatron-daemon.log"))
     try:

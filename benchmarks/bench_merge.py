@@ -114,7 +114,7 @@ def bench_merge(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     for size in sizes:
         build = {**size, "overlap_grad_reduce": True, "bucket_size": bucket, "seq": 32}
         root = os.path.join(workdir, f"merge-{size['layers']}")
-        sock = os.path.join(workdir, "merge.sock")
+        sock = os.path.join(args.sockets, "merge.sock")
         daemon = DaemonProcess(root, sock, "--arena-size", "4GiB" if not args.smoke else "256MiB",
                                log_path=os.path.join(workdir, "merge-daemon.log"))
         daemon.wait_ready(120)

@@ -112,7 +112,7 @@ def bench_s3_drain(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
         server.make_bucket(BUCKET)
         env = server.env()
         os.environ.update(env)  # the baseline and the ranks use the same credential chain as the daemon
-        sock = os.path.join(workdir, "s3.sock")
+        sock = os.path.join(args.sockets, "s3.sock")
         daemon = DaemonProcess(
             f"s3://{BUCKET}/run", sock, "--arena-size", f"{2 * total // MiB + 64}MiB",
             "--chunk-bytes", f"{CHUNK_MIB}MiB", "--write-concurrency", str(CONCURRENCY),

@@ -181,7 +181,7 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
     repeats = 2 if args.smoke else int(os.environ.get("CKPTD_BENCH_STALL_REPEATS", "5"))
     world = 2
     root = os.path.join(workdir, "stall-scale")
-    sock = os.path.join(workdir, "stall-scale.sock")
+    sock = os.path.join(args.sockets, "stall-scale.sock")
     arena = os.environ.get("CKPTD_BENCH_STALL_ARENA", "256MiB")  # wider models (chosen sizes) need more
     daemon = DaemonProcess(root, sock, "--arena-size", arena, "--keep", "1",
                            log_path=os.path.join(workdir, "stall-scale-daemon.log"))

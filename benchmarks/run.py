@@ -145,7 +145,7 @@ def bench_pipeline(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
     rss_rows = []
     for size in (per_rank // 4, per_rank):
         root = os.path.join(workdir, f"pipeline-{size // MiB}")
-        sock = os.path.join(workdir, f"p{size // MiB}.sock")
+        sock = os.path.join(args.sockets, f"p{size // MiB}.sock")
         arena = f"{2 * world * size // MiB + 64}MiB"
         daemon = DaemonProcess(root, sock, "--arena-size", arena, log_path=os.path.join(workdir, "daemon.log"))
         daemon.wait_ready(120)
@@ -230,13 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
     workdir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=args.root)
+    # the daemons' sockets in a short private directory of their own: a Unix socket's path is limited to
+    # 107 bytes, which a deep --root (a test's tmp_path) outgrows
+    args.sockets = tempfile.mkdtemp(prefix="ckptd-bench-")
     emit({"bench": "machine", **machine(), "smoke": args.smoke, "workdir_fs": _fs_type(workdir)})
     rows: list[dict[str, Any]] = []
     try:
         for name in dict.fromkeys(wanted):
+            began = time.perf_counter()
             rows += BENCHES[name](args, workdir)
+            print(f"bench {name}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(args.sockets, ignore_errors=True)
     print(table(rows), file=sys.stderr)
     return 0
 

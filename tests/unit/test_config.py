@@ -216,6 +216,8 @@ def test_other_ckptd_variables_are_not_options(tmp_path: Path) -> None:
         ({}, {"CKPTD_STORAGE_CONDITIONAL_PUT": "maybe"}, "conditional_put"),
         ({}, {"CKPTD_CHUNK_BYTES": "16 parsecs"}, "cannot parse size"),
         ({"write_concurrency": "many"}, {}, "write_concurrency"),
+        ({"socket": "/tmp/" + "d" * 100 + ".sock"}, {}, "at most 107 bytes, this one has 110"),
+        ({}, {"CKPTD_SOCKET": "/" + "é" * 54}, "at most 107 bytes, this one has 109"),
     ],
 )
 def test_bad_values_name_the_option(flags: dict[str, Any], env: dict[str, str], match: str) -> None:

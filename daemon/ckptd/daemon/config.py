@@ -85,6 +85,9 @@ class StorageOptions(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path on Linux: 108 bytes with the terminating NUL
+
+
 class _Options(BaseSettings):
     """Every daemon option but ``root``; shared by the serve and offline views of the same file."""
 
@@ -124,6 +127,16 @@ class _Options(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)  # opt-in Prometheus endpoint; 0: any free port
     metrics_host: str = "127.0.0.1"
     storage: StorageOptions = Field(default_factory=StorageOptions)
+
+    @field_validator("socket")
+    @classmethod
+    def _bindable(cls, value: str) -> str:
+        if len(os.fsencode(value)) > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"a Unix socket's path holds at most {MAX_SOCKET_PATH} bytes, this one has "
+                f"{len(os.fsencode(value))}: choose a shorter --socket (or CKPTD_SOCKET)"
+            )
+        return value
 
     @field_validator("codec")
     @classmethod
