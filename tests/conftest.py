@@ -11,9 +11,15 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.launch import DaemonProcess
+
+# No time limit per generated example: the suite runs two tests at a time (pytest-xdist, bootstrap.sh) on
+# 2-core machines, where one example's wall time says nothing. Each test's example count stays its own.
+settings.register_profile("ckptd", deadline=None)
+settings.load_profile("ckptd")
 
 if TYPE_CHECKING:
     from ckptd.testing.faultproxy import FaultProxy
