@@ -131,10 +131,11 @@ class _Options(BaseSettings):
     @field_validator("socket")
     @classmethod
     def _bindable(cls, value: str) -> str:
-        if len(os.fsencode(value)) > MAX_SOCKET_PATH:
+        size = len(os.fsencode(value))
+        if size > MAX_SOCKET_PATH:
             raise ValueError(
-                f"a Unix socket's path holds at most {MAX_SOCKET_PATH} bytes, this one has "
-                f"{len(os.fsencode(value))}: choose a shorter --socket (or CKPTD_SOCKET)"
+                f"a Unix socket's path holds at most {MAX_SOCKET_PATH} bytes, this one has {size}: choose a "
+                "shorter --socket (or CKPTD_SOCKET)"
             )
         return value
 
