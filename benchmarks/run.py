@@ -237,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         for name in dict.fromkeys(wanted):
+            print(f"bench {name}: running", file=sys.stderr, flush=True)
             began = time.perf_counter()
             rows += BENCHES[name](args, workdir)
-            print(f"bench {name}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+            print(f"bench {name}: done in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(args.sockets, ignore_errors=True)
