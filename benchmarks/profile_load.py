@@ -9,9 +9,10 @@ same-layout load from storage and the in-memory restore, both warm, the storage 
 files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then the merge-free loads at TP2 x DP1 and at
 TP1 x DP2 with other grad-buffer buckets (3M elements: the slice edges cut params); slowest rank, median of
 ``--repeats``; the growth of each rank's peak RSS in a warm load (the largest rank's, through
-``/proc/self/clear_refs``). With ``--prof`` rank 0 writes one cProfile per mode (``<mode>.prof``) after the
-timed runs. The CPU shim's ``TorchFunctionMode`` is taken off around ckptd's
-calls, as bench_load does (on a GPU there is no shim). Prints one JSON line.
+``/proc/self/clear_refs``) and the bytes that load read from storage (``*_read_mib``, the largest rank's).
+With ``--prof`` rank 0 writes one cProfile per mode (``<mode>.prof``) after the timed runs. The CPU shim's
+``TorchFunctionMode`` is taken off around ckptd's calls, as bench_load does (on a GPU there is no shim).
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -81,11 +82,14 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
     run = {"raw_read": raw_read, "raw_place": raw_place, "ckptd": ckptd, "memory": memory, "cold": cold}
     out: dict[str, list[float]] = {}
     phases = _time_phases()
+    reads = _count_reads()
     for mode in modes:
         run[mode]()  # warm the page cache (and the destination tensors: the first load re-homes Adam's states)
         before = _rss_reset_peak()
+        reads.clear()
         run[mode]()
         out[f"{mode}:peak_growth_mib"] = [(_status_kib("VmHWM") - before) / 1024]
+        out[f"{mode}:read_mib"] = [sum(reads) / MiB]  # ckptd's chunk reads from storage in that load
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -121,6 +125,23 @@ def _rss_reset_peak() -> int:
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5\n")
     return _status_kib("VmRSS")
+
+
+def _count_reads() -> list[int]:
+    """Count ckptd's reads of stored chunks from a local root: each read's bytes (a chunk is read whole, with
+    its crc32c trailer, however little of it a load places), appended by the read pool's threads."""
+    from ckptd.client import fastread
+    from ckptd.client.chunkio import CRC_BYTES, Job
+
+    sizes: list[int] = []
+    read = fastread.read_local
+
+    def counted(path: str, job: Job) -> None:
+        sizes.append(job.chunk.nbytes + CRC_BYTES)
+        read(path, job)
+
+    fastread.read_local = counted
+    return sizes
 
 
 def _time_phases() -> dict[str, list[float]]:
@@ -220,7 +241,10 @@ def main() -> None:
            # the live model and optimizer
            "same_peak_growth_mib": _largest(same, "ckptd:peak_growth_mib"),
            "other_tp_peak_growth_mib": _largest(tp, "ckptd:peak_growth_mib"),
-           "other_buckets_peak_growth_mib": _largest(buckets, "ckptd:peak_growth_mib")}
+           "other_buckets_peak_growth_mib": _largest(buckets, "ckptd:peak_growth_mib"),
+           # what one warm load read from storage (the largest rank's): chunks are read and checked whole
+           "same_read_mib": _largest(same, "ckptd:read_mib"), "other_tp_read_mib": _largest(tp, "ckptd:read_mib"),
+           "other_buckets_read_mib": _largest(buckets, "ckptd:read_mib")}
     row["ratio_ckptd_vs_raw_warm"] = round(row["ckptd_warm_s"] / row["raw_read_warm_s"], 3)
     row["ratio_ckptd_vs_raw_place_warm"] = round(row["ckptd_warm_s"] / row["raw_place_warm_s"], 3)
     row["ratio_other_tp_vs_same_warm"] = round(row["other_tp_warm_s"] / row["ckptd_warm_s"], 3)
