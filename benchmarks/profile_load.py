@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 from bench_load import STEP, _save, raw_readers  # noqa: E402
 from bench_megatron import _gpt_params  # noqa: E402
 
-from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
+from ckptd.testing.launch import DaemonProcess, run_ranks, socket_dir  # noqa: E402
 
 MiB = 1 << 20
 OTHER_BUCKETS = {"overlap_grad_reduce": True, "bucket_size": 3_000_000}  # the saving run: one bucket a buffer
@@ -212,19 +212,21 @@ def main() -> None:
     if args.prof:
         os.makedirs(args.prof, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="ckptd-profload-", dir=args.root)
-    root, sock = os.path.join(workdir, "load-ckptd"), os.path.join(workdir, "load.sock")
+    root = os.path.join(workdir, "load-ckptd")
     arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64
     chunks = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
-    daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1", *chunks,
-                           log_path=os.path.join(workdir, "daemon.log"))
     try:
-        try:
-            daemon.wait_ready(300)
-            saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
-            modes = ["raw_read", "raw_place", "ckptd", "memory", "cold"]
-            same = run_ranks(_rank, 2, workdir, cfg, modes, args.repeats, sock, args.prof, timeout_s=3600)
-        finally:
-            daemon.stop(120)
+        with socket_dir() as sockets:
+            sock = os.path.join(sockets, "load.sock")
+            daemon = DaemonProcess(root, sock, "--arena-size", f"{arena_mib}MiB", "--keep", "1", *chunks,
+                                   log_path=os.path.join(workdir, "daemon.log"))
+            try:
+                daemon.wait_ready(300)
+                saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
+                modes = ["raw_read", "raw_place", "ckptd", "memory", "cold"]
+                same = run_ranks(_rank, 2, workdir, cfg, modes, args.repeats, sock, args.prof, timeout_s=3600)
+            finally:
+                daemon.stop(120)
         tp = run_ranks(_rank, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], args.repeats, sock, args.prof,
                        timeout_s=3600)
         # the same TP/DP with other grad-buffer buckets: merge-free, and at DP 2 the slice edges cut params

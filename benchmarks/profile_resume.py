@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 from bench_load import _sharded  # noqa: E402
 
-from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
+from ckptd.testing.launch import DaemonProcess, run_ranks, socket_dir  # noqa: E402
 
 
 def _model(cfg: dict[str, Any]) -> tuple[Any, Any]:
@@ -102,14 +102,15 @@ def main() -> None:
     load_cfg = {**cfg, "tp": args.load_tp}
     workdir = tempfile.mkdtemp(prefix="ckptd-profresume-", dir=args.root)
     try:
-        sock = os.path.join(workdir, "d.sock")
-        daemon = DaemonProcess(os.path.join(workdir, "ckptd"), sock, "--arena-size", "256MiB",
-                               log_path=os.path.join(workdir, "daemon.log"))
-        try:
-            daemon.wait_ready(300)
-            params = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)[0]
-        finally:
-            daemon.stop(120)
+        with socket_dir() as sockets:
+            sock = os.path.join(sockets, "d.sock")
+            daemon = DaemonProcess(os.path.join(workdir, "ckptd"), sock, "--arena-size", "256MiB",
+                                   log_path=os.path.join(workdir, "daemon.log"))
+            try:
+                daemon.wait_ready(300)
+                params = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)[0]
+            finally:
+                daemon.stop(120)
         times: dict[str, list[float]] = {"ckptd": [], "megatron": []} if args.load_tp == 1 else {"ckptd": []}
         for _ in range(args.repeats):
             for which, got in times.items():

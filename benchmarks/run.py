@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from ckptd.client import CheckpointClient, Placement, Shard  # noqa: E402
-from ckptd.testing.launch import DaemonProcess, run_ranks  # noqa: E402
+from ckptd.testing.launch import DaemonProcess, run_ranks, socket_dir  # noqa: E402
 
 MiB = 1 << 20
 
@@ -230,20 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
     workdir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=args.root)
-    # the daemons' sockets in a short private directory of their own: a Unix socket's path is limited to
-    # 107 bytes, which a deep --root (a test's tmp_path) outgrows
-    args.sockets = tempfile.mkdtemp(prefix="ckptd-bench-")
     emit({"bench": "machine", **machine(), "smoke": args.smoke, "workdir_fs": _fs_type(workdir)})
     rows: list[dict[str, Any]] = []
     try:
-        for name in dict.fromkeys(wanted):
-            print(f"bench {name}: running", file=sys.stderr, flush=True)
-            began = time.perf_counter()
-            rows += BENCHES[name](args, workdir)
-            print(f"bench {name}: done in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+        with socket_dir("ckptd-bench-") as args.sockets:  # the daemons' sockets: not under a deep --root
+            for name in dict.fromkeys(wanted):
+                print(f"bench {name}: running", file=sys.stderr, flush=True)
+                began = time.perf_counter()
+                rows += BENCHES[name](args, workdir)
+                print(f"bench {name}: done in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(args.sockets, ignore_errors=True)
     print(table(rows), file=sys.stderr)
     return 0
 

@@ -3,10 +3,7 @@ server and fault proxy of the S3 tests."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -14,7 +11,7 @@ import pytest
 from hypothesis import settings
 
 from ckptd.testing.fixtures import BUCKET
-from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.launch import DaemonProcess, socket_dir
 
 # No time limit per generated example: the suite runs two tests at a time (pytest-xdist, bootstrap.sh) on
 # 2-core machines, where one example's wall time says nothing. Each test's example count stays its own.
@@ -26,27 +23,16 @@ if TYPE_CHECKING:
     from ckptd.testing.s3server import S3Server
 
 
-@contextlib.contextmanager
-def _short_dir(prefix: str) -> Iterator[str]:
-    # AF_UNIX paths are limited to 108 bytes; pytest's tmp_path can be longer.
-    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    os.chmod(d, 0o700)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.fixture
 def sockdir() -> Iterator[str]:
-    with _short_dir("ckt-") as d:
+    with socket_dir("ckt-") as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def module_sockdir() -> Iterator[str]:
     """:func:`sockdir` for module-scoped daemons."""
-    with _short_dir("ckm-") as d:
+    with socket_dir("ckm-") as d:
         yield d
 
 

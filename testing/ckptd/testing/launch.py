@@ -10,13 +10,16 @@ This is the one launcher: :func:`ckptd.testing.toy_gpt.spawn_ranks` is a thin wr
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle  # allow-pickle: rank results come back from our own child over a private pipe
+import shutil
 import socket
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -37,6 +40,17 @@ _PRELOAD = [
 
 class RankFailedError(RuntimeError):
     """A rank raised or died; the message carries its traceback or exit code."""
+
+
+@contextlib.contextmanager
+def socket_dir(prefix: str = "ckptd-") -> Iterator[str]:
+    """A short private directory (``0700`` under ``/tmp``) for daemons' sockets, removed afterwards: a Unix
+    socket's path holds at most 107 bytes, which a test's ``tmp_path`` or a deep ``--root`` outgrows."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")  # mkdtemp makes it 0700
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def free_port() -> int:
