@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="",
                         help=f"comma-separated subset of {sorted(BENCHES)} (or {sorted(ALIASES)})")
     parser.add_argument("--root", default=None,
-                        help="working directory on the storage to measure (default: a temp dir)")
+                        help="working directory on the storage to measure, made if missing (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=None, metavar="N",
                         help="runs of each repeated benchmark (merge per size, s3_drain); reported as median, "
                              "min and max (default: 1 with --smoke, else 3 for merge and 5 for s3_drain)")
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in wanted if n not in BENCHES]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
+    if args.root is not None:
+        os.makedirs(args.root, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=args.root)
     emit({"bench": "machine", **machine(), "smoke": args.smoke, "workdir_fs": _fs_type(workdir)})
     rows: list[dict[str, Any]] = []
