@@ -14,7 +14,7 @@ reported for a given set of parameters is bit-identical whatever the DP size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -283,11 +283,14 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
 
 def spawn_with_daemon(
     fn: Callable[..., Any], world_size: int, root: str, socket_path: str, *args: Any, log_path: str | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float = 300.0, daemon_args: Sequence[str] = (),
 ) -> list[Any]:
     """:func:`spawn_ranks` of ``fn(rank, world_size, socket_path, root, *args)`` while a ``ckptd serve`` daemon
-    (64 MiB arena) serves ``root`` on ``socket_path``; the daemon is stopped afterwards, whatever happened."""
-    daemon = DaemonProcess(root, socket_path, "--arena-size", "64MiB", "--no-prefault", log_path=log_path).wait_ready()
+    (64 MiB arena, then ``daemon_args``) serves ``root`` on ``socket_path``; the daemon is stopped afterwards,
+    whatever happened."""
+    daemon = DaemonProcess(
+        root, socket_path, "--arena-size", "64MiB", "--no-prefault", *daemon_args, log_path=log_path
+    ).wait_ready()
     try:
         return spawn_ranks(fn, world_size, daemon.socket, root, *args, timeout_s=timeout_s)
     finally:
