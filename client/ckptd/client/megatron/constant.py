@@ -14,19 +14,18 @@ per-param ``step`` (all of them, in one ``.tolist()`` once re-homed), the param 
 (learning rate, weight decay...), the grad scaler, the ``_extra_state`` of the modules that can have one
 (:func:`~.extra_state.extra_state_modules`), the RNG states and ``extra``.
 
-Still checked at every save, cheaply (:meth:`Frozen.holds`, ~0.25-0.6 µs a param: 2-3 ms for 8,404 params
-on one rank of the 2-core machine, ~4.9 ms with both ranks at once; most of it the addresses' cache
-misses): the model params' addresses (a param whose ``.data`` was replaced, cast or resized), each inner
-optimizer's ``state`` dict by identity
-and size (``load_state_dict`` replaces it; a param that gained state), its param groups by count and the
-identity of every param in them (a new group, a param replaced or moved), the model chunks and the RNG
-keys. A difference saves through the checked path, which plans again when the structure changed, and
-captures anew: such a save is correct, only not faster. Not checked: a state tensor of an unchanged
-``state`` dict replaced one by one (``state[p]["exp_avg"] = t``), or a module's param swapped for another
-Parameter that the optimizer does not hold (Megatron's DDP would not train it either); the save would
-stage the tensors captured (or re-homed) before; the next checked save catches the first by address. A
-held state tensor resized in place fails its copy (:class:`~ckptd.client.plan.StalePlanError`), and the
-save plans again.
+Still checked at every save, cheaply (:meth:`Frozen.holds`, ~0.25-0.6 µs a param: 2-3 ms for 8,404 params on
+one rank of the 2-core machine, ~4.9 ms with both ranks at once; most of it the addresses' cache misses): the
+model params' addresses (a param whose ``.data`` was replaced, cast or resized), each inner optimizer's
+``state`` dict by identity and size (``load_state_dict`` replaces it; a param that gained state), its param
+groups by count and the identity of every param in them (a new group, a param replaced or moved), the model
+chunks and the RNG keys. A difference saves through the checked path, which plans again when the structure
+changed, and captures anew: such a save is correct, only not faster. Not checked: a state tensor of an
+unchanged ``state`` dict replaced one by one (``state[p]["exp_avg"] = t``), or a module's param swapped for
+another Parameter that the optimizer does not hold (Megatron's DDP would not train it either); the save would
+stage the tensors captured (or re-homed) before; the next checked save catches the first by address. A held
+state tensor resized in place fails its copy (:class:`~ckptd.client.plan.StalePlanError`), and the save plans
+again.
 """
 
 from __future__ import annotations
