@@ -21,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
 # Imported once by the forkserver, so forked ranks start warm. The server is one per parent process and
@@ -78,7 +79,7 @@ def launcher_env(launcher: Launcher, rank: int, world_size: int, local_world_siz
 
 
 def _child(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: Sequence[Any],
+    rank: int, world_size: int, port: int, store: str, fn: Callable[..., Any], args: Sequence[Any],
     env: Mapping[str, str], conn: Connection, local_world_size: int, launcher: Launcher = "torchrun",
 ) -> None:
     os.environ.update(env)
@@ -90,7 +91,9 @@ def _child(
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+        # the rendezvous through a file: a TCP store's port, free when picked, can be taken by another
+        # process before rank 0 listens on it (EADDRINUSE); MASTER_PORT stays set, as torchrun sets it
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"file://{store}")
         result = fn(rank, world_size, *args)
         # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory file
         # descriptors, which the parent can no longer fetch once this process has exited
@@ -127,18 +130,29 @@ def run_ranks(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, *(m for m in preload if m not in _PRELOAD)])
     port = free_port()
-    procs, pipes = [], []
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=_child,
-            args=(rank, world_size, port, fn, args, dict(env or {}), child, local_world_size or world_size, launcher),
-            name=f"rank{rank}",
-        )
-        p.start()
-        child.close()
-        procs.append(p)
-        pipes.append(parent)
+    with tempfile.TemporaryDirectory(prefix="ckptd-rdv-") as rendezvous:
+        store = os.path.join(rendezvous, "store")
+        procs, pipes = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child,
+                args=(rank, world_size, port, store, fn, args, dict(env or {}), child, local_world_size or world_size,
+                      launcher),
+                name=f"rank{rank}",
+            )
+            p.start()
+            child.close()
+            procs.append(p)
+            pipes.append(parent)
+        return _collect(procs, pipes, timeout_s, may_exit)
+
+
+def _collect(
+    procs: Sequence[BaseProcess], pipes: Sequence[Connection], timeout_s: float, may_exit: Sequence[int]
+) -> list[Any]:
+    """Each rank's result, in rank order, once all sent one; :class:`RankFailedError` as soon as one failed."""
+    world_size = len(procs)
     results: list[Any] = [None] * world_size
     errors: list[str] = []
     deadline = time.monotonic() + timeout_s
