@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.protocol import PROTOCOL_VERSION, LeaseGranted, LeaseRequest, ReleaseRequest
 from ckptd.daemon.cli import main
 from ckptd.daemon.sizing import plan_arena
-from ckptd.testing.launch import free_port
+from ckptd.testing.launch import DaemonProcess
 
 pytestmark = pytest.mark.timeout(120)
 CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
@@ -35,10 +36,20 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in the metrics:\n{text}")
 
 
+def _metrics_port(d: DaemonProcess) -> int:
+    """The port a daemon started with ``--metrics-port 0`` serves on, from its log (a port picked free by the
+    test could be taken before the daemon binds it)."""
+    assert d.log_path is not None
+    with open(d.log_path) as fh:
+        found = re.search(r"metrics on http://[^/]+:(\d+)/metrics", fh.read())
+    assert found, d.log_tail()
+    return int(found.group(1))
+
+
 def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
     root = str(tmp_path / "ckpt")
-    port = free_port()
-    d = start_daemon(root, "d0", "--part-timeout", "8", "--metrics-port", str(port), arena="32MiB")
+    d = start_daemon(root, "d0", "--part-timeout", "8", "--metrics-port", "0", arena="32MiB")
+    port = _metrics_port(d)
     clients = [CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0)) for r in range(2)]
     n = 1 << 18  # 1 MiB of float32 per rank
 
@@ -148,8 +159,8 @@ def test_plan_matches_the_sizing_rule():
 def test_status_counts_the_saves_waiting_for_staging_space(start_daemon, tmp_path):
     """A lease request that waits for space shows in ``ckptd status`` (JSON, text, metric) while it waits,
     and no longer once the space it waited for is given back and granted."""
-    port = free_port()
-    d = start_daemon(str(tmp_path / "ckpt"), "d0", "--metrics-port", str(port), arena="8MiB")
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", "--metrics-port", "0", arena="8MiB")
+    port = _metrics_port(d)
     holder, waiter = (CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0)) for r in (0, 1))
     held = holder._request(LeaseRequest(v=PROTOCOL_VERSION, step=1, rank=0, sizes=[6 << 20], timeout_s=0))
     assert isinstance(held, LeaseGranted)
