@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,20 +37,21 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in the metrics:\n{text}")
 
 
-def _metrics_port(d: DaemonProcess) -> int:
-    """The port a daemon started with ``--metrics-port 0`` serves on, from its log (a port picked free by the
-    test could be taken before the daemon binds it)."""
-    assert d.log_path is not None
-    with open(d.log_path) as fh:
-        found = re.search(r"metrics on http://[^/]+:(\d+)/metrics", fh.read())
-    assert found, d.log_tail()
-    return int(found.group(1))
+def _metrics_url(d: DaemonProcess) -> str:
+    """Where a daemon started with ``--metrics-port 0`` serves its metrics, as ``ckptd status`` says (a port
+    picked free by the test could be taken before the daemon binds it)."""
+    out = ckptd("status", "--socket", d.socket, "--json")
+    assert out.returncode == 0, out.stderr
+    url = str(json.loads(out.stdout)["metrics_url"])
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url) and not url.endswith(":0/metrics"), url
+    return url
 
 
 def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
     root = str(tmp_path / "ckpt")
     d = start_daemon(root, "d0", "--part-timeout", "8", "--metrics-port", "0", arena="32MiB")
-    port = _metrics_port(d)
+    url = _metrics_url(d)
+    assert d.log_path is not None and f"metrics on {url}" in Path(d.log_path).read_text()  # the log says it too
     clients = [CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0)) for r in range(2)]
     n = 1 << 18  # 1 MiB of float32 per rank
 
@@ -77,6 +79,7 @@ def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
     by_root = ckptd("status", "--root", root, env=env)
     assert by_root.returncode == 0, by_root.stderr
     assert "1 in flight, 1 committed, 0 failed" in by_root.stdout and "pending" in by_root.stdout
+    assert f"metrics  {url}" in by_root.stdout
 
     deadline = time.monotonic() + 30  # the part timeout abandons step 2: a failure with its reason
     while not pending.done() and time.monotonic() < deadline:
@@ -91,7 +94,7 @@ def test_status_and_metrics_of_a_live_daemon(start_daemon, tmp_path, sockdir):
             == report["arena_bytes"])
     assert report["arena_retained_bytes"] > 0
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     assert _metric(text, "ckptd_steps_committed_total") == 1.0
     assert _metric(text, "ckptd_steps_failed_total") == 1.0
     assert _metric(text, "ckptd_bytes_written_total") == 2 * (1 << 20)
@@ -160,7 +163,7 @@ def test_status_counts_the_saves_waiting_for_staging_space(start_daemon, tmp_pat
     """A lease request that waits for space shows in ``ckptd status`` (JSON, text, metric) while it waits,
     and no longer once the space it waited for is given back and granted."""
     d = start_daemon(str(tmp_path / "ckpt"), "d0", "--metrics-port", "0", arena="8MiB")
-    port = _metrics_port(d)
+    url = _metrics_url(d)
     holder, waiter = (CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0)) for r in (0, 1))
     held = holder._request(LeaseRequest(v=PROTOCOL_VERSION, step=1, rank=0, sizes=[6 << 20], timeout_s=0))
     assert isinstance(held, LeaseGranted)
@@ -173,7 +176,7 @@ def test_status_counts_the_saves_waiting_for_staging_space(start_daemon, tmp_pat
         assert time.monotonic() < deadline, report
         time.sleep(0.1)
     assert "; 1 save(s) waiting for staging space" in ckptd("status", "--socket", d.socket).stdout
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     assert _metric(text, "ckptd_arena_waiting") == 1
     holder._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=held.lease_id))
     asking.join(30)

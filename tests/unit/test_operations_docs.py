@@ -7,6 +7,7 @@ import re
 import shlex
 from pathlib import Path
 
+import msgspec
 import yaml
 
 from ckptd.daemon.cli import build_parser
@@ -72,6 +73,9 @@ def test_status_example_is_what_status_prints() -> None:
         failures=1, bytes_written=83200 * mib, bytes_per_s=1480 * mib, retries=17,
         last_error="step 4100: StorageFullError: /ckpt: no space left (ENOSPC)", arena_retained_bytes=1600 * mib,
         job_id="slurm:8812", owner_pid=41700, socket="/run/user/1000/ckptd/daemon.sock", arena_ahead_bytes=1600 * mib,
+        metrics_url="http://127.0.0.1:9464/metrics",
     )
     printed = [ln.rstrip() for ln in format_report(report, "/elsewhere.sock").splitlines()]  # empty error column
     assert printed == shown.splitlines()
+    without = format_report(msgspec.structs.replace(report, metrics_url=""), "/elsewhere.sock").splitlines()
+    assert "metrics  off (--metrics-port)" in without

@@ -231,6 +231,7 @@ class StatusReport(_Msg, frozen=True, tag="report_reply"):
     # of the used bytes: leases granted to clients for their next save (``LeaseRequest.ahead``), not used yet
     arena_ahead_bytes: int = 0
     arena_waiting: int = 0  # lease requests waiting for staging space now (earlier saves still being written)
+    metrics_url: str = ""  # the Prometheus endpoint as bound (``--metrics-port 0`` picks the port); "" = off
 
 
 

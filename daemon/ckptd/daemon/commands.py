@@ -127,6 +127,7 @@ def format_report(r: StatusReport, path: str) -> str:
         f"steps    {r.in_flight} in flight, {r.commits} committed, {r.failures} failed since start",
         f"written  {r.bytes_written / mib:.1f} MiB, last step at {r.bytes_per_s / mib:.0f} MiB/s; "
         f"storage retries {r.retries}",
+        f"metrics  {r.metrics_url or 'off (--metrics-port)'}",
     ]
     if r.last_error:
         lines.append(f"last error  {r.last_error}")

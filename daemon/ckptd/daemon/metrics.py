@@ -89,5 +89,7 @@ def serve_metrics(port: int, host: str, arena: Arena, backend: Backend) -> Prome
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:  # port taken, address not local: say which option is wrong
         raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    where = f"[{host}]" if ":" in host else host
+    stats.metrics_url = f"http://{where}:{server.server_port}/metrics"
+    log.info("metrics on %s", stats.metrics_url)
     return stats

@@ -26,6 +26,7 @@ class DaemonStats:
         self.bytes_written = 0
         self.bytes_per_s = 0.0
         self.last_error = ""
+        self.metrics_url = ""  # where the Prometheus endpoint serves, once bound (metrics.py); "" = off
 
     def on_save(self, stall_s: float) -> None:
         """A rank's save was accepted; ``stall_s`` is how long the rank was blocked (client-measured)."""
@@ -68,5 +69,5 @@ def status_report(
         failures=stats.failures, bytes_written=stats.bytes_written, bytes_per_s=stats.bytes_per_s,
         retries=backend.metrics.retries if backend.metrics is not None else 0, last_error=stats.last_error,
         arena_retained_bytes=retained, retain=retain, job_id=job_id, owner_pid=owner_pid, socket=socket,
-        arena_ahead_bytes=arena.ahead_bytes, arena_waiting=arena.waiting,
+        arena_ahead_bytes=arena.ahead_bytes, arena_waiting=arena.waiting, metrics_url=stats.metrics_url,
     )
