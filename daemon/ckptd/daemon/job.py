@@ -93,6 +93,7 @@ class StepJob:
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.nbytes = 0
         self.written_keys: list[str] = []
+        self.unsynced = False  # small chunks written without their own fsync: one filesystem sync makes them durable
         self.held = HeldBlocks()
         # state
         self._state = StepState.PENDING

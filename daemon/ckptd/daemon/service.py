@@ -214,12 +214,14 @@ class CheckpointService:
             except* Exception as group:
                 raise first_leaf(group) from group
             written = time.monotonic()
-            await self.root.make_durable(job.written_keys, synced=self.config.codec == "raw")
+            await self.root.make_durable(job.written_keys, synced=self.config.codec == "raw",
+                                         whole_filesystem=job.unsynced)
             part = self._part(job)
             await self.root.write_part(part)
             job.mark_durable()
-            log.debug("step=%d node=%d data written %.3fs after the first save, durable %.3fs later",
-                      job.step, job.node, written - job.started, job.durable_at - written)
+            log.debug("step=%d node=%d data written %.3fs after the first save, durable %.3fs later%s",
+                      job.step, job.node, written - job.started, job.durable_at - written,
+                      " (by one filesystem sync)" if job.unsynced else "")
             if job.node == 0:
                 await self.root.commit(job.step, job.where.num_nodes, self.config.commit_timeout_s)
                 if self.config.keep:

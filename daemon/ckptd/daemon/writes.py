@@ -37,6 +37,10 @@ from ckptd.writer.format import (
 )
 
 PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting for the node's ranks
+# local chunks smaller than this get no fsync of their own (nor their folders): the step is made durable by
+# one sync of the filesystem instead. A step of ~10,000 small arrays otherwise spends seconds in ~20,000
+# fsyncs of files and folders one by one (docs/benchmarks.md, "What the checks cost")
+FSYNC_EACH_BYTES = 1 << 20
 
 
 class ShardWriter:
@@ -127,8 +131,10 @@ class ShardWriter:
             key = f"{path}/{chunk_key(coords)}"
             async with self._chunk_slots:
                 if arr is None:  # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
-                    crc = await self._sink.put(key, block, chunks)
                     nbytes = math.prod(chunks) * block.itemsize
+                    own = nbytes >= FSYNC_EACH_BYTES or not self._sink.fsync_each  # (no fsync where none is needed)
+                    crc = await self._sink.put(key, block, chunks, fsync=own)
+                    job.unsynced |= not own
                 else:
                     crc = await checksum(block)
                     await arr.setitem(chunk_selection(coords, chunks, meta.global_shape), block)

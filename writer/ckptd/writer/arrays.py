@@ -90,17 +90,20 @@ class ChunkSink:
         self.local_root = backend.local_root
         self.fsync_each = fsync_each and backend.capabilities.needs_fsync
 
-    async def put(self, key: str, block: np.ndarray, chunks: Sequence[int] | None = None) -> int:
+    async def put(
+        self, key: str, block: np.ndarray, chunks: Sequence[int] | None = None, *, fsync: bool = True
+    ) -> int:
         """Write one chunk; returns the crc32c of its (decoded) bytes. With ``chunks`` (the array's chunk
         shape) an edge chunk — ``block`` cut by the array's end — is stored whole (:func:`full_chunk`):
-        its stored size is then ``prod(chunks)`` elements.
+        its stored size is then ``prod(chunks)`` elements. ``fsync=False`` leaves this chunk's durability to
+        the caller (:meth:`Backend.sync_all`), as ``fsync_each=False`` does for every chunk.
 
         Padding, checksumming and copying run in worker threads, never in the event loop that serves the
         ranks.
         """
         if self.local_root is not None:
             path = os.path.join(self.local_root, key)
-            return await asyncio.to_thread(_put_local, path, block, self.fsync_each, chunks)
+            return await asyncio.to_thread(_put_local, path, block, self.fsync_each and fsync, chunks)
         body, crc = await asyncio.to_thread(_encode, block, chunks)
         await self.backend.put_body(key, body)
         return crc

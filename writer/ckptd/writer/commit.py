@@ -66,10 +66,15 @@ class CheckpointWriter(CheckpointRoot):
     """The read view plus every write of the commit protocol. Opened on a backend the caller owns."""
 
     # --- a node's part --------------------------------------------------------------------------------
-    async def make_durable(self, keys: Iterable[str], *, synced: bool = False) -> None:
+    async def make_durable(self, keys: Iterable[str], *, synced: bool = False, whole_filesystem: bool = False) -> None:
         """fsync written chunks (unless ``synced``: done as they were written) and their folders, where
-        the backend needs it (``capabilities.needs_fsync``)."""
-        if self.backend.capabilities.needs_fsync:
+        the backend needs it (``capabilities.needs_fsync``); with ``whole_filesystem`` (some were written
+        without an fsync of their own), one sync of the root's filesystem instead, which covers them all."""
+        if not self.backend.capabilities.needs_fsync:
+            return
+        if whole_filesystem:
+            await self.backend.sync_all()
+        else:
             await self.backend.sync(keys, files=not synced)
 
     async def write_part(self, part: PartManifest) -> None:

@@ -1,6 +1,7 @@
 """A checkpoint root in a local (or network-mounted POSIX) directory.
 
-Files are durable only after ``fsync`` (of the file and of its directory); the create-once write goes
+Files are durable only after ``fsync`` (of the file and of its directory), or after one ``syncfs`` of the
+filesystem (:meth:`LocalBackend.sync_all`: many small files at once); the create-once write goes
 to a temporary name, is made durable, then hard-linked into place, which fails if the name exists —
 atomic, and readers never see a partial file.
 """
