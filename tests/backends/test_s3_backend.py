@@ -77,12 +77,21 @@ async def _committed_step(url: str, options: Mapping[str, Any]) -> None:
 
     from ckptd.writer.arrays import ChunkSink
     from ckptd.writer.commit import CheckpointWriter
-    from ckptd.writer.format import FORMAT_VERSION, ArrayRecord, ChunkRecord, PartManifest, ShardRecord, chunk_key
+    from ckptd.writer.format import (
+        CHUNK_SEPARATOR,
+        FORMAT_VERSION,
+        ArrayRecord,
+        ChunkRecord,
+        PartManifest,
+        ShardRecord,
+        chunk_key,
+    )
 
     async with await open_backend(url, options) as backend:
         data = np.arange(16, dtype=np.float32)
-        crc = await ChunkSink(backend).put(f"step_2/w/{chunk_key((0,))}", data)
-        rec = ArrayRecord("w", "float32", [16], [16], [ShardRecord(0, [0], [16], [ChunkRecord([0], 64, crc)])])
+        crc = await ChunkSink(backend).put(f"step_2/w/{chunk_key((0,), CHUNK_SEPARATOR)}", data)
+        shard = ShardRecord(0, [0], [16], [ChunkRecord([0], 64, crc)])
+        rec = ArrayRecord("w", "float32", [16], [16], [shard], separator=CHUNK_SEPARATOR)
         writer = CheckpointWriter(backend)
         await writer.write_part(PartManifest(format=FORMAT_VERSION, step=2, node=0, num_nodes=1, world_size=1,
                                              ranks=[0], arrays=[rec], objects={"0": {"n": 1}}, nbytes=64,

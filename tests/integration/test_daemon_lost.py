@@ -43,7 +43,7 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> Non
 
 def _writing(root: Path, step: int) -> Callable[[], bool]:
     """True once the daemon wrote some chunks of ``step``'s big array (and so has not finished it)."""
-    return lambda: any((root / f"step_{step}" / "big" / "c").glob("*"))
+    return lambda: any((root / f"step_{step}" / "big").glob("c.*"))
 
 
 def _refuses(sock: str) -> bool:

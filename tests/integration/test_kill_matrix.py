@@ -70,8 +70,8 @@ S3_POINTS = {
     # accept: the daemon checks the step is not committed yet; the rank is blocked in save()
     "accept-commit-check": Point(rf"/{re.escape(commit_marker(KILLED))}", ("HEAD", "GET")),
     "accept-sidecar": Point(rf"/{re.escape(sidecar_key(''))}[0-9a-f]+\.json", ("PUT",)),
-    "first-chunk": Point(rf"/step_{KILLED}/model/w/c/0(\?|$)", ("PUT",)),
-    "later-chunk": Point(rf"/step_{KILLED}/model/w/c/5(\?|$)", ("PUT",)),
+    "first-chunk": Point(rf"/step_{KILLED}/model/w/c\.0(\?|$)", ("PUT",)),
+    "later-chunk": Point(rf"/step_{KILLED}/model/w/c\.5(\?|$)", ("PUT",)),
     "packed-small-array": Point(rf"/step_{KILLED}/model/b(/|\?|$)", ("PUT",)),
     "part-manifest": Point(rf"/{re.escape(part_key(KILLED, 0))}", ("PUT",)),
     "parts-listing": Point(rf"prefix=[^&]*{quote(parts_dir(KILLED), safe='')}", ("GET",)),
@@ -85,7 +85,7 @@ S3_POINTS = {
 }
 LOCAL_POINTS = {
     "rank-copy": RANK_COPY,
-    "later-chunk": Point(fifo="model/w/c/5"),
+    "later-chunk": Point(fifo="model/w/c.5"),
 }
 # The default (CI) run: one point of the staging side and one of the data writes on a local filesystem,
 # a part and a commit point on S3 (about 20 s together); the rest run with -m slow.

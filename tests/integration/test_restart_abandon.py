@@ -51,7 +51,7 @@ def _wait_for(cond, timeout: float, what: str) -> None:
 
 
 def _chunks_written(step_path: Path) -> bool:
-    return any(step_path.glob("r*/w/c/*"))
+    return any(step_path.glob("r*/w/c.*"))
 
 
 def _failed_note(root: Path, step: int) -> dict[str, object]:
@@ -117,9 +117,9 @@ def test_other_node_stops_waiting_when_a_restarted_daemon_abandons(killed, start
     survivor = 1 - killed
     # One chunk of the killed node's array is a named pipe: its write blocks, so that node's part can never
     # land before the kill, however the machine's load orders the two nodes' writes.
-    chunks = root / "step_2" / f"r{killed}" / "w" / "c"
+    chunks = root / "step_2" / f"r{killed}" / "w"
     chunks.mkdir(parents=True)
-    os.mkfifo(chunks / "5")
+    os.mkfifo(chunks / "c.5")
     handles = {r: clients[r].save(2, _own(_state(2, r, big=r == killed))) for r in (0, 1)}
     _wait_for(lambda: (root / "step_2" / "_ckptd" / "_parts" / f"node-{survivor}.json").exists(), 30,
               "the surviving node's part")

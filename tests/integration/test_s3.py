@@ -135,12 +135,12 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
     arrays = {a.name: a for a in commit.arrays}
     # Arrays spanning both nodes keep the rank grid: one object per writer.
     assert arrays["model/w"].chunks == [4, 6] and sorted(s.rank for s in arrays["model/w"].shards) == [0, 1, 2, 3]
-    assert len(s3.list_keys(BUCKET, f"{prefix}/step_2/model/w/c/")) == 4
+    assert len(s3.list_keys(BUCKET, f"{prefix}/step_2/model/w/c.")) == 4
     # A small array one node holds whole is packed into one object, written by that node.
     for node in (0, 1):
         rec = arrays[f"tp{node}/bias"]
         assert rec.chunks == [4, 3] and [s.rank for s in rec.shards] == [2 * node]
-        assert s3.list_keys(BUCKET, f"{prefix}/step_2/tp{node}/bias/c/") == [f"{prefix}/step_2/tp{node}/bias/c/0/0"]
+        assert s3.list_keys(BUCKET, f"{prefix}/step_2/tp{node}/bias/c") == [f"{prefix}/step_2/tp{node}/bias/c.0.0"]
     part_key = f"{prefix}/step_2/_ckptd/_parts/node-1.json"
     part1 = decode_part(client.get_object(Bucket=BUCKET, Key=part_key)["Body"].read())
     assert part1.ranks == [2, 3]
@@ -166,8 +166,8 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
 
     # A failed step 0 left data and an unfinished multipart upload; step 1 left one too.
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/step_0/_ckptd/_parts/node-0.json", Body=b"{}")
-    client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_0/model/w/c/0/0")
-    client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_1/model/w/c/1/0")
+    client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_0/model/w/c.0.0")
+    client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_1/model/w/c.1.0")
     out = cli("gc", root, "--keep", "1", *flags, env=env)
     assert out.returncode == 0, out.stderr
     left = {k.split("/")[1] for k in s3.list_keys(BUCKET, f"{prefix}/")}

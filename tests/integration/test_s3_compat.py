@@ -90,7 +90,7 @@ def test_round_trip_retention_ls_verify_gc(server: Any, start_daemon, monkeypatc
     s3.put_object(Bucket=BUCKET, Key="compat/step_0/_parts/node-0.json", Body=b"{}")
     s3.put_object(Bucket=BUCKET, Key="compat/step_0/FAILED", Body=b"{}")
     if moto:
-        s3.create_multipart_upload(Bucket=BUCKET, Key="compat/step_3/model/w/c/0")
+        s3.create_multipart_upload(Bucket=BUCKET, Key="compat/step_3/model/w/c.0")
     out = cli("gc", root, "--keep", "1")
     assert out.returncode == 0, out.stderr  # s3rver answered 501 to the multipart listing: gc still runs
     assert _warnings(out.stderr, "multipart_listing") == (0 if moto else 1), out.stderr

@@ -60,10 +60,10 @@ def _report_after_failure(socket_path: str) -> StatusReport:
 
 CASES = {
     # MinIO below its free-drive threshold: every object PUT of the step's data
-    "minio-507-put": dict(path_regex=r"/step_2/w0/c/", error_status=507, error_code="XMinioStorageFull",
+    "minio-507-put": dict(path_regex=r"/step_2/w0/c\.", error_status=507, error_code="XMinioStorageFull",
                           numel=(1 * MiB) // 4, chunk="64KiB"),
     # Ceph RGW over the user's quota: the parts of a multipart upload (rank 0's one 100 MiB chunk)
-    "ceph-quota-uploadpart": dict(path_regex=r"/step_2/w0/c/.*partNumber=", error_status=403,
+    "ceph-quota-uploadpart": dict(path_regex=r"/step_2/w0/c\..*partNumber=", error_status=403,
                                   error_code="QuotaExceeded", numel=MULTIPART // 4, chunk="100MiB"),
 }
 

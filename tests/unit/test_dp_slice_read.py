@@ -81,10 +81,11 @@ def _write(root: str, saved: MegatronLayout, data: Data = DATA) -> None:
                     done = []
                     for c in range(dp * s // CHUNK, (dp + 1) * s // CHUNK):
                         block = full[c * CHUNK : (c + 1) * CHUNK].numpy()
-                        crc = await sink.put(f"step_1/{name}/{fmt.chunk_key((c,))}", block)
+                        crc = await sink.put(f"step_1/{name}/{fmt.chunk_key((c,), fmt.CHUNK_SEPARATOR)}", block)
                         done.append(fmt.ChunkRecord([c], CHUNK * 4, crc))
                     shards.append(fmt.ShardRecord(dp, [dp * s], [s], done))
-                records.append(fmt.ArrayRecord(name, "float32", [bucket.padded_numel], [CHUNK], shards))
+                records.append(fmt.ArrayRecord(name, "float32", [bucket.padded_numel], [CHUNK], shards,
+                                               separator=fmt.CHUNK_SEPARATOR))
             await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
             await ckpt.commit(1, 1, timeout=5)
 

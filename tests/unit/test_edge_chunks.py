@@ -37,12 +37,14 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 def _write(root: str, *, whole: bool) -> None:
-    """Step 1 with every array one shard of rank 0; ``whole=False`` writes edge chunks cut (format 2)."""
+    """Step 1 with every array one shard of rank 0; ``whole=False`` writes edge chunks cut, and chunk keys
+    ``c/<i>/<j>`` (format 2)."""
 
     async def go() -> None:
         async with await open_backend(root, None, create=True) as backend:
             ckpt, sink = CheckpointWriter(backend), ChunkSink(backend)
             records = []
+            separator = fmt.CHUNK_SEPARATOR if whole else "/"
             for key, (t, grid) in ARRAYS.items():
                 data, shape = _bits(t), list(t.shape)
                 chunks = []
@@ -50,10 +52,11 @@ def _write(root: str, *, whole: bool) -> None:
                     block = data[fmt.chunk_selection_of(coords, grid, shape, [0] * len(shape))]
                     if whole:
                         block = full_chunk(block, grid)
-                    crc = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords)}", block)
+                    crc = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords, separator)}", block)
                     chunks.append(fmt.ChunkRecord(list(coords), block.nbytes, crc))
                 shard = fmt.ShardRecord(0, [0] * len(shape), shape, chunks)
-                records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, list(grid), [shard]))
+                records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, list(grid), [shard],
+                                               separator=separator))
             await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
             await ckpt.commit(1, 1, timeout=5)
 

@@ -52,10 +52,13 @@ def _write(root: str, options: dict[str, object] | None = None) -> None:
                     block = t[i * rows : (i + 1) * rows]
                     bits = block.view(torch.int16) if t.dtype == torch.bfloat16 else block
                     coords = [i] + [0] * (len(shape) - 1)
-                    crc = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords)}", bits.numpy())
+                    crc = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords, '/')}", bits.numpy())
                     chunks.append(fmt.ChunkRecord(coords, block.numel() * block.element_size(), crc))
                 shard = fmt.ShardRecord(0, [0] * len(shape), shape, chunks)
-                records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, grid, [shard]))
+                # chunk keys as formats 1-3 wrote them (c/<i>/<j>); the daemon-written steps of the integration tests
+                # have format 4's (c.<i>.<j>)
+                records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, grid, [shard],
+                                               separator="/"))
             await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
             await ckpt.commit(1, 1, timeout=5)
 

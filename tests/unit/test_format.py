@@ -275,8 +275,10 @@ def test_a_shorter_last_block_is_accepted() -> None:
 
 
 def test_chunk_key_and_count() -> None:
-    assert fmt.chunk_key((1, 0, 3)) == "c/1/0/3"
-    assert fmt.chunk_key(()) == "c"
+    assert fmt.chunk_key((1, 0, 3), "/") == "c/1/0/3"  # formats 1-3
+    assert fmt.chunk_key((1, 0, 3), ".") == "c.1.0.3"  # format 4
+    assert fmt.chunk_key((), "/") == fmt.chunk_key((), ".") == "c"
+    assert fmt.CHUNK_SEPARATOR == "."
     assert chunk_count((), ()) == 1
     assert chunk_count((10, 3), (4, 3)) == 3
 

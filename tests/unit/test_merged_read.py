@@ -93,10 +93,12 @@ def _write(root: str, options: dict[str, object] | None = None) -> None:
                 done = []
                 for coords in itertools.product(*(range(n // c) for n, c in zip(shape, chunks, strict=True))):
                     block = t[tuple(slice(i * c, (i + 1) * c) for i, c in zip(coords, chunks, strict=True))]
-                    crc = await sink.put(f"step_1/{name}/{fmt.chunk_key(coords)}", block.contiguous().numpy())
+                    key = f"step_1/{name}/{fmt.chunk_key(coords, fmt.CHUNK_SEPARATOR)}"
+                    crc = await sink.put(key, block.contiguous().numpy())
                     done.append(fmt.ChunkRecord(list(coords), block.numel() * 4, crc))
                 shard = fmt.ShardRecord(0, [0] * len(shape), list(shape), done)
-                records.append(fmt.ArrayRecord(name, "float32", list(shape), list(chunks), [shard]))
+                records.append(fmt.ArrayRecord(name, "float32", list(shape), list(chunks), [shard],
+                                               separator=fmt.CHUNK_SEPARATOR))
             await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
             await ckpt.commit(1, 1, timeout=5)
 
@@ -143,7 +145,7 @@ def test_a_damaged_merged_chunk_raises(root: str, tmp_path: Path, damage: str) -
     copy = str(tmp_path / "copy")
     shutil.copytree(root, copy)
     # chunk 1 of "layers" holds layer 1 (param "l", rank 0's slice and rank 1's)
-    path = os.path.join(copy, "step_1", fmt.merged_array_name("exp_avg", "layers"), "c", "1", "0", "0")
+    path = os.path.join(copy, "step_1", fmt.merged_array_name("exp_avg", "layers"), "c.1.0.0")
     data = bytearray(Path(path).read_bytes())
     if damage == "flip":
         data[7] ^= 0x01
@@ -152,7 +154,7 @@ def test_a_damaged_merged_chunk_raises(root: str, tmp_path: Path, damage: str) -
         Path(path).write_bytes(bytes(data[:-3]))
     else:
         os.remove(path)
-    chunk = re.escape(f"step_1/{fmt.merged_array_name('exp_avg', 'layers')}/c/1/0/0")
+    chunk = re.escape(f"step_1/{fmt.merged_array_name('exp_avg', 'layers')}/c.1.0.0")
     for dp_rank in (0, 1):
         with pytest.raises(CorruptCheckpointError, match=chunk):
             _read(copy, dp_rank)
@@ -163,7 +165,7 @@ def test_s3_merged_slices_and_a_truncated_chunk(s3_options: dict[str, object], s
     url = f"s3://{BUCKET}/merged-read"
     _write(url, s3_options)
     _check(url, s3_options)
-    chunk = f"step_1/{fmt.merged_array_name('param', 'w')}/c/1/0"
+    chunk = f"step_1/{fmt.merged_array_name('param', 'w')}/c.1.0"
     key = f"merged-read/{chunk}"
     client = s3.client()
     data = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()

@@ -103,13 +103,17 @@ def _scenario(root: str) -> dict[str, Any]:
             for key, t in saved.items():
                 shape, grid = [t.numel()], [t.numel()]
                 path = f"{fmt.step_dir(1)}/{key}"
-                await write_metadata(backend.store, path, await array_metadata("float32", shape, grid))
-                crc = await sink.put(f"{path}/{fmt.chunk_key((0,))}", t.numpy())
+                meta = await array_metadata("float32", shape, grid, separator=fmt.CHUNK_SEPARATOR)
+                await write_metadata(backend.store, path, meta)
+                crc = await sink.put(f"{path}/{fmt.chunk_key((0,), fmt.CHUNK_SEPARATOR)}", t.numpy())
                 chunk = fmt.ChunkRecord([0], t.numel() * 4, crc)
-                arrays.append(fmt.ArrayRecord(key, "float32", shape, grid, [fmt.ShardRecord(0, [0], shape, [chunk])]))
+                arrays.append(fmt.ArrayRecord(key, "float32", shape, grid, [fmt.ShardRecord(0, [0], shape, [chunk])],
+                                              separator=fmt.CHUNK_SEPARATOR))
             for key, grid in model_grid.items():  # model arrays: only their records matter to the merge
                 shape = {"layers.w": [8, 16], "layers.b": [16], "layers.fc1": [4, 32]}[key]
-                arrays.append(fmt.ArrayRecord(layout.model_key(key), "float32", shape, grid))
+                arrays.append(
+                    fmt.ArrayRecord(layout.model_key(key), "float32", shape, grid, separator=fmt.CHUNK_SEPARATOR)
+                )
             commit = fmt.CommitManifest(fmt.FORMAT_VERSION, 1, 1, 1, sorted(arrays, key=lambda a: a.name),
                                         {"0": {fmt.MEGATRON_RECORD: record}}, 0, 0.0)
             await ckpt.write_sidecar(fmt.sidecar_name(text), text)

@@ -46,10 +46,12 @@ def _write_step(root: str, step: int) -> None:
                     lo = i * grid[0]
                     coords = [i] + [0] * (len(shape) - 1)
                     block = t[lo : lo + grid[0]].numpy()
-                    crc = await sink.put(f"{fmt.step_dir(step)}/{key}/{fmt.chunk_key(coords)}", block)
+                    path = f"{fmt.step_dir(step)}/{key}/{fmt.chunk_key(coords, fmt.CHUNK_SEPARATOR)}"
+                    crc = await sink.put(path, block)
                     chunk = fmt.ChunkRecord(coords, block.nbytes, crc)
                     shards.append(fmt.ShardRecord(i, [lo] + [0] * (len(shape) - 1), [grid[0], *shape[1:]], [chunk]))
-                records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, grid, shards))
+                records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, grid, shards,
+                                               separator=fmt.CHUNK_SEPARATOR))
             await ckpt.write_sidecar(fmt.sidecar_name("{}"), "{}")
             part = fmt.PartManifest(fmt.FORMAT_VERSION, step, 0, 1, 2, [0, 1], records, {"0": {"n": step}}, 0, 0.0)
             await ckpt.write_part(part)

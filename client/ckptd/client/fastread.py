@@ -215,7 +215,7 @@ class ChunkReader:
                 ch = chunks.get((c,))
                 if ch is None:
                     raise CorruptCheckpointError(f"{rec.name}: chunk {c} is not in the manifest")
-                path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
+                path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
                 job = self.gathers.get(path)
                 if job is None:
                     job = self.gathers[path] = Job(path, ch, None, item=item, start=c * size, gather=[])
@@ -272,7 +272,7 @@ class ChunkReader:
             hi = tuple(min(s.stop, e) for s, e in zip(ext, end, strict=True))
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
-            path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords)}"
+            path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
             whole = all(a == s.start and b == s.stop for a, b, s in zip(lo, hi, ext, strict=True))
             rel = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
             run = contiguous_run(rel, local) if whole else None

@@ -41,6 +41,7 @@ from ckptd.writer.errors import (
     StepFailedError,
 )
 from ckptd.writer.format import (
+    CHUNK_SEPARATOR,
     FORMAT_VERSION,
     ArrayRecord,
     PartManifest,
@@ -254,7 +255,7 @@ class CheckpointService:
             ArrayRecord(
                 meta.key, meta.dtype, list(meta.global_shape),
                 list(plan_chunks(meta.chunk_shape, itemsize(meta.dtype), self.config.chunk_bytes)), [rec],
-                self.config.codec,
+                self.config.codec, CHUNK_SEPARATOR,
             )
             for save in job.saves.values()
             for meta, rec in save.records

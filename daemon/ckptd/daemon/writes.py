@@ -24,6 +24,7 @@ from ckptd.daemon.restore import Retention
 from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
 from ckptd.writer.backends import Backend
 from ckptd.writer.format import (
+    CHUNK_SEPARATOR,
     ChunkRecord,
     ShardRecord,
     check_region,
@@ -121,14 +122,16 @@ class ShardWriter:
         path = f"{step_dir(job.step)}/{meta.key}"
         arr = None
         if self.config.codec != "raw":  # compressed chunks go through zarr's codec pipeline
-            arr_meta = await array_metadata(meta.dtype, meta.global_shape, chunks, codec=self.config.codec)
+            arr_meta = await array_metadata(
+                meta.dtype, meta.global_shape, chunks, codec=self.config.codec, separator=CHUNK_SEPARATOR
+            )
             arr = open_for_write(self.backend.store, path, arr_meta)
         coords_list = list(region_chunks(meta.global_offset, meta.shape, chunks))
         records: list[ChunkRecord | None] = [None] * len(coords_list)
 
         async def one(i: int, coords: tuple[int, ...]) -> None:
             block = data[chunk_selection_of(coords, chunks, meta.global_shape, meta.global_offset)]
-            key = f"{path}/{chunk_key(coords)}"
+            key = f"{path}/{chunk_key(coords, CHUNK_SEPARATOR)}"
             async with self._chunk_slots:
                 if arr is None:  # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
                     nbytes = math.prod(chunks) * block.itemsize

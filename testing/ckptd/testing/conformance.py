@@ -35,6 +35,7 @@ from ckptd.writer.backends import Backend, Capabilities, open_backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import (
     CkptdError,
+    CorruptCheckpointError,
     StepCommittedError,
     StorageError,
     StorageNotFoundError,
@@ -44,6 +45,7 @@ from ckptd.writer.format import (
     FORMAT_VERSION,
     ArrayRecord,
     ChunkRecord,
+    ChunkSeparator,
     PartManifest,
     ShardRecord,
     chunk_key,
@@ -168,24 +170,30 @@ class BackendConformance:
             await backend.close()
 
     # --- arrays and the commit sequence ---------------------------------------------------------------
-    async def test_chunks_through_arrays(self, backend: Backend) -> None:
+    @pytest.mark.parametrize("separator", ["/", "."])  # as formats 1-3 wrote chunk keys, and as format 4 does
+    async def test_chunks_through_arrays(self, backend: Backend, separator: ChunkSeparator) -> None:
         data = np.arange(48, dtype=np.float32).reshape(6, 8)
         chunks = (3, 8)
-        meta = await array_metadata("float32", data.shape, chunks)
+        meta = await array_metadata("float32", data.shape, chunks, separator=separator)
         sink = ChunkSink(backend)
         records = []
         for row in range(2):
             block = data[row * 3 : (row + 1) * 3]
-            crc = await sink.put(f"step_1/w/{chunk_key((row, 0))}", block)
+            crc = await sink.put(f"step_1/w/{chunk_key((row, 0), separator)}", block)
             assert crc == await checksum(block)
             records.append(ChunkRecord([row, 0], block.nbytes, crc))
         if backend.capabilities.needs_fsync:
-            await backend.sync([f"step_1/w/{chunk_key((r, 0))}" for r in range(2)], files=False)
+            await backend.sync([f"step_1/w/{chunk_key((r, 0), separator)}" for r in range(2)], files=False)
         await write_metadata(backend.store, "step_1/w", meta)
         arr = await open_array(backend.store, "step_1/w")
         assert np.array_equal(await read_region(arr, (2, 0), (3, 8)), data[2:5])
-        rec = ArrayRecord("w", "float32", list(data.shape), list(chunks), [ShardRecord(0, [0, 0], [6, 8], records)])
+        shard = ShardRecord(0, [0, 0], [6, 8], records)
+        rec = ArrayRecord("w", "float32", list(data.shape), list(chunks), [shard], separator=separator)
         assert await verify_array(backend.store, step_dir(1), rec) == data.nbytes
+        other = ArrayRecord("w", "float32", list(data.shape), list(chunks), [shard],
+                            separator="." if separator == "/" else "/")
+        with pytest.raises(CorruptCheckpointError, match="missing"):  # the keys follow the record
+            await verify_array(backend.store, step_dir(1), other)
 
     async def test_commit_sequence(self, backend: Backend) -> None:
         writer = CheckpointWriter(backend)

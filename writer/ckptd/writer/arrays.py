@@ -28,7 +28,15 @@ from zarr.storage import MemoryStore, StorePath
 from ckptd.writer.backends import Backend
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
-from ckptd.writer.format import ARRAY_ATTR, ArrayRecord, ChunkRecord, itemsize, storage_dtype
+from ckptd.writer.format import (
+    ARRAY_ATTR,
+    CHUNK_SEPARATOR,
+    ArrayRecord,
+    ChunkRecord,
+    chunk_key,
+    itemsize,
+    storage_dtype,
+)
 
 CODECS = ("raw", "zstd")
 _meta_cache: dict[tuple[Any, ...], ArrayV3Metadata] = {}
@@ -36,11 +44,12 @@ _CRC_THREAD_MIN = 4 << 20
 
 
 async def array_metadata(
-    torch_dtype: str, shape: Sequence[int], chunks: Sequence[int], *, codec: str = "raw",
+    torch_dtype: str, shape: Sequence[int], chunks: Sequence[int], *, codec: str = "raw", separator: str,
     extra_attrs: dict[str, Any] | None = None,
 ) -> ArrayV3Metadata:
-    """zarr v3 metadata for a ckptd array: little-endian bytes, optional zstd, crc32c on every chunk."""
-    key = (torch_dtype, tuple(shape), tuple(chunks), codec, repr(sorted((extra_attrs or {}).items())))
+    """zarr v3 metadata for a ckptd array: little-endian bytes, optional zstd, crc32c on every chunk, chunk
+    keys joined by ``separator`` (the array record's)."""
+    key = (torch_dtype, tuple(shape), tuple(chunks), codec, separator, repr(sorted((extra_attrs or {}).items())))
     meta = _meta_cache.get(key)
     if meta is None:
         if codec not in CODECS:
@@ -54,6 +63,7 @@ async def array_metadata(
             serializer=BytesCodec(endian="little"),
             compressors=[*codecs, Crc32cCodec()],
             fill_value=0,
+            chunk_key_encoding={"name": "default", "separator": separator},
             attributes={ARRAY_ATTR: {"torch_dtype": torch_dtype, **(extra_attrs or {})}},
         )
         meta = tmp.metadata
@@ -184,7 +194,7 @@ async def write_group(store: Store, path: str, attributes: dict[str, Any] | None
 async def write_control_doc(store: Store, path: str) -> None:
     """Declare a control folder (``ckptd.writer.format.control_dir``) a zero-size ``uint8`` array, so zarr
     readers list it as an empty array instead of warning about the objects inside it."""
-    meta = await array_metadata("uint8", (0,), (1,), extra_attrs={"control": True})
+    meta = await array_metadata("uint8", (0,), (1,), separator=CHUNK_SEPARATOR, extra_attrs={"control": True})
     await write_metadata(store, path, meta)
 
 
@@ -213,7 +223,7 @@ async def verify_array(store: Store, prefix: str, rec: ArrayRecord) -> int:
     total = 0
     for shard in rec.shards:
         for ch in shard.chunks:
-            key = f"{prefix}/{rec.name}/c/" + "/".join(map(str, ch.coords)) if ch.coords else f"{prefix}/{rec.name}/c"
+            key = f"{prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
             if not await store.exists(key):
                 raise CorruptCheckpointError(f"{rec.name}: chunk {ch.coords} missing ({key})")
             full = math.prod(rec.chunks) * itemsize(rec.torch_dtype)

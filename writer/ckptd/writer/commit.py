@@ -255,7 +255,7 @@ def plan_retention(committed: list[int], steps: list[int], keep: int) -> list[in
 
 
 async def _write_array_doc(store: Store, path: str, rec: ArrayRecord) -> None:
-    meta = await array_metadata(rec.torch_dtype, rec.shape, rec.chunks, codec=rec.codec)
+    meta = await array_metadata(rec.torch_dtype, rec.shape, rec.chunks, codec=rec.codec, separator=rec.separator)
     await write_metadata(store, path, meta)
 
 

@@ -14,7 +14,9 @@ from typing import Any, Literal
 import msgspec
 
 from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError, UnsupportedFormatError
+from ckptd.writer.grid import CHUNK_SEPARATOR as CHUNK_SEPARATOR
 from ckptd.writer.grid import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES  # the grid is part of the format
+from ckptd.writer.grid import ChunkSeparator as ChunkSeparator
 from ckptd.writer.grid import check_region as check_region
 from ckptd.writer.grid import chunk_count as chunk_count
 from ckptd.writer.grid import chunk_key as chunk_key
@@ -23,9 +25,10 @@ from ckptd.writer.grid import plan_chunks as plan_chunks
 from ckptd.writer.grid import region_chunks as region_chunks
 from ckptd.writer.replicas import ReplicaRecord
 
-FORMAT_VERSION = 3
-#: 1: control objects beside the arrays; 2: in ``_ckptd/``; 3: edge chunks stored whole (zarr v3), not cut
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+#: 1: control objects beside the arrays; 2: in ``_ckptd/``; 3: edge chunks stored whole (zarr v3), not cut;
+#: 4: chunk keys ``c.<i>.<j>`` (:data:`CHUNK_SEPARATOR`, each array's record says which), not ``c/<i>/<j>``
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: where control objects live, by format: 1 beside the arrays, 2 (and 3) in ``_ckptd/``; readers try both
 CONTROL_LAYOUTS = (1, 2)
 
@@ -242,6 +245,9 @@ class ArrayRecord(msgspec.Struct, frozen=True):
     chunks: list[int]
     shards: list[ShardRecord] = []
     codec: str = "raw"  # "raw" or "zstd"; crc32c is always last
+    # how its chunk keys join the coordinates (:func:`chunk_key`): "." since format 4, "/" before (the
+    # default: records of older manifests have no such field)
+    separator: ChunkSeparator = "/"
 
 
 class PartManifest(msgspec.Struct, frozen=True):
@@ -314,13 +320,14 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
         objects.update(part.objects)
         for rec in part.arrays:
             seen = arrays.setdefault(rec.name, rec)
-            if (seen.torch_dtype, seen.shape, seen.chunks, seen.codec) != (
-                rec.torch_dtype, rec.shape, rec.chunks, rec.codec
+            if (seen.torch_dtype, seen.shape, seen.chunks, seen.codec, seen.separator) != (
+                rec.torch_dtype, rec.shape, rec.chunks, rec.codec, rec.separator
             ):
                 raise ShardLayoutError(
                     f"{rec.name}: ranks disagree on the array: dtype {seen.torch_dtype} shape {seen.shape} "
-                    f"chunks {seen.chunks} codec {seen.codec} vs dtype {rec.torch_dtype} shape {rec.shape} "
-                    f"chunks {rec.chunks} codec {rec.codec}"
+                    f"chunks {seen.chunks} codec {seen.codec} chunk keys c{seen.separator}.. vs dtype "
+                    f"{rec.torch_dtype} shape {rec.shape} chunks {rec.chunks} codec {rec.codec} chunk keys "
+                    f"c{rec.separator}.."
                 )
             taken = owner.setdefault(rec.name, {})
             for shard in rec.shards:
@@ -347,7 +354,8 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
             )
         merged.append(
             ArrayRecord(
-                name, rec.torch_dtype, rec.shape, rec.chunks, sorted(shards[name], key=lambda s: s.offset), rec.codec
+                name, rec.torch_dtype, rec.shape, rec.chunks, sorted(shards[name], key=lambda s: s.offset), rec.codec,
+                rec.separator,
             )
         )
     return CommitManifest(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 from ckptd.writer.errors import ShardLayoutError
 
@@ -84,6 +85,15 @@ def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:
     return math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True)) if shape else 1
 
 
-def chunk_key(coords: Sequence[int]) -> str:
-    """zarr v3 default chunk key encoding (separator '/')."""
-    return "c/" + "/".join(str(c) for c in coords) if coords else "c"
+ChunkSeparator = Literal["/", "."]
+#: The chunk key separator of arrays written now (format 4): ``c.<i>.<j>``, every chunk a file in its array's
+#: folder. Formats 1-3 wrote ``c/<i>/<j>`` (zarr v3's default): a folder per chunk coordinate but the last,
+#: which on a local filesystem made a 700-layer model's step create ~12,000 folders for ~9,900 chunks, and
+#: each new folder costs more than the chunk file in it (~0.3 ms against ~0.04 ms on ext4).
+CHUNK_SEPARATOR: ChunkSeparator = "."
+
+
+def chunk_key(coords: Sequence[int], separator: str) -> str:
+    """A chunk's key in its array's folder: zarr v3's ``default`` chunk key encoding with ``separator``
+    (the array's :attr:`~ckptd.writer.format.ArrayRecord.separator`): ``c`` then each coordinate."""
+    return "c" + "".join(f"{separator}{c}" for c in coords)

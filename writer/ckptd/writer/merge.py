@@ -52,12 +52,14 @@ from ckptd.writer.arrays import (
 from ckptd.writer.backends import Backend
 from ckptd.writer.errors import CheckpointNotFoundError, ShardLayoutError
 from ckptd.writer.format import (
+    CHUNK_SEPARATOR,
     FORMAT_VERSION,
     LAYOUT_FIELD,
     MERGED_CONTENT,
     MERGED_DIR,
     ArrayRecord,
     ChunkRecord,
+    ChunkSeparator,
     CommitManifest,
     ShardRecord,
     bucket_states,
@@ -136,6 +138,9 @@ class MergePlan:
     step: int
     tasks: tuple[MergeTask, ...]
     arrays: dict[str, MergedArray]
+    # the merged arrays' chunk key separator: the step's own (a merge of an older step, killed and resumed
+    # by a newer ckptd, writes the keys its first run did)
+    separator: ChunkSeparator = CHUNK_SEPARATOR
 
     @property
     def nbytes(self) -> int:
@@ -217,7 +222,9 @@ def plan_merge(commit: CommitManifest, layouts: Iterable[MegatronLayout]) -> Mer
                 for p in pls:
                     if p.array == arr.name:
                         check_region(arr.name, arr.shape, p.piece.global_offset, p.piece.stored_shape, arr.chunks)
-    return MergePlan(commit.step, tuple(tasks), arrays)
+    separators = {rec.separator for rec in commit.arrays}
+    separator = separators.pop() if len(separators) == 1 else CHUNK_SEPARATOR
+    return MergePlan(commit.step, tuple(tasks), arrays, separator)
 
 
 def _placement(array: str, param: ParamLayout, bucket_start: int, piece: ModelPiece) -> Placement:
@@ -329,7 +336,7 @@ async def run_merge(
     async def one(task: MergeTask) -> None:
         nonlocal written
         async with sem:
-            out = await _merge_task(store, sink, prefix, task, plan.arrays)
+            out = await _merge_task(store, sink, prefix, task, plan)
         doc = {name: [msgspec.to_builtins(r) for r in recs] for name, recs in out.items()}
         await backend.sync_all()  # the bucket's chunks are durable before its progress note claims them
         # created whole or not at all (a merge killed mid-write leaves no torn note)
@@ -370,7 +377,7 @@ def piece_of(flat: np.ndarray, pl: Placement) -> np.ndarray:
 
 
 async def _merge_task(
-    store: Store, sink: ChunkSink, prefix: str, task: MergeTask, arrays: Mapping[str, MergedArray]
+    store: Store, sink: ChunkSink, prefix: str, task: MergeTask, plan: MergePlan
 ) -> dict[str, list[ShardRecord]]:
     out: dict[str, list[ShardRecord]] = {}
     for state in task.states:
@@ -378,13 +385,14 @@ async def _merge_task(
         bucket = await read_region(arr, [0], [task.padded_numel])  # one bucket in memory
         flat = np.ascontiguousarray(bucket).reshape(-1)
         for pl in task.placements[state]:
-            merged = arrays[pl.array]
+            merged = plan.arrays[pl.array]
             piece = piece_of(flat, pl)
             chunks: list[ChunkRecord] = []
             for coords in region_chunks(pl.piece.global_offset, piece.shape, merged.chunks):
                 sel = chunk_selection_of(coords, merged.chunks, merged.shape, pl.piece.global_offset)
                 # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
-                crc = await sink.put(f"{prefix}/{pl.array}/{chunk_key(coords)}", piece[sel], merged.chunks)
+                key = f"{prefix}/{pl.array}/{chunk_key(coords, plan.separator)}"
+                crc = await sink.put(key, piece[sel], merged.chunks)
                 chunks.append(ChunkRecord(list(coords), math.prod(merged.chunks) * piece.itemsize, crc))
             out.setdefault(pl.array, []).append(
                 ShardRecord(-1, list(pl.piece.global_offset), list(piece.shape), chunks)
@@ -432,8 +440,10 @@ async def _commit_merge(
         want = math.prod(-(-n // c) for n, c in zip(spec.shape, spec.chunks, strict=True))
         if covered != want:
             raise ShardLayoutError(f"{name}: merged pieces cover {covered} of {want} chunks")
-        arrays.append(ArrayRecord(name, spec.torch_dtype, list(spec.shape), list(spec.chunks), shards, "raw"))
-        meta = await array_metadata(spec.torch_dtype, spec.shape, spec.chunks, codec="raw")
+        arrays.append(
+            ArrayRecord(name, spec.torch_dtype, list(spec.shape), list(spec.chunks), shards, "raw", plan.separator)
+        )
+        meta = await array_metadata(spec.torch_dtype, spec.shape, spec.chunks, codec="raw", separator=plan.separator)
         await write_metadata(backend.store, f"{prefix}/{name}", meta)
     attrs = {"ckptd": {"content": MERGED_CONTENT, "step": commit.step}}
     await write_group(backend.store, f"{prefix}/{MERGED_DIR}", attrs)
