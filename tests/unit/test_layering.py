@@ -63,30 +63,23 @@ def test_offline_ls_and_verify_import_no_torch(tmp_path: pathlib.Path) -> None:
 
     import numpy as np
 
+    from ckptd.writer import format as fmt
     from ckptd.writer.arrays import ChunkSink
     from ckptd.writer.backends import open_backend
     from ckptd.writer.commit import CheckpointWriter
-    from ckptd.writer.format import (
-        CHUNK_SEPARATOR,
-        FORMAT_VERSION,
-        ArrayRecord,
-        ChunkRecord,
-        PartManifest,
-        ShardRecord,
-        chunk_key,
-    )
 
     root = str(tmp_path / "root")
 
     async def make() -> None:
         async with await open_backend(root) as backend:
             data = np.arange(16, dtype=np.float32)
-            crc = await ChunkSink(backend).put(f"step_2/w/{chunk_key((0,), CHUNK_SEPARATOR)}", data)
-            shard = ShardRecord(0, [0], [16], [ChunkRecord([0], 64, crc)])
-            rec = ArrayRecord("w", "float32", [16], [16], [shard], separator=CHUNK_SEPARATOR)
+            crc = await ChunkSink(backend).put(f"step_2/w/{fmt.chunk_key((0,), fmt.CHUNK_SEPARATOR)}", data)
+            shard = fmt.ShardRecord(0, [0], [16], [fmt.ChunkRecord([0], 64, crc)])
+            rec = fmt.ArrayRecord("w", "float32", [16], [16], [shard], separator=fmt.CHUNK_SEPARATOR)
             writer = CheckpointWriter(backend)
-            await writer.write_part(PartManifest(format=FORMAT_VERSION, step=2, node=0, num_nodes=1, world_size=1,
-                                                 ranks=[0], arrays=[rec], objects={}, nbytes=64, written_at=0.0))
+            await writer.write_part(fmt.PartManifest(format=fmt.FORMAT_VERSION, step=2, node=0, num_nodes=1,
+                                                     world_size=1, ranks=[0], arrays=[rec], objects={}, nbytes=64,
+                                                     written_at=0.0))
             await writer.commit(2, 1, timeout=10)
 
     asyncio.run(make())

@@ -19,6 +19,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ckptd.client.protocol import SaveRequest, ShardMeta, StepState
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.packing import HeldBlock
@@ -151,6 +153,18 @@ class StepJob:
         self._move(StepState.FAILED)
         self.held.take()  # small-array copies that will never be written
         return True
+
+    def shed(self) -> None:
+        """Drop what only writing the step needed, once it ended: the shard metas of each rank's request,
+        its per-chunk records and the keys written. The daemon keeps its newest finished jobs for status
+        (:data:`~ckptd.daemon.service.KEEP_FINISHED_JOBS`); at ~10,000 shards a rank these were ~70,000
+        objects a step, kept alive, that every full garbage collection of the daemon walks again (each
+        pause grew by ~50 ms a step kept, on the event loop that answers the ranks). What status reports
+        (the ranks that saved, bytes, state, times, error) stays."""
+        for save in self.saves.values():
+            save.records = []
+            save.request = msgspec.structs.replace(save.request, shards=[], replicas=[], objects={}, sidecars={})
+        self.written_keys = []
 
     # --- rank saves -------------------------------------------------------------------------------
     def add_save(self, save: RankSave, nbytes: int) -> bool:

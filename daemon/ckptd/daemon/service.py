@@ -346,6 +346,8 @@ class CheckpointService:
             return False
 
     def _log_step(self, job: StepJob) -> None:
+        """Account for a step that ended (committed or failed) and shed what only its writing needed."""
+        job.shed()
         took = time.monotonic() - job.started
         self.stats.on_step_end(job, took)
         mib = job.nbytes / 2**20

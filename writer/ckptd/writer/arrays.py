@@ -118,6 +118,18 @@ class ChunkSink:
         await self.backend.put_body(key, body)
         return crc
 
+    async def put_local_unsynced(self, items: Sequence[tuple[str, np.ndarray, Sequence[int]]]) -> list[int]:
+        """Write many small chunks (``key, block, chunks`` as :meth:`put` takes them) on a local root in one
+        worker-thread call, none of them fsynced (the caller makes them durable with
+        :meth:`Backend.sync_all`); their crc32cs in order. One hand-off to a thread instead of one per
+        chunk: a chunk of a few KiB costs ~40 µs to write and more than that to hand over."""
+        root = self.local_root
+        if root is None:
+            raise ValueError("put_local_unsynced writes to a local root only")
+        return await asyncio.to_thread(
+            lambda: [_put_local(os.path.join(root, key), block, False, chunks) for key, block, chunks in items]
+        )
+
 
 def _little_endian(block: np.ndarray) -> np.ndarray:
     block = np.ascontiguousarray(block)
