@@ -226,7 +226,7 @@ class CheckpointService:
             if job.node == 0:
                 await self.root.commit(job.step, job.where.num_nodes, self.config.commit_timeout_s)
                 if self.config.keep:
-                    await self.root.retain(self.config.keep)
+                    await self._retain()
             else:
                 await self.root.wait_committed(
                     job.step, self.config.commit_timeout_s, since=job.started_wall - CLOCK_SKEW_S
@@ -242,6 +242,16 @@ class CheckpointService:
         if job.error is not None:  # failed: its kept slots serve no restore
             self.retention.step_failed(job.step)
         self._log_step(job)
+
+    async def _retain(self) -> None:
+        """Delete the steps ``--keep`` no longer keeps. The step just committed is committed whatever this
+        does: a store that refuses deletes (a bucket policy, Object Lock) or fails one leaves old steps in
+        place and a warning, and the next commit tries again."""
+        try:
+            await self.root.retain(self.config.keep)
+        except Exception as exc:
+            log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
+                        self.config.keep, self.root.backend.error(exc))
 
     async def _note_failure(self, job: StepJob, exc: CkptdError) -> None:
         try:

@@ -1,0 +1,56 @@
+"""Retention (``--keep``) is housekeeping: a step whose commit marker is written is committed, whatever
+deleting older steps does afterwards. A store that refuses deletes (an S3 bucket policy denying
+``DeleteObject``, Object Lock) leaves the old steps in place and a warning in the log; every save still
+commits, and once deletes work again the next commit's retention removes what it could not before.
+
+Real moto server behind the fault proxy, which answers the deletes of step 1's commit marker (the first
+object retention deletes) with 403 ``AccessDenied``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from test_s3 import aws_env, in_aws_env, options, s3_flags  # noqa: F401 (fixture)
+
+from ckptd.client import CheckpointClient, Placement
+from ckptd.client.reader import load
+from ckptd.testing.faultproxy import Fault, FaultProxy
+from ckptd.testing.fixtures import BUCKET
+from ckptd.testing.s3server import S3Server
+from ckptd.writer.format import commit_marker
+
+pytestmark = [pytest.mark.s3, pytest.mark.timeout(180), pytest.mark.usefixtures("in_aws_env")]
+
+
+def _steps(s3: S3Server, prefix: str) -> list[str]:
+    return sorted({k.split("/")[1] for k in s3.list_keys(BUCKET, f"{prefix}/") if k.split("/")[1].startswith("step_")})
+
+
+def test_a_refused_delete_of_an_old_step_fails_no_committed_step(s3: S3Server, proxy: FaultProxy,
+                                                                  start_daemon) -> None:
+    prefix = "retention-denied"
+    d = start_daemon(f"s3://{BUCKET}/{prefix}", "d0", *s3_flags(proxy.url), "--keep", "1", env=aws_env(s3))
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    client.save(1, {"x": torch.full((4,), 1.0)}).wait(60)
+
+    denied = f"{re.escape(commit_marker(1))}|\\?delete"  # step 1's marker, and any bulk delete
+    proxy.set_faults(fail_all=Fault.ERROR, methods=["DELETE", "POST"], path_regex=denied, error_status=403,
+                     error_code="AccessDenied")
+    client.save(2, {"x": torch.full((4,), 2.0)}).wait(60)  # committed: retention's failure is not the step's
+    assert proxy.stats().faults.get("error", 0) >= 1
+    assert _steps(s3, prefix) == ["step_1", "step_2"]  # step 1 could not be deleted; nothing else was lost
+    assert d.log_path is not None
+    log = Path(d.log_path).read_text()
+    assert "step=2 node=0 state=committed" in log and "retention" in log and "AccessDenied" in log, log
+
+    proxy.clear_faults()
+    client.save(3, {"x": torch.full((4,), 3.0)}).wait(60)
+    assert _steps(s3, prefix) == ["step_3"]  # the next commit's retention removed both
+    client.close()
+    template = {"x": torch.zeros(4)}
+    load(f"s3://{BUCKET}/{prefix}", "latest", template, storage_options=options(s3.endpoint_url))
+    assert torch.equal(template["x"], torch.full((4,), 3.0))
