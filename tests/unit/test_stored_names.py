@@ -35,7 +35,7 @@ RENAMED = {
 DEFAULT_SPELLINGS = ("model/", "optim/", "merged/", "optimizer.state.", "/param", "MERGED")
 
 
-def _scenario(root: str) -> dict[str, Any]:
+def _scenario(root: str, separator: str | None = None) -> dict[str, Any]:
     import asyncio
     from dataclasses import dataclass
 
@@ -95,6 +95,8 @@ def _scenario(root: str) -> dict[str, Any]:
     record = megatron_record(layout, text)
     model_grid = {"layers.w": [4, 16], "layers.b": [16], "layers.fc1": [2, 32]}
 
+    sep = separator or fmt.CHUNK_SEPARATOR  # the saved step's chunk keys
+
     async def write() -> None:
         async with await open_backend(root, None, create=True) as backend:
             ckpt = CheckpointWriter(backend)
@@ -103,16 +105,16 @@ def _scenario(root: str) -> dict[str, Any]:
             for key, t in saved.items():
                 shape, grid = [t.numel()], [t.numel()]
                 path = f"{fmt.step_dir(1)}/{key}"
-                meta = await array_metadata("float32", shape, grid, separator=fmt.CHUNK_SEPARATOR)
+                meta = await array_metadata("float32", shape, grid, separator=sep)
                 await write_metadata(backend.store, path, meta)
-                crc = await sink.put(f"{path}/{fmt.chunk_key((0,), fmt.CHUNK_SEPARATOR)}", t.numpy())
+                crc = await sink.put(f"{path}/{fmt.chunk_key((0,), sep)}", t.numpy())
                 chunk = fmt.ChunkRecord([0], t.numel() * 4, crc)
                 arrays.append(fmt.ArrayRecord(key, "float32", shape, grid, [fmt.ShardRecord(0, [0], shape, [chunk])],
-                                              separator=fmt.CHUNK_SEPARATOR))
+                                              separator=sep))
             for key, grid in model_grid.items():  # model arrays: only their records matter to the merge
                 shape = {"layers.w": [8, 16], "layers.b": [16], "layers.fc1": [4, 32]}[key]
                 arrays.append(
-                    fmt.ArrayRecord(layout.model_key(key), "float32", shape, grid, separator=fmt.CHUNK_SEPARATOR)
+                    fmt.ArrayRecord(layout.model_key(key), "float32", shape, grid, separator=sep)
                 )
             commit = fmt.CommitManifest(fmt.FORMAT_VERSION, 1, 1, 1, sorted(arrays, key=lambda a: a.name),
                                         {"0": {fmt.MEGATRON_RECORD: record}}, 0, 0.0)
@@ -170,7 +172,7 @@ def _span(owned: dict[tuple[int, int], list[Any]], name: str) -> slice:
     return slice(o.lo, o.hi)
 
 
-def _run(root: Path, renamed: dict[str, str]) -> dict[str, Any]:
+def _run(root: Path, renamed: dict[str, str], separator: str | None = None) -> dict[str, Any]:
     code = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(HERE)!r})\n"
@@ -179,15 +181,30 @@ def _run(root: Path, renamed: dict[str, str]) -> dict[str, Any]:
         "    assert hasattr(fmt, k), k\n"
         "    setattr(fmt, k, v)\n"
         "import test_stored_names as t\n"
-        f"print(json.dumps(t._scenario({str(root)!r})))\n"
+        f"print(json.dumps(t._scenario({str(root)!r}, {separator!r})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def _merged_chunks(stored: list[str]) -> list[str]:
+    return [n for n in stored if n.startswith("step_1/merged/optimizer.state.") and not n.endswith("zarr.json")]
+
+
+def test_a_step_with_older_chunk_keys_merges_with_them(tmp_path: Path) -> None:
+    """A step of format 3 or older (chunk keys ``c/<i>/<j>``) merges and loads, and its merged arrays take
+    its chunk keys: a merge such a step began under an older ckptd and a newer one resumes adds the keys
+    the first run wrote."""
+    result = _run(tmp_path / "ckpt", {}, separator="/")
+    chunks = _merged_chunks(result["stored"])
+    assert chunks and all("/c/" in n for n in chunks), chunks
+
+
 def test_default_names_agree(tmp_path: Path) -> None:
     result = _run(tmp_path / "ckpt", {})
+    chunks = _merged_chunks(result["stored"])
+    assert chunks and all("/c." in n and "/c/" not in n for n in chunks), chunks  # format 4's keys
     assert any(n.startswith("step_1/optim/tp0.pp0/buf0/bucket0/param/") for n in result["stored"])
     assert "step_1/merged/_ckptd/MERGED" in result["stored"]
     assert "merged/optimizer.state.exp_avg.layers.fc1" in result["merged_arrays"]
