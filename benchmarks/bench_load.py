@@ -17,6 +17,12 @@ and with Megatron's ``dist_checkpointing.save`` (``dp_reshardable``, synchronous
 - ``raw_plain``: each file of the rank's share read with a plain ``read()`` (a new ``bytes`` each, dropped):
   the raw read as issue 10 measured it ("plain ``read()`` of ckptd's files, split over the 2 ranks").
 
+The modes take turns: each repeat (5; 1 at smoke size) runs every mode once, in order, so a change of this
+noisy machine's speed during the run reaches every mode alike; Megatron's repeats follow (its
+``load_state_dict`` replaces the optimizer's state tensors, so a ckptd load right after it would read into
+new memory); the warm repeats follow one untimed run of each mode. Times are the slowest rank's, median
+over the repeats.
+
 ckptd's loads run with the CPU shim's ``TorchFunctionMode`` taken off (``cpu_shim.suspended``, as
 bench_stall_scale's saves: on a GPU there is no shim); Megatron's load needs the shim and keeps it.
 
@@ -190,22 +196,42 @@ def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list
 
     run = {"ckptd": ckptd_load, "raw_read": raw_read, "raw_place": raw_place, "megatron": megatron_load,
            "memory": memory_load, "raw_plain": plain_reader(root, rank, world)}
-    for mode in modes:
-        for temp in ("cold", "warm"):
-            times: list[float] = []
+    failed: set[str] = set()
+
+    def attempt(mode: str) -> float | None:
+        """One run of ``mode``, timed; None once it has failed (its first error is in the row)."""
+        if mode in failed:
+            return None
+        t0 = time.perf_counter()
+        try:
+            run[mode]()
+        except Exception as exc:
+            out[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            failed.add(mode)
+            return None
+        return time.perf_counter() - t0
+
+    # the modes take turns within each repeat (A B C, A B C, ...): a drift of this noisy machine's speed during
+    # the run moves every mode alike instead of the modes timed last. Megatron's repeats come after the
+    # others': its load_state_dict replaces the optimizer's state tensors, and a ckptd load (or restore)
+    # after it would then read into new memory (page faults) instead of the states it installed before
+    turns = [[m for m in modes if m != "megatron"]] + ([["megatron"]] if "megatron" in modes else [])
+    for temp in ("cold", "warm"):
+        for group in turns:
+            for mode in group:
+                out[f"{mode}_{temp}"] = []
+                if temp == "warm":  # untimed: the last cold run left the page cache (and the CPU caches) cold
+                    dist.barrier()
+                    attempt(mode)
             for _ in range(repeats):
-                dist.barrier()
-                if temp == "cold" and rank == 0:
-                    out["cold_method"] = drop_caches(cold_paths)
-                dist.barrier()
-                t0 = time.perf_counter()
-                try:
-                    run[mode]()
-                except Exception as exc:
-                    out[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    break
-                times.append(time.perf_counter() - t0)
-            out[f"{mode}_{temp}"] = times
+                for mode in group:
+                    dist.barrier()
+                    if temp == "cold" and rank == 0:
+                        out["cold_method"] = drop_caches(cold_paths)
+                    dist.barrier()
+                    took = attempt(mode)
+                    if took is not None:
+                        out[f"{mode}_{temp}"].append(took)
     dist.barrier()
     if client is not None:
         client.close()
@@ -224,7 +250,7 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     from run import emit
 
     cfg = dict(SMOKE if args.smoke else FULL)
-    repeats = 1 if args.smoke else 3
+    repeats = 1 if args.smoke else 5
     from bench_megatron import _gpt_params
 
     arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64

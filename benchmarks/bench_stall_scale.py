@@ -3,7 +3,11 @@
 The same toy GPT (two gloo ranks, TP1 x DP2, CPU shim) at growing depth and shrinking width, so the
 shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size, in the same processes:
 
-- ``memcpy``: one contiguous copy of the bytes the rank stages, into a pre-faulted buffer;
+- ``memcpy``: one contiguous copy of the bytes the rank stages, into a pre-faulted buffer, taken right before
+  each timed save without the shim (checked and promised). Every save is waited on until committed, then
+  the machine settles (``_settle``: ``sync``, a short pause) before the next copy and save, so the two find
+  the daemon, the kernel and the caches alike (before 2026-12-03 15:45 all copies ran first, on a machine
+  that had not yet saved anything);
 - ``ckptd``: :func:`ckptd.client.megatron.save_checkpoint` after its first (planning) save, with the CPU
   shim's ``TorchFunctionMode`` taken off around the call (on a GPU there is no shim), median of the
   repeats; ``ckptd_with_shim_s`` is the same save with the shim on, to show the shim's share;
@@ -30,6 +34,7 @@ Sizes: ``FULL`` by default, ``REDUCED`` with ``CKPTD_BENCH_REDUCED=1``, or any l
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -45,8 +50,12 @@ SMOKE = [(2, 64, 4)]
 
 def _timed_saves(
     client: Any, model: Any, optimizer: Any, first_step: int, repeats: int, shim: bool, constant: bool = False,
-    evict: Any = None,
+    evict: Any = None, copy: Any = None, copies: list[float] | None = None,
 ) -> list[float]:
+    """``repeats`` saves, each timed and waited on until committed. With ``copy``, each save is preceded by
+    one timed bare copy (appended to ``copies``) under the same conditions: after the last save's commit and
+    :func:`_settle`, the caches pushed out first where ``evict`` is given. So the copy and the save find the
+    daemon, the kernel and the CPU caches alike, whatever the machine does meanwhile."""
     import torch.distributed as dist
 
     from ckptd.client.megatron import save_checkpoint
@@ -54,6 +63,13 @@ def _timed_saves(
 
     out = []
     for i in range(repeats):
+        if copy is not None and copies is not None:
+            if evict is not None:
+                evict()
+            dist.barrier()
+            t0 = time.perf_counter()
+            copy()
+            copies.append(time.perf_counter() - t0)
         if evict is not None:
             evict()
         dist.barrier()
@@ -70,7 +86,19 @@ def _timed_saves(
                                          assume_constant_structure=constant)
                 out.append(time.perf_counter() - t0)
         handle.wait(1200)
+        _settle()
     return out
+
+
+def _settle() -> None:
+    """Let the machine quiet down after a commit: the kernel's writeback and journal commit of what the step
+    wrote and retention deleted, then the daemon's own work after a commit. The copy and the save timed next
+    then find the machine alike; without this the first of them absorbs that background."""
+    os.sync()
+    time.sleep(SETTLE_S)
+
+
+SETTLE_S = 0.2
 
 
 def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tuple[int, int, int]],
@@ -99,35 +127,31 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
             handle = save_checkpoint(client, step, model, optimizer, extra={"iteration": step})
             first = time.perf_counter() - t0
         handle.wait(1200)
+        _settle()
         staged = cached(optimizer)
         assert staged is not None
         plan = staged.plan
         src = torch.empty(plan.nbytes, dtype=torch.uint8).fill_(1)
         dst = torch.empty(plan.nbytes, dtype=torch.uint8).fill_(0)  # pre-faulted
-        memcpy, memcpy_cold = [], []
-        for times, evict in ((memcpy, None), (memcpy_cold, _evict)):
-            for _ in range(repeats):
-                if evict is not None:
-                    evict()
-                dist.barrier()
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                times.append(time.perf_counter() - t0)
-        del src, dst
-        stall = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False)
+        copy = functools.partial(dst.copy_, src)
+        memcpy: list[float] = []  # the copies taken before the warm saves without shim, checked and promised
+        memcpy_cold: list[float] = []
+        stall = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, copy=copy, copies=memcpy)
         step += repeats
         with_shim = _timed_saves(client, model, optimizer, step + 1, repeats, shim=True)
         step += repeats
         # the first save under the promise is a checked one that captures what the others read
         _timed_saves(client, model, optimizer, step + 1, 1, shim=False, constant=True)
         step += 1
-        constant = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, constant=True)
+        constant = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, constant=True, copy=copy,
+                                copies=memcpy)
         step += repeats
         constant_shim = _timed_saves(client, model, optimizer, step + 1, repeats, shim=True, constant=True)
         step += repeats
         constant_cold = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, constant=True,
-                                     evict=_evict)
+                                     evict=_evict, copy=copy, copies=memcpy_cold)
         step += repeats
+        del src, dst, copy
         row: dict[str, Any] = {
             "layers": layers, "hidden": hidden, "shards": len(plan.metas), "copies": plan.copies,
             "bytes": plan.nbytes, "first": first, "memcpy": memcpy, "stall": stall, "with_shim": with_shim,

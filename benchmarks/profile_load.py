@@ -6,7 +6,9 @@
 Saves once through a daemon (TP1 x DP2, fp32, bench_load's ``_save``), then in new ranks: the raw parallel
 read of the step's files (into one reused buffer, and into place as bench_load's ``raw_place``), ckptd's
 same-layout load from storage and the in-memory restore, both warm, the storage load cold (the step's
-files evicted with ``POSIX_FADV_DONTNEED``, nothing else), then the merge-free loads at TP2 x DP1 and at
+files evicted with ``POSIX_FADV_DONTNEED``, nothing else), the warm load into an optimizer without state
+(``fresh``: its states cleared before each load, as a resumed job's before its first step: the load
+allocates them, and on a CPU every page of the new memory is faulted in), then the merge-free loads at TP2 x DP1 and at
 TP1 x DP2 with other grad-buffer buckets (3M elements: the slice edges cut params); slowest rank, median of
 ``--repeats``; the growth of each rank's peak RSS in a warm load (the largest rank's, through
 ``/proc/self/clear_refs``) and the bytes that load read from storage (``*_read_mib``, the largest rank's).
@@ -79,7 +81,18 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
     def cold() -> None:
         ckptd()  # timed: the caller evicted before
 
-    run = {"raw_read": raw_read, "raw_place": raw_place, "ckptd": ckptd, "memory": memory, "cold": cold}
+    def clear_states() -> None:  # a resumed job before its first step: the optimizer has no state yet
+        from ckptd.client.megatron.layout import bind, get_layout
+        from ckptd.client.megatron.staged import inner_optimizers
+
+        for inner in inner_optimizers(bind(optimizer, get_layout(model, optimizer))):
+            inner.state.clear()
+
+    def fresh() -> None:
+        ckptd()  # timed: the caller cleared the optimizer's states before, so the load makes them anew
+
+    run = {"raw_read": raw_read, "raw_place": raw_place, "ckptd": ckptd, "memory": memory, "cold": cold,
+           "fresh": fresh}
     out: dict[str, list[float]] = {}
     phases = _time_phases()
     reads = _count_reads()
@@ -95,6 +108,9 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
             dist.barrier()
             if mode == "cold":
                 evict()
+            if mode == "fresh":
+                clear_states()
+                dist.barrier()
             t0 = time.perf_counter()
             run[mode]()
             times.append(time.perf_counter() - t0)
@@ -102,7 +118,7 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
         for name, spent in phases.items():
             out[f"{mode}:{name}"] = [statistics.median(spent[-repeats:])] if spent else [0.0]
             spent.clear()
-        if prof and rank == 0 and mode not in ("raw_read", "raw_place", "cold"):
+        if prof and rank == 0 and mode not in ("raw_read", "raw_place", "cold", "fresh"):
             pr = cProfile.Profile()
             pr.enable()
             run[mode]()
@@ -223,7 +239,7 @@ def main() -> None:
             try:
                 daemon.wait_ready(300)
                 saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
-                modes = ["raw_read", "raw_place", "ckptd", "memory", "cold"]
+                modes = ["raw_read", "raw_place", "ckptd", "memory", "cold", "fresh"]
                 same = run_ranks(_rank, 2, workdir, cfg, modes, args.repeats, sock, args.prof, timeout_s=3600)
             finally:
                 daemon.stop(120)
@@ -253,6 +269,8 @@ def main() -> None:
     row["ratio_other_buckets_vs_same_warm"] = round(row["other_buckets_warm_s"] / row["ckptd_warm_s"], 3)
     row["ckptd_cold_s"] = _slowest(same, "cold")
     row["ratio_cold_over_memory"] = round(row["ckptd_cold_s"] / row["memory_restore_s"], 3)
+    row["ckptd_fresh_states_s"] = _slowest(same, "fresh")
+    row["ratio_fresh_states_vs_same_warm"] = round(row["ckptd_fresh_states_s"] / row["ckptd_warm_s"], 3)
     print(json.dumps(row), flush=True)
     for label, results in (("same", same), ("tp2", tp), ("buckets", buckets)):
         for r, res in enumerate(results):
