@@ -115,6 +115,34 @@ def test_whole_and_partial_regions_are_bit_exact(root: str, monkeypatch: pytest.
     assert torch.equal(got["flat"], flat[30:]) and torch.equal(got["b16"].view(torch.int16), b16[3:4].view(torch.int16))
 
 
+def test_staged_regions_are_read_in_rounds_within_the_staging_bound(root: str) -> None:
+    """Destinations a load cannot read into (another device's tensors; here non-contiguous views) are staged in
+    host memory: at most ``stage_bytes`` at a time, split into blocks of rows and read in rounds, each round
+    copied into place before the next. Bit-exact either way; the default stages them all in one round."""
+    w = ARRAYS["w"][0]
+
+    def destinations() -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        return [(torch.zeros(7, 10)[:, ::2], (0, 0)),  # 140 bytes, every element strided
+                (torch.zeros(5, 6)[:, 1:4], (1, 2))]  # 60 bytes, rows 1-5 x columns 2-4
+
+    async def read(stage_bytes: int | None) -> tuple[list[tuple[torch.Tensor, tuple[int, int]]], int, int]:
+        dsts = destinations()
+        async with open_root(root, None, create=False) as ckpt:
+            kw = {} if stage_bytes is None else {"stage_bytes": stage_bytes}
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1), **kw)
+            for dst, offset in dsts:
+                reader.add("w", dst, offset)
+            planned = reader.staged_bytes
+            await reader.run()
+            assert not reader.deferred and not reader.copies
+            return dsts, planned, reader.peak_staged_bytes
+
+    for stage_bytes, first_round, peak in ((None, 200, 200), (40, 40, 40)):
+        dsts, planned, seen = asyncio.run(read(stage_bytes))
+        assert (planned, seen) == (first_round, peak)
+        assert torch.equal(dsts[0][0], w) and torch.equal(dsts[1][0], w[1:6, 2:5])
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
 def test_a_damaged_chunk_raises(root: str, tmp_path: Path, damage: str) -> None:
 

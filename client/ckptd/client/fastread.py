@@ -12,8 +12,11 @@ read once for all the regions in it, piece by piece: long runs straight into pla
 cached scratch piece (:mod:`ckptd.client.gather`); strided regions of 1-D arrays (a TP half of a
 row-parallel param in a bucket slice) are added by :meth:`ChunkReader.add_gather`. Every chunk's crc32c is
 checked against both the stored trailer and the commit manifest's record, in worker threads, before the load returns;
-:class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. Compressed arrays (and
-big-endian hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
+:class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. A destination that cannot
+be read into (a GPU tensor, a non-contiguous view) is read into host staging and copied into place after:
+at most :data:`STAGE_BYTES` of staging at once (larger regions split into blocks of rows, the rest read in
+later rounds). Compressed arrays (and big-endian hosts) keep going through zarr
+(:func:`ckptd.writer.arrays.read_region`).
 
     reader = ChunkReader(root, commit)
     reader.add(key, dst_tensor, global_offset)   # any number of regions
@@ -58,6 +61,10 @@ from ckptd.writer.root import CheckpointRoot
 CHUNK_CONCURRENCY = 8
 #: the largest ranged GET on object stores: a chunk is fetched in parts of this size, concurrently
 PART_BYTES = 8 << 20
+#: host memory a load stages at once for destinations it cannot read into (another device's tensors, a
+#: non-contiguous view): regions beyond it are read in later rounds, each round's staging copied into place
+#: and freed before the next (a GPU rank's whole state is never staged in host memory at once)
+STAGE_BYTES = 1 << 30
 _RUN = 64 << 10  # a gathered region's contiguous run at least this long is read straight into place
 
 
@@ -75,7 +82,7 @@ class ChunkReader:
 
     def __init__(
         self, ckpt: CheckpointRoot, commit: CommitManifest, *, concurrency: int = CHUNK_CONCURRENCY,
-        memory: ArenaSource | None = None, part_bytes: int = PART_BYTES,
+        memory: ArenaSource | None = None, part_bytes: int = PART_BYTES, stage_bytes: int = STAGE_BYTES,
     ) -> None:
         self.ckpt = ckpt
         self.commit = commit
@@ -88,6 +95,10 @@ class ChunkReader:
         self.jobs: list[Job] = []
         self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
+        self.stage_bytes = max(1, stage_bytes)
+        self.staged_bytes = 0  # staging planned in this round
+        self.peak_staged_bytes = 0
+        self.deferred: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []  # staged regions of later rounds
         self.fast_bytes = 0
         # in-memory restore: regions that are exactly a shard the daemon kept are copied from its arena
         self.memory = memory if memory is not None and memory.step == commit.step else None
@@ -123,14 +134,34 @@ class ChunkReader:
             # another DP) through the cached scratch piece rather than a fresh buffer of a whole chunk each
             self.add_gather(key, dst, Strided(offset[0], (dst.numel(),), (1,)))
             return
-        target = dst
+        target: torch.Tensor | None = dst
         if dst.device.type != "cpu" or not dst.is_contiguous():
-            target = torch.empty(dst.shape, dtype=dst.dtype)
-            self.copies.append((target, dst))
+            target = self._staging(key, dst, tuple(offset))
+        if target is None:
+            return
         item = itemsize(rec.torch_dtype)
         flat = target.detach().view(-1).view(torch.uint8).numpy()
         typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
         self._plan(rec, typed, flat, tuple(offset), item)
+
+    def _staging(self, key: str, dst: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor | None:
+        """A host tensor to read ``dst``'s region into, copied into ``dst`` after this round's reads; None when
+        it is left to a later round (this round's staging is full) or split into blocks of rows that each
+        fit :attr:`stage_bytes` (added again one by one)."""
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes > self.stage_bytes and dst.dim() > 0 and dst.shape[0] > 1:
+            rows = max(1, self.stage_bytes * dst.shape[0] // nbytes)
+            for a in range(0, dst.shape[0], rows):
+                self.add(key, dst[a : a + rows], (offset[0] + a, *offset[1:]))
+            return None
+        if self.staged_bytes and self.staged_bytes + nbytes > self.stage_bytes:
+            self.deferred.append((key, dst, offset))
+            return None
+        self.staged_bytes += nbytes
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+        target = torch.empty(dst.shape, dtype=dst.dtype)
+        self.copies.append((target, dst))
+        return target
 
     def add_gather(self, key: str, dst: torch.Tensor, region: Strided) -> None:
         """Fill ``dst`` (a CPU tensor of shape ``region.sizes``, any strides, the array's dtype) with the
@@ -318,7 +349,8 @@ class ChunkReader:
 
     async def run(self) -> None:
         """Copy what memory holds (checked), then read every planned chunk (bounded concurrency), then the
-        zarr-decoded remainder."""
+        zarr-decoded remainder; then the staged regions left to later rounds, one round of at most
+        :attr:`stage_bytes` of staging at a time."""
         if self.from_memory and self.memory is not None:
             ok = await bounded_map(self._copy_from_memory, self.from_memory, limit=self.concurrency)
             missed = [item for item, good in zip(self.from_memory, ok, strict=True) if not good]
@@ -329,6 +361,20 @@ class ChunkReader:
                 memory.rejected.append(key)
                 self.add(key, dst, offset)
             self.memory = memory
+        await self._read_planned()
+        kept, self.memory = self.memory, None  # a deferred region was not in memory when it was added
+        try:
+            while self.deferred:  # later rounds of staged regions, each within stage_bytes
+                todo, self.deferred, self.staged_bytes = self.deferred, [], 0
+                for key, dst, offset in todo:
+                    self.add(key, dst, offset)
+                await self._read_planned()
+        finally:
+            self.memory = kept
+
+    async def _read_planned(self) -> None:
+        """Read every chunk planned so far (bounded concurrency), then the zarr-decoded remainder, then copy
+        the staged regions into place (their staging is freed with the plan)."""
         self._gets = asyncio.Semaphore(self.concurrency)
         gathered = self._gather_jobs()  # first: it takes over the direct reads of chunks it reads anyway
         if self.local_root is not None:
@@ -342,7 +388,7 @@ class ChunkReader:
             dst.copy_(src.view(dst.dtype) if src.dtype != dst.dtype else src)
         for staging, dst in self.copies:
             dst.copy_(staging)
-        self.jobs, self.slow, self.copies = [], [], []
+        self.jobs, self.slow, self.copies, self.staged_bytes = [], [], [], 0
 
     async def _copy_from_memory(
         self, item: tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]
