@@ -365,7 +365,7 @@ class ChunkReader:
         kept, self.memory = self.memory, None  # a deferred region was not in memory when it was added
         try:
             while self.deferred:  # later rounds of staged regions, each within stage_bytes
-                todo, self.deferred, self.staged_bytes = self.deferred, [], 0
+                todo, self.deferred = self.deferred, []  # (_read_planned freed the last round's staging)
                 for key, dst, offset in todo:
                     self.add(key, dst, offset)
                 await self._read_planned()
