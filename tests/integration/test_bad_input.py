@@ -19,8 +19,12 @@ from ckptd.client.protocol import (
     Hello,
     LeaseGranted,
     LeaseRequest,
+    PrepareStep,
     SaveRequest,
     ShardMeta,
+    StatusRequest,
+    StepPrepared,
+    StepStatus,
     Welcome,
     decode_reply,
     encode,
@@ -200,6 +204,50 @@ def test_step_already_committed_and_duplicate_save(served):
     # rank 1 completes step 50, so the daemon's shutdown has no step to wait out
     last = SaveRequest(**{**msgspec.structs.asdict(two), "lease_id": peer.lease(64).lease_id, "rank": 1})
     assert peer.call(last).__class__.__name__ == "SaveAccepted"
+
+
+def _prepare(step: int, rank: int = 0, world: int = 1) -> PrepareStep:
+    return PrepareStep(v=PROTOCOL_VERSION, step=step, rank=rank, world_size=world, node=0, num_nodes=1,
+                       local_world_size=world)
+
+
+def test_prepare_step_answers_what_the_save_would(served):
+    """A client announces its save before the copy (PrepareStep); the answer is the save's own verdict."""
+    d, _client, _root = served
+    peer = RawPeer(d.socket)
+    peer.expect_error(_prepare(1), StepCommittedError)
+    peer.expect_error(_prepare(60, rank=3, world=2), InvalidRequestError)
+    assert peer.call(_prepare(60, world=2)) == StepPrepared(v=PROTOCOL_VERSION, step=60)
+    assert peer.call(_prepare(60, world=2)) == StepPrepared(v=PROTOCOL_VERSION, step=60)  # again: the same job
+    status = peer.call(StatusRequest(v=PROTOCOL_VERSION, step=60, wait_s=0))
+    assert isinstance(status, StepStatus) and status.state == "pending"  # started before any save
+    save = SaveRequest(v=PROTOCOL_VERSION, lease_id=peer.lease(64).lease_id, step=60, rank=0, world_size=2, node=0,
+                       num_nodes=1, local_world_size=2, shards=[], objects={})
+    assert peer.call(save).__class__.__name__ == "SaveAccepted"
+    peer.expect_error(_prepare(60, world=2), DuplicateSaveError)
+    assert peer.call(_prepare(60, rank=1, world=2)) == StepPrepared(v=PROTOCOL_VERSION, step=60)
+    last = SaveRequest(**{**msgspec.structs.asdict(save), "lease_id": peer.lease(64).lease_id, "rank": 1})
+    assert peer.call(last).__class__.__name__ == "SaveAccepted"
+    status = peer.call(StatusRequest(v=PROTOCOL_VERSION, step=60, wait_s=30))
+    assert isinstance(status, StepStatus) and status.state == "committed", status
+
+
+def test_a_prepared_step_never_saved_fails_by_the_part_timeout(start_daemon, tmp_path):
+    """A rank that announced its save and died before sending it fails the step like a rank that never saved;
+    the step can then be saved again."""
+    root = str(tmp_path / "ckpt")
+    d = start_daemon(root, "d0", "--part-timeout", "1")
+    peer = RawPeer(d.socket)
+    assert isinstance(peer.call(_prepare(7)), StepPrepared)
+    status = peer.call(StatusRequest(v=PROTOCOL_VERSION, step=7, wait_s=30))
+    assert isinstance(status, StepStatus) and status.state == "failed", status
+    assert status.error_code == "SaveTimeoutError" and "never saved" in status.error, status
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    client.save(7, {"w": torch.arange(8.0)}).wait(30)
+    out = {"w": torch.zeros(8)}
+    client.load(7, out)
+    assert torch.equal(out["w"], torch.arange(8.0))
+    client.close()
 
 
 def _two_rank_step(socket_path: str, step: int, state0: dict, state1: dict) -> list[Exception | None]:

@@ -61,12 +61,15 @@ requests = st.one_of(
     st.builds(p.StatusRequest, v=st.just(V), step=i64, wait_s=finite),
     st.builds(p.RestoreRequest, v=st.just(V), step=i64),
     st.builds(p.ReportRequest, v=st.just(V)),
+    st.builds(p.PrepareStep, v=st.just(V), step=i64, rank=i64, world_size=i64, node=i64, num_nodes=i64,
+              local_world_size=i64),
 )
 
 replies = st.one_of(
     st.builds(p.Welcome, v=st.just(V), daemon_pid=i64, arena_path=text, arena_bytes=i64, root=text),
     st.builds(p.LeaseGranted, v=st.just(V), lease_id=i64, offsets=st.lists(u32, max_size=8)),
     st.builds(p.SaveAccepted, v=st.just(V), step=i64, nbytes=i64),
+    st.builds(p.StepPrepared, v=st.just(V), step=i64),
     st.builds(
         p.StepStatus,
         v=st.just(V),
@@ -124,11 +127,11 @@ def test_every_message_type_is_covered_by_the_strategies() -> None:
     """A new message type must be added to the strategies above, or it would go untested."""
     assert {t.__name__ for t in p.Request.__args__} == {
         "Hello", "LeaseRequest", "SaveRequest", "ReleaseRequest", "StatusRequest", "RestoreRequest", "ReportRequest",
-        "RegisterPlan",
+        "RegisterPlan", "PrepareStep",
     }
     assert {t.__name__ for t in p.Reply.__args__} == {
         "Welcome", "LeaseGranted", "SaveAccepted", "StepStatus", "Released", "ErrorReply", "RestoreReply",
-        "StatusReport", "PlanRegistered",
+        "StatusReport", "PlanRegistered", "StepPrepared",
     }
 
 

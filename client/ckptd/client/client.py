@@ -25,7 +25,7 @@ from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
-from ckptd.client.pipeline import Pipeline, lease_ahead, save_span
+from ckptd.client.pipeline import Pipeline, check_prepared, lease_ahead, save_span, send_prepare
 from ckptd.client.placement import Placement
 from ckptd.client.plan import StagePlan
 from ckptd.client.protocol import (
@@ -387,8 +387,10 @@ class CheckpointClient:
         if isinstance(grant, SaveHandle):
             return grant
         try:
+            prepared = send_prepare(self, step)  # the daemon starts the step while the shards are copied
             self._staging.stage(plan.shards, grant.offsets)
             metas = [_meta(s, i) for i, s in enumerate(plan.shards)]
+            check_prepared(self, prepared)
             reply = self._request(self._save_request(step, grant, metas, plan.objects, docs, 0, t0, plan.replicas))
             self._sidecars_sent.update(docs)
         except BaseException:
@@ -415,7 +417,9 @@ class CheckpointClient:
         if isinstance(grant, SaveHandle):
             return grant
         try:
+            prepared = send_prepare(self, step)  # the daemon starts the step while the plan copies
             self._staging.stage_plan(plan, grant.offsets[0], sources)
+            check_prepared(self, prepared)
             req = self._save_request(step, grant, [], objects, docs, plan_id, t0)
             try:  # the next save's lease asked for with this one: one round trip a save, not two
                 reply = self._request(req, ahead=lease_ahead(step, self.placement.rank, plan.span))

@@ -1,17 +1,21 @@
 """Saves that wait for no answer (``assume_constant_structure``): the copy, one send, back to training.
 
 A plan save normally makes two round trips while the trainer waits: the lease before the copy and the
-save request after it (the daemon's validation, and for the first rank of a step the storage checks of
-``accept``, run before it answers). Under the constant-structure promise the next save will stage the same
-span, so :func:`save_span` sends the save request together with a lease request for the next save
-(``timeout_s=0``: granted only if the arena has room now, never waited for) and returns without reading
-either answer. The next exchange with the daemon (the next save, ``handle.wait()``, ``close()``) reads them
-first, in order (:meth:`Pipeline.drain`): the save's acceptance or its typed error (the handle fails with
-it: ``wait()`` or the next ``save()`` raises it, as for any background failure), and the granted lease,
-which the next save copies into at once (:meth:`Pipeline.take`). Until then each save holds its plan (to
-register it again should the daemon have dropped it); a Megatron save that plans again reads the answers
-first (:meth:`~ckptd.client.client.CheckpointClient.read_answers`), so the old plan's tensors (re-homed
-optimizer states) are freed before the new plan allocates its own.
+save request after it (the daemon's validation, run before it answers). The storage checks of a step's
+first save (committed already? leftovers of an earlier attempt?) run while the rank copies: a save that
+waits for its answer announces its step first (:func:`send_prepare`, not waited for) and reads that
+answer after the copy (:func:`check_prepared`), raising the typed error a refusal carries.
+
+Under the constant-structure promise the next save will stage the same span, so :func:`save_span` sends the
+save request together with a lease request for the next save (``timeout_s=0``: granted only if the arena has
+room now, never waited for) and returns without reading either answer. The next exchange with the daemon (the
+next save, ``handle.wait()``, ``close()``) reads them first, in order (:meth:`Pipeline.drain`): the save's
+acceptance or its typed error (the handle fails with it: ``wait()`` or the next ``save()`` raises it, as for
+any background failure), and the granted lease, which the next save copies into at once
+(:meth:`Pipeline.take`). Until then each save holds its plan (to register it again should the daemon have
+dropped it); a Megatron save that plans again reads the answers first
+(:meth:`~ckptd.client.client.CheckpointClient.read_answers`), so the old plan's tensors (re-homed optimizer
+states) are freed before the new plan allocates its own.
 
 The pre-granted lease belongs to the connection: the daemon frees it when the client disconnects, and a
 save of another size, or any save that leases the usual way, gives it back first (:meth:`Pipeline.release`).
@@ -38,6 +42,7 @@ from ckptd.client.protocol import (
     ErrorReply,
     LeaseGranted,
     LeaseRequest,
+    PrepareStep,
     SaveAccepted,
     SaveRequest,
     StatusRequest,
@@ -68,6 +73,8 @@ class _Owed:
     plan: StagePlan | None = None
     size: int = 0
     polled: SaveHandle | None = None  # an earlier save whose step's state was asked for
+    prepared: bool = False  # a PrepareStep's: ``reply`` keeps it for the save that sent it
+    reply: Any = None
 
 
 @dataclass
@@ -104,7 +111,9 @@ class Pipeline:
             client._close_socket()  # the handles ask for their step's state on the next connection
             return
         for o, reply in answers:
-            if o.polled is not None:
+            if o.prepared:
+                o.reply = reply
+            elif o.polled is not None:
                 if isinstance(reply, StepStatus):
                     o.polled._apply(reply)
             elif o.handle is None:
@@ -145,6 +154,37 @@ class Pipeline:
         """Give back the lease granted ahead (a save of another kind leases the usual way)."""
         if self.held is not None:
             self.take(client, -1)
+
+
+def send_prepare(client: CheckpointClient, step: int) -> _Owed | None:
+    """Tell the daemon that this rank's save of ``step`` is being copied (:class:`PrepareStep`), so it starts
+    the step meanwhile; the answer is read after the copy (:func:`check_prepared`). None when the
+    connection is gone (the save's own request finds that out)."""
+    sock, p = client._sock, client.placement
+    if sock is None:
+        return None
+    msg = PrepareStep(v=PROTOCOL_VERSION, step=step, rank=p.rank, world_size=p.world_size, node=p.node,
+                      num_nodes=p.num_nodes, local_world_size=p.local_world_size)
+    try:
+        sock.sendall(encode(msg))
+    except OSError:
+        return None
+    owed = _Owed(prepared=True)
+    client._pipe.owed.append(owed)
+    return owed
+
+
+def check_prepared(client: CheckpointClient, owed: _Owed | None) -> None:
+    """Read the answer :func:`send_prepare` left owed (and those before it): the save's typed error, raised
+    before its request is sent (the caller gives its lease back); :class:`DaemonUnavailableError` when
+    the connection was lost meanwhile."""
+    if owed is None:
+        return
+    client._pipe.drain(client)
+    if isinstance(owed.reply, ErrorReply):
+        raise _ERRORS.get(owed.reply.code, CkptdError)(owed.reply.message)
+    if owed.reply is None:
+        raise DaemonUnavailableError(f"lost the connection to the daemon at {client.socket_path} during a save")
 
 
 def lease_ahead(step: int, rank: int, size: int) -> LeaseRequest:

@@ -17,7 +17,7 @@ import msgspec
 
 from ckptd.writer.errors import ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 2  # 2: LeaseRequest.ahead
+PROTOCOL_VERSION = 3  # 2: LeaseRequest.ahead; 3: PrepareStep
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 32 << 20
 
@@ -115,6 +115,21 @@ class SaveRequest(_Msg, frozen=True, tag="save"):
     replicas: list[ReplicaMeta] = []
 
 
+class PrepareStep(_Msg, frozen=True, tag="prepare"):
+    """A rank is about to save ``step`` and copies into its lease now: the daemon starts the step on its node
+    meanwhile (for its first rank: the storage checks, whether the step is committed and what an earlier
+    attempt left), so the :class:`SaveRequest` that follows is answered at once. Its answer,
+    :class:`StepPrepared` or the typed error the save would get (``StepCommittedError``...), is read after
+    the copy; the fields are the save's own."""
+
+    step: int
+    rank: int
+    world_size: int
+    node: int
+    num_nodes: int
+    local_world_size: int
+
+
 class ReleaseRequest(_Msg, frozen=True, tag="release"):
     lease_id: int
 
@@ -145,6 +160,10 @@ class LeaseGranted(_Msg, frozen=True, tag="granted"):
 class SaveAccepted(_Msg, frozen=True, tag="accepted"):
     step: int
     nbytes: int
+
+
+class StepPrepared(_Msg, frozen=True, tag="prepared"):
+    step: int
 
 
 class StepStatus(_Msg, frozen=True, tag="step_status"):
@@ -258,10 +277,11 @@ class PlanRegistered(_Msg, frozen=True, tag="plan_registered"):
 
 Request = (
     Hello | LeaseRequest | SaveRequest | ReleaseRequest | StatusRequest | RestoreRequest | ReportRequest | RegisterPlan
+    | PrepareStep
 )
 Reply = (
     Welcome | LeaseGranted | SaveAccepted | StepStatus | Released | ErrorReply | RestoreReply | StatusReport
-    | PlanRegistered
+    | PlanRegistered | StepPrepared
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -30,6 +30,7 @@ from ckptd.client.protocol import (
     LeaseGranted,
     LeaseRequest,
     PlanRegistered,
+    PrepareStep,
     RegisterPlan,
     Released,
     ReleaseRequest,
@@ -40,6 +41,7 @@ from ckptd.client.protocol import (
     SaveAccepted,
     SaveRequest,
     StatusRequest,
+    StepPrepared,
     StepStatus,
     Welcome,
     decode_request,
@@ -337,6 +339,9 @@ class Daemon:
                 else:
                     lease = await arena.lease(conn, req.sizes, max(0.0, req.timeout_s))
                 return LeaseGranted(v=v, lease_id=lease.lease_id, offsets=lease.offsets)
+            case PrepareStep():
+                await service.prepare(req, since=self._conn_since.get(conn, 0.0))
+                return StepPrepared(v=v, step=req.step)
             case SaveRequest():
                 nbytes = await service.accept(req, conn, since=self._conn_since.get(conn, 0.0))
                 return SaveAccepted(v=v, step=req.step, nbytes=nbytes)

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from ckptd.client.protocol import SaveRequest, StepState
+from ckptd.client.protocol import PrepareStep, SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import NodeStep, RankSave, StepJob
@@ -143,17 +143,27 @@ class CheckpointService:
             if not kept:
                 self.arena.release(span)
 
+    async def prepare(self, req: PrepareStep, since: float = 0.0) -> None:
+        """Start ``req.step`` on this node ahead of the rank's save (its copy runs meanwhile): the checks
+        :meth:`accept` makes before it takes the data, with the same typed errors. The job it starts is
+        the one the save joins; a rank that never saves after it fails the step by ``--part-timeout``,
+        as a rank that never saves at all does."""
+        if self.draining:
+            raise DaemonShuttingDownError("the daemon is shutting down and accepts no new saves")
+        _check_placement(req)
+        with self._typed_storage_errors():
+            job = await self._job_for(req, since)
+        if req.rank in job.saves:
+            raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
+        if job.state is not StepState.PENDING:
+            raise StepFailedError(f"step {req.step} is already {job.state} on this node: {job.error}")
+
     def _validate(self, req: SaveRequest, lease: Lease) -> None:
-        if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):
-            raise InvalidRequestError(
-                f"rank {req.rank}/world {req.world_size}, node {req.node}/{req.num_nodes} is not a valid placement"
-            )
-        if req.local_world_size < 1 or req.local_world_size > req.world_size:
-            raise InvalidRequestError(f"local_world_size {req.local_world_size} outside [1, {req.world_size}]")
+        _check_placement(req)
         check_shards(req.shards, lease.sizes, f"lease {req.lease_id}")
         check_replica_metas(req.replicas)
 
-    async def _job_for(self, req: SaveRequest, since: float = 0.0) -> StepJob:
+    async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
         async with self._job_lock:
             job = self.jobs.get(req.step)
             if job is not None and job.state is StepState.COMMITTED:
@@ -164,10 +174,12 @@ class CheckpointService:
                 job.told.add(req.rank)
                 raise job.error
             if job is None or job.state is StepState.FAILED:  # a failed step may be saved again
-                if await self.root.is_committed(req.step):
+                left = await self.root.leftovers(req.step, req.node)
+                if left.committed:
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
-                await self.root.discard_part(req.step, req.node)
-                if req.node == 0:
+                if left.part:
+                    await self.root.discard_part(req.step, req.node)
+                if left.failed and req.node == 0:
                     await self.root.clear_failed(req.step)
                 metrics = self.root.backend.metrics
                 job = StepJob(
@@ -382,3 +394,11 @@ class CheckpointService:
         except Exception as exc:
             raise self.root.backend.error(exc) from exc
 
+
+def _check_placement(req: SaveRequest | PrepareStep) -> None:
+    if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):
+        raise InvalidRequestError(
+            f"rank {req.rank}/world {req.world_size}, node {req.node}/{req.num_nodes} is not a valid placement"
+        )
+    if req.local_world_size < 1 or req.local_world_size > req.world_size:
+        raise InvalidRequestError(f"local_world_size {req.local_world_size} outside [1, {req.world_size}]")
