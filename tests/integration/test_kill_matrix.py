@@ -8,7 +8,8 @@ How the daemon is frozen at a point before the kill:
   chunk blocks in ``open()`` while the step's other chunks land (zarr's own documents are written to a
   temporary name and renamed, so only chunk writes can be frozen this way);
 - both: ``rank-copy`` kills the daemon from inside the rank's copy into the staging arena (a ``Shard``
-  whose ``stage_into`` copies half, kills, copies the rest), before the daemon ever heard of the save.
+  whose ``stage_into`` copies half, kills, copies the rest), before the save's request was sent (the
+  daemon may have started the step from the save's announcement, ``PrepareStep``).
 
 Afterwards, for every point:
 
@@ -190,7 +191,8 @@ def _run_point(
 
     journal = Path(journal_path(d.socket))
     in_flight = [e["step"] for e in json.loads(journal.read_text())["steps"]] if journal.exists() else []
-    assert not where.rank_copy or KILLED not in in_flight  # the daemon never heard of that save
+    # rank-copy: the save announced its step before the copy (PrepareStep), so the daemon may have started
+    # it (in flight, abandoned below) or not yet (killed first); either way nothing of it is committed
     # training goes on: a restarted daemon abandons what the dead one had in flight, takes the next step
     start()
     notes = asyncio.run(_failure_notes(root, opts, in_flight))
