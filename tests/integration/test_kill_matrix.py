@@ -139,6 +139,11 @@ async def _verify_all(root: str, opts: dict[str, Any] | None) -> dict[int, int]:
     return out
 
 
+async def _parts(root: str, opts: dict[str, Any] | None, step: int) -> dict[int, Any]:
+    async with open_root(root, opts, create=False) as r:
+        return await r.read_parts(step)
+
+
 async def _failure_notes(root: str, opts: dict[str, Any] | None, steps: list[int]) -> dict[int, dict[str, Any]]:
     async with open_root(root, opts, create=False) as r:
         return {s: note for s in steps if (note := await r.read_failed(s)) is not None and not await r.is_committed(s)}
@@ -192,7 +197,8 @@ def _run_point(
     journal = Path(journal_path(d.socket))
     in_flight = [e["step"] for e in json.loads(journal.read_text())["steps"]] if journal.exists() else []
     # rank-copy: the save announced its step before the copy (PrepareStep), so the daemon may have started
-    # it (in flight, abandoned below) or not yet (killed first); either way nothing of it is committed
+    # it (in flight, abandoned below) or not yet (killed first); either way it never had the save's data
+    assert not where.rank_copy or asyncio.run(_parts(root, opts, KILLED)) == {}
     # training goes on: a restarted daemon abandons what the dead one had in flight, takes the next step
     start()
     notes = asyncio.run(_failure_notes(root, opts, in_flight))
