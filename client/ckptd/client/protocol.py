@@ -92,14 +92,19 @@ class ReplicaMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     shape: list[int]
 
 
-class SaveRequest(_Msg, frozen=True, tag="save"):
-    lease_id: int
+class _StepPlacement(_Msg, frozen=True):
+    """The step a rank saves and where the rank sits: what starts a step's job on a node."""
+
     step: int
     rank: int
     world_size: int
     node: int
     num_nodes: int
     local_world_size: int
+
+
+class SaveRequest(_StepPlacement, frozen=True, tag="save"):
+    lease_id: int
     shards: list[ShardMeta]
     objects: dict[str, Any]
     # Content-addressed documents written once per root (e.g. a Megatron layout): name -> JSON text.
@@ -115,19 +120,12 @@ class SaveRequest(_Msg, frozen=True, tag="save"):
     replicas: list[ReplicaMeta] = []
 
 
-class PrepareStep(_Msg, frozen=True, tag="prepare"):
+class PrepareStep(_StepPlacement, frozen=True, tag="prepare"):
     """A rank is about to save ``step`` and copies into its lease now: the daemon starts the step on its node
     meanwhile (for its first rank: the storage checks, whether the step is committed and what an earlier
     attempt left), so the :class:`SaveRequest` that follows is answered at once. Its answer,
     :class:`StepPrepared` or the typed error the save would get (``StepCommittedError``...), is read after
     the copy; the fields are the save's own."""
-
-    step: int
-    rank: int
-    world_size: int
-    node: int
-    num_nodes: int
-    local_world_size: int
 
 
 class ReleaseRequest(_Msg, frozen=True, tag="release"):

@@ -110,12 +110,7 @@ class CheckpointService:
             self._validate(req, lease)
         for name, text in req.sidecars.items():
             check_sidecar(name, text)
-        with self._typed_storage_errors():
-            job = await self._job_for(req, since)
-        if req.rank in job.saves:
-            raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
-        if job.state is not StepState.PENDING:
-            raise StepFailedError(f"step {req.step} is already {job.state} on this node: {job.error}")
+        job = await self._open_job(req, since)
         for name, text in req.sidecars.items():
             if name not in self._sidecars_stored:
                 with self._typed_storage_errors():
@@ -151,12 +146,17 @@ class CheckpointService:
         if self.draining:
             raise DaemonShuttingDownError("the daemon is shutting down and accepts no new saves")
         _check_placement(req)
+        await self._open_job(req, since)
+
+    async def _open_job(self, req: SaveRequest | PrepareStep, since: float) -> StepJob:
+        """The step's job on this node, started if it has none, that ``req.rank`` may still save into."""
         with self._typed_storage_errors():
             job = await self._job_for(req, since)
         if req.rank in job.saves:
             raise DuplicateSaveError(f"rank {req.rank} already saved step {req.step}")
         if job.state is not StepState.PENDING:
             raise StepFailedError(f"step {req.step} is already {job.state} on this node: {job.error}")
+        return job
 
     def _validate(self, req: SaveRequest, lease: Lease) -> None:
         _check_placement(req)
