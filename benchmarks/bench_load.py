@@ -7,10 +7,8 @@ and with Megatron's ``dist_checkpointing.save`` (``dp_reshardable``, synchronous
 - ``megatron``: ``dist_checkpointing.load`` of its dp_reshardable checkpoint + ``load_state_dict``;
 - ``ckptd``: ``load_checkpoint`` at the saving layout (TP1 x DP2);
 - ``ckptd_fresh``: the same into an optimizer without state (its states cleared before each load, untimed),
-  as a resumed job's is before its first step: the load allocates the states, and every page of that new
-  memory is faulted in during the read, as huge pages where the kernel allows (:mod:`ckptd.client.hostmem`);
-- ``ckptd_fresh_4k``: the same with that advice off (``hostmem.enabled = False``): every 4 KiB page faulted in
-  on its own, as before 2026-12-03;
+  as a resumed job's is before its first step: the load allocates the states, and on a CPU every page of
+  that new memory is faulted in during the read (on a GPU the states are device memory);
 - ``ckptd_other_dp``: ``load_checkpoint`` on one rank (DP 2 -> 1), from the DP layout;
 - ``ckptd_other_tp``: ``load_checkpoint`` at TP2 x DP1, merge-free (straight from the DP bucket slices);
 - ``raw_place``: a plain parallel ``readinto`` of ckptd's files of the step (split over the ranks), each
@@ -34,9 +32,9 @@ bench_stall_scale's saves: on a GPU there is no shim); Megatron's load needs the
 The row carries every ratio the issue sets a target for and ``targets_met`` (each against its bound):
 same layout vs Megatron (<= 1, cold and warm), vs the raw read into place, into the reused buffer and by
 plain ``read()`` (<= 1.25 each), merge-free other TP vs same
-layout (<= 1.5), cold storage load over in-memory restore (>= 5); ``ratio_other_dp_vs_same``, the fresh-state
-load against the same layout's and Megatron's (``ratio_fresh_vs_same``, ``ratio_fresh_vs_megatron``) and the
-4 KiB pages' cost (``ratio_fresh_4k_over_huge``) are reported too.
+layout (<= 1.5), cold storage load over in-memory restore (>= 5); ``ratio_other_dp_vs_same`` and the
+fresh-state load against the same layout's and Megatron's (``ratio_fresh_vs_same``, ``ratio_fresh_vs_megatron``)
+are reported too.
 
 Cold: ``echo 3 > /proc/sys/vm/drop_caches`` where permitted (root outside a container); otherwise every
 file of both checkpoints is evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages only: the
@@ -207,19 +205,9 @@ def _timed(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list
         for inner in inner_optimizers(bind(optimizer, get_layout(model, optimizer))):
             inner.state.clear()
 
-    from ckptd.client import hostmem
-
-    def fresh_4k() -> None:
-        hostmem.enabled = False
-        try:
-            ckptd_load()
-        finally:
-            hostmem.enabled = True
-
-    run = {"ckptd": ckptd_load, "ckptd_fresh": ckptd_load, "ckptd_fresh_4k": fresh_4k, "raw_read": raw_read,
-           "raw_place": raw_place, "megatron": megatron_load, "memory": memory_load,
-           "raw_plain": plain_reader(root, rank, world)}
-    untimed = {"ckptd_fresh": clear_states, "ckptd_fresh_4k": clear_states}  # done before each of its runs
+    run = {"ckptd": ckptd_load, "ckptd_fresh": ckptd_load, "raw_read": raw_read, "raw_place": raw_place,
+           "megatron": megatron_load, "memory": memory_load, "raw_plain": plain_reader(root, rank, world)}
+    untimed = {"ckptd_fresh": clear_states}  # what a mode needs done before each of its runs
     failed: set[str] = set()
 
     def attempt(mode: str) -> float | None:
@@ -290,7 +278,7 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
         daemon.wait_ready(300)
         saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
         # new ranks (the savers are gone); the daemon still holds the step: in-memory restore is measured too
-        modes = ["raw_read", "raw_place", "raw_plain", "ckptd", "ckptd_fresh", "ckptd_fresh_4k", "megatron", "memory"]
+        modes = ["raw_read", "raw_place", "raw_plain", "ckptd", "ckptd_fresh", "megatron", "memory"]
         same = run_ranks(_timed, 2, workdir, cfg, modes, repeats, paths, sock, timeout_s=3600)
     finally:
         daemon.stop(120)
@@ -315,10 +303,6 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
             row[f"ratio_fresh_vs_same_{temp}"] = round(fresh / ck, 3)
         if fresh and mg:
             row[f"ratio_fresh_vs_megatron_{temp}"] = round(fresh / mg, 3)
-        fresh_4k = _slowest(same, f"ckptd_fresh_4k_{temp}")
-        row[f"ckptd_fresh_4k_{temp}_s"] = fresh_4k
-        if fresh and fresh_4k:
-            row[f"ratio_fresh_4k_over_huge_{temp}"] = round(fresh_4k / fresh, 3)
         row.update({f"raw_place_{temp}_s": place, f"raw_read_{temp}_s": raw, f"raw_plain_{temp}_s": plain,
                     f"ckptd_{temp}_s": ck,
                     f"megatron_{temp}_s": mg,

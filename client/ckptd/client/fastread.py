@@ -38,7 +38,6 @@ import torch
 
 from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, copy_crc, read_local, verify
 from ckptd.client.gather import Strided, merge_dims, normalize
-from ckptd.client.hostmem import host_empty
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
 from ckptd.client.state import dtype_name
@@ -160,7 +159,7 @@ class ChunkReader:
             return None
         self.staged_bytes += nbytes
         self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
-        target = host_empty(dst.numel(), dst.dtype).view(dst.shape)
+        target = torch.empty(dst.shape, dtype=dst.dtype)
         self.copies.append((target, dst))
         return target
 
@@ -187,7 +186,7 @@ class ChunkReader:
         if rec.codec == "raw" and sys.byteorder == "little" and dst.device.type == "cpu":
             norm = normalize(region, _as_uints(dst, item))
         if norm is None:  # compressed, another device or an odd view: read its span, then copy the elements
-            span = host_empty(region.stop - region.offset, dst.dtype)
+            span = torch.empty(region.stop - region.offset, dtype=dst.dtype)
             self.add(key, span, (region.offset,))
             self.copies.append((span.as_strided(region.sizes, region.strides, 0), dst))
             return

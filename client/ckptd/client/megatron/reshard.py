@@ -20,7 +20,6 @@ import torch
 
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.gather import Strided, boxes, monotone
-from ckptd.client.hostmem import host_zeros
 from ckptd.client.megatron.layout import view_of
 from ckptd.client.state import torch_dtype
 from ckptd.writer.errors import StateMismatchError
@@ -109,7 +108,7 @@ def plan_merged_slices(
         for state, dtype in states.items():
             key = layout.bucket_key(buf, bucket, state)
             given = dest.get(key) if dest is not None else None
-            out = given if given is not None else host_zeros(s, torch_dtype(dtype))
+            out = given if given is not None else torch.zeros(s, dtype=torch_dtype(dtype))
             for p, shapes in zip(touched, where, strict=True):
                 places = _places(p, out, bucket.start, lo, hi, planned) if shapes is None else _views(out, shapes)
                 for piece, placed in zip(p.model_pieces, places, strict=True):
@@ -306,7 +305,7 @@ def plan_dp_slices(
         for state, dtype in states.items():
             key = layout.bucket_key(buf, bucket, state)
             given = dest.get(key) if dest is not None else None
-            slices[key] = given if given is not None else host_zeros(buf.slice_numel(bucket), torch_dtype(dtype))
+            slices[key] = given if given is not None else torch.zeros(buf.slice_numel(bucket), dtype=torch_dtype(dtype))
 
     # 2. every state of every param at once: each stored chunk that holds any element this rank needs is read
     # once and checksummed whole, and the needed elements go straight into the param's place in this rank's

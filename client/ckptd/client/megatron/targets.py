@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ckptd.client.gather import Strided, boxes, monotone
-from ckptd.client.hostmem import host_empty
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import bind
 from ckptd.client.megatron.optimizer import padding_gaps
@@ -154,8 +153,7 @@ def install_views(flat: torch.Tensor, entries: Sequence[Owned], state: str) -> N
 def fresh_flat(entries: Sequence[Owned], s: int, dtype: torch.dtype) -> torch.Tensor:
     """A new 1-D tensor of ``s`` elements on the owners' device, laid out like the stored bucket slice:
     the padding between (and after) the owners' ranges zeroed, their ranges left for the caller to fill."""
-    device = entries[0].main.device
-    flat = host_empty(s, dtype) if device.type == "cpu" else torch.empty(s, dtype=dtype, device=device)
+    flat = torch.empty(s, dtype=dtype, device=entries[0].main.device)
     for lo, hi in padding_gaps(entries, s):  # padding: zero, whatever the read writes (or not) there
         flat[lo:hi].zero_()
     return flat
@@ -202,7 +200,7 @@ def _target(
     out: SliceTargets, key: str, entries: Sequence[Owned], state: str, s: int, n: int, dtype: torch.dtype
 ) -> torch.Tensor:
     if not entries:
-        return host_empty(n, dtype)
+        return torch.empty(n, dtype=dtype)
     live = [o.main if state == MAIN_PARAM else o.get(state) for o in entries]
     alias = flat_alias(live, entries, s, dtype)
     if alias is not None:
@@ -219,7 +217,7 @@ def _target(
         flat = fresh_flat(entries, s, dtype)
         out.pending.append((key, flat, entries, state))
         return flat[:n]
-    return host_empty(n, dtype)
+    return torch.empty(n, dtype=dtype)
 
 
 def flat_alias(
