@@ -118,7 +118,8 @@ def test_whole_and_partial_regions_are_bit_exact(root: str, monkeypatch: pytest.
 def test_staged_regions_are_read_in_rounds_within_the_staging_bound(root: str) -> None:
     """Destinations a load cannot read into (another device's tensors; here non-contiguous views) are staged in
     host memory: at most ``stage_bytes`` at a time, split into blocks of rows and read in rounds, each round
-    copied into place before the next. Bit-exact either way; the default stages them all in one round."""
+    copied into place before the next, every round in the same host buffer (one allocation for the whole
+    load). Bit-exact either way; the default stages them all in one round."""
     w = ARRAYS["w"][0]
 
     def destinations() -> list[tuple[torch.Tensor, tuple[int, int]]]:
@@ -135,6 +136,7 @@ def test_staged_regions_are_read_in_rounds_within_the_staging_bound(root: str) -
             planned = reader.staged_bytes
             await reader.run()
             assert not reader.deferred and not reader.copies
+            assert reader.staging.allocations == 1  # every round reused the pool's buffer
             return dsts, planned, reader.peak_staged_bytes
 
     for stage_bytes, first_round, peak in ((None, 200, 200), (40, 40, 40)):

@@ -11,12 +11,12 @@ client's receive buffer). A chunk that a region holds only part of (a TP half, a
 read once for all the regions in it, piece by piece: long runs straight into place, the rest through a
 cached scratch piece (:mod:`ckptd.client.gather`); strided regions of 1-D arrays (a TP half of a
 row-parallel param in a bucket slice) are added by :meth:`ChunkReader.add_gather`. Every chunk's crc32c is
-checked against both the stored trailer and the commit manifest's record, in worker threads, before the load returns;
-:class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. A destination that cannot
+checked against the stored trailer and the commit manifest's record, in worker threads, before the load
+returns; :class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk otherwise. A destination that cannot
 be read into (a GPU tensor, a non-contiguous view) is read into host staging and copied into place after:
 at most :data:`STAGE_BYTES` of staging at once (larger regions split into blocks of rows, the rest read in
-later rounds). Compressed arrays (and big-endian hosts) keep going through zarr
-(:func:`ckptd.writer.arrays.read_region`).
+later rounds; every round in one buffer, :mod:`ckptd.client.stagepool`). Compressed arrays (and big-endian
+hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
 
     reader = ChunkReader(root, commit)
     reader.add(key, dst_tensor, global_offset)   # any number of regions
@@ -40,6 +40,7 @@ from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, copy_crc, read_
 from ckptd.client.gather import Strided, merge_dims, normalize
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
+from ckptd.client.stagepool import StagingPool
 from ckptd.client.state import dtype_name
 from ckptd.writer.arrays import chunk_selection, full_chunk, open_array, read_region
 from ckptd.writer.checksum import crc32c
@@ -96,6 +97,7 @@ class ChunkReader:
         self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
         self.stage_bytes = max(1, stage_bytes)
+        self.staging = StagingPool(self.stage_bytes)  # every round's staging, one buffer for the whole load
         self.staged_bytes = 0  # staging planned in this round
         self.peak_staged_bytes = 0
         self.deferred: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []  # staged regions of later rounds
@@ -159,7 +161,7 @@ class ChunkReader:
             return None
         self.staged_bytes += nbytes
         self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
-        target = torch.empty(dst.shape, dtype=dst.dtype)
+        target = self.staging.take(dst)
         self.copies.append((target, dst))
         return target
 
@@ -361,16 +363,17 @@ class ChunkReader:
                 memory.rejected.append(key)
                 self.add(key, dst, offset)
             self.memory = memory
-        await self._read_planned()
         kept, self.memory = self.memory, None  # a deferred region was not in memory when it was added
         try:
+            await self._read_planned()
             while self.deferred:  # later rounds of staged regions, each within stage_bytes
-                todo, self.deferred = self.deferred, []  # (_read_planned freed the last round's staging)
+                todo, self.deferred = self.deferred, []  # (_read_planned took the last round's staging back)
                 for key, dst, offset in todo:
                     self.add(key, dst, offset)
                 await self._read_planned()
         finally:
             self.memory = kept
+            self.staging.release()
 
     async def _read_planned(self) -> None:
         """Read every chunk planned so far (bounded concurrency), then the zarr-decoded remainder, then copy
@@ -389,6 +392,7 @@ class ChunkReader:
         for staging, dst in self.copies:
             dst.copy_(staging)
         self.jobs, self.slow, self.copies, self.staged_bytes = [], [], [], 0
+        self.staging.reset()
 
     async def _copy_from_memory(
         self, item: tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]

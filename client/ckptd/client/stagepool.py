@@ -1,0 +1,51 @@
+"""Host staging for a load's destinations that cannot be read into, one buffer for all of a load's rounds.
+
+A load stages a GPU tensor's region (or a non-contiguous view's) in host memory, reads into it, and copies it
+into place after the round (:class:`~ckptd.client.fastread.ChunkReader`: at most ``stage_bytes`` a round).
+A new ``torch.empty`` a region made every round's staging new memory, and on the first write the kernel
+faults in and zeroes each of its 4 KiB pages: about 0.45 s a GiB on the 2-core dev machine, against ~0.05 s
+to read into memory already faulted in (docs/benchmarks.md). A GPU rank loading 20 GiB of optimizer state in
+1 GiB rounds paid that twenty times. :class:`StagingPool` carves every round's regions out of one buffer
+that stays for the whole load: its pages are faulted in by the first round that uses them, and later rounds
+reuse them. The buffer is reserved at the round's bound but only what a round writes becomes resident; it
+is freed when the load ends (:meth:`release`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGN = 64  # each region starts on a cache line (and on a multiple of any dtype's size)
+SLACK = 1 << 20  # room for that alignment beyond a round's bound: 16,384 regions a round (virtual until used)
+
+
+class StagingPool:
+    """Regions of one host buffer of ``capacity`` bytes, handed out in order and taken back all at once."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._buf: torch.Tensor | None = None
+        self._used = 0
+        self.allocations = 0  # host buffers made for staging, the pool's own included (tests read it)
+
+    def take(self, dst: torch.Tensor) -> torch.Tensor:
+        """A host tensor of ``dst``'s shape and dtype (contiguous) to stage ``dst``'s region in, valid until
+        :meth:`reset`. A region that does not fit what is left gets a tensor of its own."""
+        nbytes = dst.numel() * dst.element_size()
+        start = -(-self._used // ALIGN) * ALIGN
+        if start + nbytes > self.capacity + SLACK:  # a region larger than a round's bound (or the slack used up)
+            self.allocations += 1
+            return torch.empty(dst.shape, dtype=dst.dtype)
+        if self._buf is None:  # reserved; resident as it is written
+            self._buf = torch.empty(self.capacity + SLACK, dtype=torch.uint8)
+            self.allocations += 1
+        self._used = start + nbytes
+        return self._buf[start : start + nbytes].view(dst.dtype).view(dst.shape)
+
+    def reset(self) -> None:
+        """Every region handed out is done with (the round was copied into place): hand them out again."""
+        self._used = 0
+
+    def release(self) -> None:
+        """Free the buffer (the load is over)."""
+        self._buf, self._used = None, 0
