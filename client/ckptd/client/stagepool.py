@@ -3,12 +3,12 @@
 A load stages a GPU tensor's region (or a non-contiguous view's) in host memory, reads into it, and copies it
 into place after the round (:class:`~ckptd.client.fastread.ChunkReader`: at most ``stage_bytes`` a round).
 A new ``torch.empty`` a region made every round's staging new memory, and on the first write the kernel
-faults in and zeroes each of its 4 KiB pages: about 0.45 s a GiB on the 2-core dev machine, against ~0.05 s
-to read into memory already faulted in (docs/benchmarks.md). A GPU rank loading 20 GiB of optimizer state in
-1 GiB rounds paid that twenty times. :class:`StagingPool` carves every round's regions out of one buffer
-that stays for the whole load: its pages are faulted in by the first round that uses them, and later rounds
-reuse them. The buffer is reserved at the round's bound but only what a round writes becomes resident; it
-is freed when the load ends (:meth:`release`).
+faults in and zeroes each of its 4 KiB pages: on the 2-core dev machine 1 GiB staged in 128 MiB rounds took
+0.61 s that way, against 0.21 s through one buffer (``benchmarks/run.py --only staged_load``,
+docs/benchmarks.md). A GPU rank loading 20 GiB of optimizer state in 1 GiB rounds paid it twenty times.
+:class:`StagingPool` carves every round's regions out of one buffer that stays for the whole load: its pages
+are faulted in by the first round that uses them, and later rounds reuse them. The buffer is reserved at the
+round's bound but only what a round writes becomes resident; it is freed when the load ends (:meth:`release`).
 """
 
 from __future__ import annotations
