@@ -10,8 +10,8 @@ taking turns:
   (:mod:`ckptd.client.stagepool`), so its pages are faulted in once;
 - ``fresh``: the same load with a new host tensor for every staged region (the loader before 2026-12-03):
   every round's staging is new memory, faulted in page by page as it is read into;
-- ``raw_place``: each chunk file ``readinto`` its own part of one pre-faulted buffer (no checksum, no copy
-  into place): what any loader of those bytes must at least do.
+- ``raw_place``: each file of the step ``readinto`` its own part of one pre-faulted buffer (no checksum, no
+  copy into place; :func:`bench_load.raw_readers`): what any loader of those bytes must at least do.
 
 Prints one JSON line: medians of 5 (smoke: 1), ``ratio_fresh_over_pool`` and ``ratio_pool_vs_raw_place``,
 and the staging allocations each mode made.
@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from bench_load import raw_readers
 
 from ckptd.client import stagepool
 from ckptd.client.fastread import ChunkReader
@@ -80,21 +81,6 @@ def _load(root: str, dst: torch.Tensor, stage_bytes: int, pool: type[stagepool.S
     return asyncio.run(go())
 
 
-def _raw_place(root: str, nbytes: int) -> Any:
-    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, "step_1", "w")) for f in fs)
-    place = torch.ones(nbytes + 4 * len(files), dtype=torch.uint8)  # pre-faulted; each chunk and its trailer
-
-    def read() -> None:
-        view, at = memoryview(place.numpy()), 0
-        for path in files:
-            n = os.path.getsize(path)
-            with open(path, "rb", buffering=0) as fh:
-                fh.readinto(view[at : at + n])
-            at += n
-
-    return read
-
-
 def bench_staged_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     from run import emit
 
@@ -104,7 +90,7 @@ def bench_staged_load(args: argparse.Namespace, workdir: str) -> list[dict[str, 
     src = torch.randn(cfg["rows"], cfg["cols"], generator=torch.Generator().manual_seed(0))
     _write(root, src, cfg["chunk_rows"])
     dst = torch.zeros(cfg["rows"], cfg["cols"] + 16)[:, : cfg["cols"]]  # row-strided: staged, as a GPU tensor
-    raw = _raw_place(root, src.numel() * src.element_size())
+    _reused, raw = raw_readers(root, 0, 1)  # bench_load's: every file of the step into one pre-faulted buffer
     modes = {"pool": lambda: _load(root, dst, cfg["stage_bytes"], stagepool.StagingPool),
              "fresh": lambda: _load(root, dst, cfg["stage_bytes"], FreshStaging), "raw_place": raw}
     allocations: dict[str, Any] = {}
