@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _write(root: str, *, whole: bool) -> None:
+def _write(root: str, *, whole: bool, arrays: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = ARRAYS) -> None:
     """Step 1 with every array one shard of rank 0; ``whole=False`` writes edge chunks cut, and chunk keys
     ``c/<i>/<j>`` (format 2)."""
 
@@ -45,7 +46,7 @@ def _write(root: str, *, whole: bool) -> None:
             ckpt, sink = CheckpointWriter(backend), ChunkSink(backend)
             records = []
             separator = fmt.CHUNK_SEPARATOR if whole else "/"
-            for key, (t, grid) in ARRAYS.items():
+            for key, (t, grid) in arrays.items():
                 data, shape = _bits(t), list(t.shape)
                 chunks = []
                 for coords in fmt.region_chunks([0] * len(shape), shape, grid):
@@ -112,22 +113,19 @@ def test_a_corrupted_cut_chunk_fails_verify(tmp_path: Path) -> None:
         asyncio.run(_verify(str(root)))
 
 
-def test_in_memory_restore_checks_whole_edge_chunks(tmp_path: Path) -> None:
-    """The arena holds the rank's block (no padding); its edge chunks are checked against the manifest's
-    record of the padded chunk, so the copy is served from memory, not rejected."""
-    root = str(tmp_path / "ckpt")
-    _write(root, whole=True)
-    arena, shards, pos = bytearray(), {}, 0
-    for key, (t, _grid) in ARRAYS.items():
+def _arena(arrays: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> tuple[bytearray, dict[Any, RestoreShard]]:
+    """The arena as the daemon keeps a step: each array's block of rank 0, back to back, unpadded."""
+    arena, shards = bytearray(), {}
+    for key, (t, _grid) in arrays.items():
         raw = _bits(t).tobytes()
         shards[(key, (0,) * t.dim(), tuple(t.shape))] = RestoreShard(
-            key, str(t.dtype).removeprefix("torch."), [0] * t.dim(), list(t.shape), pos, len(raw)
+            key, str(t.dtype).removeprefix("torch."), [0] * t.dim(), list(t.shape), len(arena), len(raw)
         )
         arena += raw
-        pos += len(raw)
-    memory = ArenaSource(1, memoryview(bytes(arena)), shards)
-    out = _template()
+    return arena, shards
 
+
+def _restore(root: str, memory: ArenaSource, out: dict[str, torch.Tensor]) -> None:
     async def go() -> None:
         async with open_root(root) as ckpt:
             reader = ChunkReader(ckpt, await ckpt.read_commit(1), memory=memory)
@@ -136,8 +134,60 @@ def test_in_memory_restore_checks_whole_edge_chunks(tmp_path: Path) -> None:
             await reader.run()
 
     asyncio.run(go())
+
+
+def test_in_memory_restore_checks_whole_edge_chunks(tmp_path: Path) -> None:
+    """The arena holds the rank's block (no padding); its edge chunks are checked against the manifest's
+    record of the padded chunk, so the copy is served from memory, not rejected."""
+    root = str(tmp_path / "ckpt")
+    _write(root, whole=True)
+    arena, shards = _arena(ARRAYS)
+    memory = ArenaSource(1, memoryview(bytes(arena)), shards)
+    out = _template()
+    _restore(root, memory, out)
     _assert_loaded(out)
     assert memory.rejected == [] and memory.served_bytes == len(arena)
+
+
+# chunks that are runs of the shard (rows of 2; a 1-D array in 4s), and one cut along both axes
+EVEN = {
+    "rows": (torch.randn(8, 3, generator=G), (2, 3)),
+    "b16": (torch.randn(12, generator=G).to(torch.bfloat16), (4,)),
+    "both": (torch.randn(4, 6, generator=G), (2, 3)),
+}
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
+@pytest.mark.parametrize("dst", ["host", "device", "strided"])
+def test_in_memory_restore_into_each_kind_of_destination(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dst: str, damaged: bool
+) -> None:
+    """Bit-exact from the arena into a host tensor (copied and checked in place), a tensor outside host
+    memory (through the reused bounce buffers: a CPU tensor stands in for a GPU's here, the one difference
+    being the last ``copy_``) and a non-contiguous view (through a host copy of the shard). A damaged byte
+    fails that shard's check in each, and the shard is read from storage instead."""
+    root = str(tmp_path / "ckpt")
+    _write(root, whole=True, arrays=EVEN)
+    arena, shards = _arena(EVEN)
+    if damaged:
+        hit = shards[("rows", (0, 0), (8, 3))]
+        arena[hit.offset + hit.nbytes - 5] ^= 0x10  # in the last chunk: the first three pass their checks
+    if dst == "device":
+        monkeypatch.setattr("ckptd.client.restore.host_addressable", lambda t: False)
+    memory = ArenaSource(1, memoryview(bytes(arena)), shards)
+    if dst == "strided":
+        out = {key: torch.zeros(*t.shape, 2, dtype=t.dtype)[..., 0] for key, (t, _grid) in EVEN.items()}
+        assert not any(o.is_contiguous() for o in out.values())
+    else:
+        out = {key: torch.zeros_like(t) for key, (t, _grid) in EVEN.items()}
+    _restore(root, memory, out)
+    for key, (t, _grid) in EVEN.items():
+        assert np.array_equal(_bits(out[key].contiguous()), _bits(t)), key
+    assert memory.rejected == (["rows"] if damaged else [])
+    assert memory.served_bytes == len(arena) - (96 if damaged else 0)
+    # the bounce buffers: only for the device's destinations, one per worker thread at most, reused
+    assert (memory.bounces.allocations > 0) == (dst == "device")
+    assert memory.bounces.allocations <= 8
 
 
 def test_zero_size_blocks_have_a_grid_and_zero_extents_are_typed_errors() -> None:

@@ -36,14 +36,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, copy_crc, read_local, verify
+from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, read_local, verify
 from ckptd.client.gather import Strided, merge_dims, normalize
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
 from ckptd.client.stagepool import StagingPool
 from ckptd.client.state import dtype_name
-from ckptd.writer.arrays import chunk_selection, full_chunk, open_array, read_region
-from ckptd.writer.checksum import crc32c
+from ckptd.writer.arrays import chunk_selection, open_array, read_region
 from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError, StorageNotFoundError
 from ckptd.writer.fanout import bounded_map, in_thread
 from ckptd.writer.format import (
@@ -402,40 +401,8 @@ class ChunkReader:
     def _copy_checked(
         self, key: str, dst: torch.Tensor, offset: tuple[int, ...], hit: RestoreShard, stored: ShardRecord
     ) -> bool:
-        """Copy one kept shard out of the arena into ``dst``; True only if every chunk's crc32c matches the
-        commit manifest (the bytes are copied first and checked in the copy, so a range the daemon reuses
-        meanwhile cannot slip through)."""
-        if self.memory is None:
-            return False
-        rec = self.arrays[key]
-        item = itemsize(rec.torch_dtype)
-        target = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
-        flat = target.detach().view(-1).view(torch.uint8).numpy()
-        src = np.frombuffer(self.memory.view[hit.offset : hit.offset + hit.nbytes], dtype=np.uint8)
-        rels = [(ch, tuple(slice(s.start - o, s.stop - o) for s, o in
-                           zip(chunk_selection(ch.coords, rec.chunks, rec.shape), offset, strict=True)))
-                for ch in stored.chunks]
-        runs = [contiguous_run(rel, tuple(dst.shape)) for _ch, rel in rels]
-        if all(run is not None and run[1] * item == ch.nbytes for (ch, _rel), run in zip(rels, runs, strict=True)):
-            # each chunk one run: copy and checksum piece by piece, in cache
-            for (ch, _rel), run in zip(rels, runs, strict=True):
-                start, stop = run[0] * item, (run[0] + run[1]) * item  # type: ignore[index]
-                if copy_crc(flat, src, start, stop) != ch.crc32c:
-                    return False
-        else:
-            flat[:] = src
-            typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
-            whole = math.prod(rec.chunks) * item
-            for ch, rel in rels:
-                block = typed[rel]
-                if block.nbytes != ch.nbytes and ch.nbytes == whole:  # an edge chunk, stored whole (format 3)
-                    block = full_chunk(block, rec.chunks)
-                block = np.ascontiguousarray(block)
-                if block.nbytes != ch.nbytes or int(crc32c(block.data.cast("B"))) != ch.crc32c:
-                    return False
-        if target is not dst:
-            dst.copy_(target)
-        return True
+        """One kept shard out of the arena into ``dst``, checked (:meth:`ArenaSource.copy_checked`)."""
+        return self.memory is not None and self.memory.copy_checked(self.arrays[key], dst, offset, hit, stored)
 
     async def _read_local_all(self, jobs: list[Job]) -> None:
         """Local roots: ``concurrency`` pool threads each read jobs off one shared list until it is empty,
