@@ -158,14 +158,15 @@ EVEN = {
 
 
 @pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
-@pytest.mark.parametrize("dst", ["host", "device", "strided"])
+@pytest.mark.parametrize("dst", ["host", "device", "strided", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_in_memory_restore_into_each_kind_of_destination(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dst: str, damaged: bool
 ) -> None:
     """Bit-exact from the arena into a host tensor (copied and checked in place), a tensor outside host
     memory (through the reused bounce buffers: a CPU tensor stands in for a GPU's here, the one difference
-    being the last ``copy_``) and a non-contiguous view (through a host copy of the shard). A damaged byte
-    fails that shard's check in each, and the shard is read from storage instead."""
+    being the last ``copy_``; ``-m gpu`` runs it with CUDA tensors) and a non-contiguous view (through a
+    host copy of the shard). A damaged byte fails that shard's check in each, and the shard is read from
+    storage instead."""
     root = str(tmp_path / "ckpt")
     _write(root, whole=True, arrays=EVEN)
     arena, shards = _arena(EVEN)
@@ -175,18 +176,20 @@ def test_in_memory_restore_into_each_kind_of_destination(
     if dst == "device":
         monkeypatch.setattr("ckptd.client.restore.host_addressable", lambda t: False)
     memory = ArenaSource(1, memoryview(bytes(arena)), shards)
-    if dst == "strided":
+    if dst == "cuda":
+        out = {key: torch.zeros_like(t, device="cuda") for key, (t, _grid) in EVEN.items()}
+    elif dst == "strided":
         out = {key: torch.zeros(*t.shape, 2, dtype=t.dtype)[..., 0] for key, (t, _grid) in EVEN.items()}
         assert not any(o.is_contiguous() for o in out.values())
     else:
         out = {key: torch.zeros_like(t) for key, (t, _grid) in EVEN.items()}
     _restore(root, memory, out)
     for key, (t, _grid) in EVEN.items():
-        assert np.array_equal(_bits(out[key].contiguous()), _bits(t)), key
+        assert np.array_equal(_bits(out[key].cpu().contiguous()), _bits(t)), key
     assert memory.rejected == (["rows"] if damaged else [])
     assert memory.served_bytes == len(arena) - (96 if damaged else 0)
     # the bounce buffers: only for the device's destinations, one per worker thread at most, reused
-    assert (memory.bounces.allocations > 0) == (dst == "device")
+    assert (memory.bounces.allocations > 0) == (dst in ("device", "cuda"))
     assert memory.bounces.allocations <= 8
 
 

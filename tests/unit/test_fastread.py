@@ -145,6 +145,27 @@ def test_staged_regions_are_read_in_rounds_within_the_staging_bound(root: str) -
         assert torch.equal(dsts[0][0], w) and torch.equal(dsts[1][0], w[1:6, 2:5])
 
 
+@pytest.mark.gpu
+def test_cuda_destinations_are_staged_in_rounds_and_bit_exact(root: str) -> None:
+    """The same on a GPU: CUDA tensors (contiguous, and a strided view) read through host staging in rounds
+    of at most ``stage_bytes``, one host buffer for all rounds, then copied to the device."""
+    assert torch.cuda.is_available()
+    w, flat = ARRAYS["w"][0], ARRAYS["flat"][0]
+
+    async def read() -> tuple[torch.Tensor, torch.Tensor, ChunkReader]:
+        whole, strided = torch.zeros(7, 5, device="cuda"), torch.zeros(100, 2, device="cuda")[:, 1]
+        async with open_root(root, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1), stage_bytes=64)
+            reader.add("w", whole, (0, 0))
+            reader.add("flat", strided, (0,))
+            await reader.run()
+        return whole, strided, reader
+
+    whole, strided, reader = asyncio.run(read())
+    assert torch.equal(whole.cpu(), w) and torch.equal(strided.cpu(), flat)
+    assert reader.peak_staged_bytes <= 64 and reader.staging.allocations == 1
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
 def test_a_damaged_chunk_raises(root: str, tmp_path: Path, damage: str) -> None:
 
