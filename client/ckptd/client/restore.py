@@ -9,19 +9,15 @@ against the commit manifest read from storage, so a stale copy (another step's b
 reused by a save) is caught; such regions, and everything the arena does not hold, are read from storage.
 
 A destination in host memory gets the bytes straight from the arena. One elsewhere (a GPU tensor) gets them
-chunk by chunk through a host buffer reused by the worker threads (:class:`BouncePool`): the chunk is copied
-and checksummed there, and the checked bytes go on to the device; a new host tensor of the shard's size each
-time would fault in every page of it first.
+chunk by chunk through host buffers the worker threads reuse (:class:`~ckptd.client.stagepool.BouncePool`):
+the chunk is copied and checksummed there, and the checked bytes go on to the device; a new host tensor of
+the shard's size each time would fault in every page of it first.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +26,7 @@ import torch
 
 from ckptd.client.chunkio import contiguous_run, copy_crc
 from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreRequest, RestoreShard
+from ckptd.client.stagepool import BouncePool
 from ckptd.writer.arrays import chunk_selection, full_chunk
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CkptdError
@@ -46,32 +43,6 @@ Where = tuple[str, tuple[int, ...], tuple[int, ...]]  # (key, global offset, sha
 def host_addressable(dst: torch.Tensor) -> bool:
     """Whether numpy can copy into ``dst``'s memory (a CPU tensor); else its bytes go through a bounce."""
     return dst.device.type == "cpu"
-
-
-class BouncePool:
-    """Host buffers a chunk is copied and checked in on its way to a destination outside host memory: one
-    per worker thread at a time, each reused by the next chunk (a chunk is at most the writer's chunk size)."""
-
-    def __init__(self) -> None:
-        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self.allocations = 0  # buffers made (tests read it)
-
-    @contextmanager
-    def buffer(self, nbytes: int) -> Iterator[np.ndarray]:
-        """``nbytes`` of a free buffer (a new one where none free is large enough), free again on exit."""
-        try:
-            buf = self._free.get_nowait()
-        except queue.Empty:
-            buf = np.empty(0, dtype=np.uint8)
-        if buf.nbytes < nbytes:
-            buf = np.empty(nbytes, dtype=np.uint8)
-            with self._lock:
-                self.allocations += 1
-        try:
-            yield buf[:nbytes]
-        finally:
-            self._free.put(buf)
 
 
 @dataclass
