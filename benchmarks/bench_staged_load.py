@@ -45,6 +45,9 @@ SMOKE = {"rows": 1024, "cols": 1024, "chunk_rows": 256, "stage_bytes": 1 * MiB}
 class FreshStaging(stagepool.StagingPool):
     """The baseline: a new host tensor for every staged region."""
 
+    def reserve(self, nbytes: int, regions: int, *, pin: bool) -> None:
+        pass  # no buffer of the load's
+
     def take(self, dst: torch.Tensor) -> torch.Tensor:
         self.allocations += 1
         return torch.empty(dst.shape, dtype=dst.dtype)

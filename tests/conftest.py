@@ -93,3 +93,24 @@ def proxy(s3: S3Server) -> Iterator[FaultProxy]:
 
     with FaultProxy(s3.endpoint_url) as p:
         yield p
+
+
+@pytest.fixture
+def host_buffers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Every host buffer a load's stage pool makes (:func:`ckptd.client.stagepool.host_buffer`): its size and
+    whether it was asked page-locked. A buffer asked so where CUDA is up must be pinned, and no other."""
+    import torch
+
+    from ckptd.client import stagepool
+
+    made: list[tuple[int, bool]] = []
+    real = stagepool.host_buffer
+
+    def recorded(nbytes: int, *, pin: bool = False) -> torch.Tensor:
+        made.append((nbytes, pin))
+        buf = real(nbytes, pin=pin)
+        assert buf.is_pinned() == (pin and torch.cuda.is_available())
+        return buf
+
+    monkeypatch.setattr(stagepool, "host_buffer", recorded)
+    return made

@@ -160,7 +160,7 @@ EVEN = {
 @pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
 @pytest.mark.parametrize("dst", ["host", "device", "strided", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_in_memory_restore_into_each_kind_of_destination(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dst: str, damaged: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host_buffers: list[tuple[int, bool]], dst: str, damaged: bool
 ) -> None:
     """Bit-exact from the arena into a host tensor (copied and checked in place), a tensor outside host
     memory (through the reused bounce buffers: a CPU tensor stands in for a GPU's here, the one difference
@@ -175,6 +175,7 @@ def test_in_memory_restore_into_each_kind_of_destination(
         arena[hit.offset + hit.nbytes - 5] ^= 0x10  # in the last chunk: the first three pass their checks
     if dst == "device":
         monkeypatch.setattr("ckptd.client.restore.host_addressable", lambda t: False)
+        monkeypatch.setattr("ckptd.client.restore.pinnable", lambda t: True)
     memory = ArenaSource(1, memoryview(bytes(arena)), shards)
     if dst == "cuda":
         out = {key: torch.zeros_like(t, device="cuda") for key, (t, _grid) in EVEN.items()}
@@ -191,6 +192,11 @@ def test_in_memory_restore_into_each_kind_of_destination(
     # the bounce buffers: only for the device's destinations, one per worker thread at most, reused
     assert (memory.bounces.allocations > 0) == (dst in ("device", "cuda"))
     assert memory.bounces.allocations <= 8
+    # ... asked page-locked (pinned where CUDA is up: the copy to the GPU is then a DMA from them), as is the
+    # staging of a CUDA tensor's shard read from storage instead; host destinations never ask
+    pinned = [n for n, pin in host_buffers if pin]
+    expected = {"device": memory.bounces.allocations, "cuda": memory.bounces.allocations + damaged}
+    assert len(pinned) == expected.get(dst, 0)
 
 
 def test_zero_size_blocks_have_a_grid_and_zero_extents_are_typed_errors() -> None:

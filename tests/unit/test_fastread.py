@@ -101,6 +101,7 @@ def test_whole_and_partial_regions_are_bit_exact(root: str, monkeypatch: pytest.
             reader = ChunkReader(ckpt, await ckpt.read_commit(1))
             for dst, offset in zip(dsts, [(1, 2), (1, 2), (2, 0)], strict=True):
                 reader.add("w", dst, offset)
+            reader._carve_staged()  # the strided view's staging is planned when the round starts
             planned = sorted(reader.gathers), [len(j.gather or []) for j in reader.gathers.values()], reader.jobs
             await reader.run()
             return planned
@@ -115,11 +116,21 @@ def test_whole_and_partial_regions_are_bit_exact(root: str, monkeypatch: pytest.
     assert torch.equal(got["flat"], flat[30:]) and torch.equal(got["b16"].view(torch.int16), b16[3:4].view(torch.int16))
 
 
-def test_staged_regions_are_read_in_rounds_within_the_staging_bound(root: str) -> None:
+@pytest.mark.parametrize("device", [False, True], ids=["host-views", "device-stand-in"])
+def test_staged_regions_are_read_in_rounds_within_the_staging_bound(
+    root: str, monkeypatch: pytest.MonkeyPatch, host_buffers: list[tuple[int, bool]], device: bool
+) -> None:
     """Destinations a load cannot read into (another device's tensors; here non-contiguous views) are staged in
     host memory: at most ``stage_bytes`` at a time, split into blocks of rows and read in rounds, each round
     copied into place before the next, every round in the same host buffer (one allocation for the whole
-    load). Bit-exact either way; the default stages them all in one round."""
+    load), sized to the largest round the load has, not to the bound, and asked page-locked only when a
+    destination is a GPU's (``device-stand-in``: the views stand in for CUDA tensors). Bit-exact either way;
+    the default stages them all in one round."""
+    from ckptd.client import fastread
+    from ckptd.client.stagepool import ALIGN
+
+    if device:
+        monkeypatch.setattr(fastread, "pinnable", lambda t: True)
     w = ARRAYS["w"][0]
 
     def destinations() -> list[tuple[torch.Tensor, tuple[int, int]]]:
@@ -139,10 +150,14 @@ def test_staged_regions_are_read_in_rounds_within_the_staging_bound(root: str) -
             assert reader.staging.allocations == 1  # every round reused the pool's buffer
             return dsts, planned, reader.peak_staged_bytes
 
-    for stage_bytes, first_round, peak in ((None, 200, 200), (40, 40, 40)):
+    for stage_bytes, first_round, peak, regions in ((None, 200, 200, 2), (40, 40, 40, 6)):
+        host_buffers.clear()
         dsts, planned, seen = asyncio.run(read(stage_bytes))
         assert (planned, seen) == (first_round, peak)
         assert torch.equal(dsts[0][0], w) and torch.equal(dsts[1][0], w[1:6, 2:5])
+        # one buffer: the largest round (all 200 bytes, or the 40-byte bound) and each region's alignment
+        size = peak + ALIGN * regions
+        assert host_buffers == [(1 << (size - 1).bit_length() if device else size, device)]
 
 
 @pytest.mark.gpu
@@ -163,7 +178,7 @@ def test_cuda_destinations_are_staged_in_rounds_and_bit_exact(root: str) -> None
 
     whole, strided, reader = asyncio.run(read())
     assert torch.equal(whole.cpu(), w) and torch.equal(strided.cpu(), flat)
-    assert reader.peak_staged_bytes <= 64 and reader.staging.allocations == 1
+    assert reader.peak_staged_bytes <= 64 and reader.staging.allocations == 1 and reader.staging.pinned
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])

@@ -40,7 +40,7 @@ from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, read_local, ver
 from ckptd.client.gather import Strided, merge_dims, normalize
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.restore import ArenaSource
-from ckptd.client.stagepool import StagingPool
+from ckptd.client.stagepool import StagingPool, pinnable
 from ckptd.client.state import dtype_name
 from ckptd.writer.arrays import chunk_selection, open_array, read_region
 from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError, StorageNotFoundError
@@ -99,6 +99,7 @@ class ChunkReader:
         self.staging = StagingPool(self.stage_bytes)  # every round's staging, one buffer for the whole load
         self.staged_bytes = 0  # staging planned in this round
         self.peak_staged_bytes = 0
+        self.staged: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []  # staged regions of this round
         self.deferred: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []  # staged regions of later rounds
         self.fast_bytes = 0
         # in-memory restore: regions that are exactly a shard the daemon kept are copied from its arena
@@ -135,34 +136,49 @@ class ChunkReader:
             # another DP) through the cached scratch piece rather than a fresh buffer of a whole chunk each
             self.add_gather(key, dst, Strided(offset[0], (dst.numel(),), (1,)))
             return
-        target: torch.Tensor | None = dst
         if dst.device.type != "cpu" or not dst.is_contiguous():
-            target = self._staging(key, dst, tuple(offset))
-        if target is None:
+            self._staging(key, dst, tuple(offset))
             return
+        self._plan_into(rec, dst, tuple(offset))
+
+    def _plan_into(self, rec: ArrayRecord, target: torch.Tensor, offset: tuple[int, ...]) -> None:
         item = itemsize(rec.torch_dtype)
         flat = target.detach().view(-1).view(torch.uint8).numpy()
-        typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(dst.shape))
-        self._plan(rec, typed, flat, tuple(offset), item)
+        typed = flat.view(f"u{item}" if item > 1 else "u1").reshape(tuple(target.shape))
+        self._plan(rec, typed, flat, offset, item)
 
-    def _staging(self, key: str, dst: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor | None:
-        """A host tensor to read ``dst``'s region into, copied into ``dst`` after this round's reads; None when
-        it is left to a later round (this round's staging is full) or split into blocks of rows that each
-        fit :attr:`stage_bytes` (added again one by one)."""
+    def _staging(self, key: str, dst: torch.Tensor, offset: tuple[int, ...]) -> None:
+        """Stage ``dst``'s region in this round (its host staging is carved when the round starts,
+        :meth:`_carve_staged`), or leave it to a later round (this round's staging is full), or split it into
+        blocks of rows that each fit :attr:`stage_bytes` (added again one by one)."""
         nbytes = dst.numel() * dst.element_size()
         if nbytes > self.stage_bytes and dst.dim() > 0 and dst.shape[0] > 1:
             rows = max(1, self.stage_bytes * dst.shape[0] // nbytes)
             for a in range(0, dst.shape[0], rows):
                 self.add(key, dst[a : a + rows], (offset[0] + a, *offset[1:]))
-            return None
+            return
         if self.staged_bytes and self.staged_bytes + nbytes > self.stage_bytes:
             self.deferred.append((key, dst, offset))
-            return None
+            return
         self.staged_bytes += nbytes
         self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
-        target = self.staging.take(dst)
-        self.copies.append((target, dst))
-        return target
+        self.staged.append((key, dst, offset))
+
+    def _carve_staged(self) -> None:
+        """Give this round's staged regions their host tensors and plan their reads into them; each is copied
+        into place after the round's reads. The staging buffer is made with the first round, the size of the
+        largest round the load can have (this one, or all the later ones together), page-locked where a
+        destination is a CUDA tensor (:mod:`ckptd.client.stagepool`)."""
+        staged, self.staged = self.staged, []
+        if not staged:
+            return
+        later = sum(dst.numel() * dst.element_size() for _key, dst, _offset in self.deferred)
+        pin = any(pinnable(dst) for _key, dst, _offset in staged + self.deferred)
+        self.staging.reserve(max(self.staged_bytes, later), len(staged) + len(self.deferred), pin=pin)
+        for key, dst, offset in staged:
+            target = self.staging.take(dst)
+            self.copies.append((target, dst))
+            self._plan_into(self.arrays[key], target, offset)
 
     def add_gather(self, key: str, dst: torch.Tensor, region: Strided) -> None:
         """Fill ``dst`` (a CPU tensor of shape ``region.sizes``, any strides, the array's dtype) with the
@@ -377,6 +393,7 @@ class ChunkReader:
     async def _read_planned(self) -> None:
         """Read every chunk planned so far (bounded concurrency), then the zarr-decoded remainder, then copy
         the staged regions into place (their staging is freed with the plan)."""
+        self._carve_staged()
         self._gets = asyncio.Semaphore(self.concurrency)
         gathered = self._gather_jobs()  # first: it takes over the direct reads of chunks it reads anyway
         if self.local_root is not None:

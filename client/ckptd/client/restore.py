@@ -10,8 +10,9 @@ reused by a save) is caught; such regions, and everything the arena does not hol
 
 A destination in host memory gets the bytes straight from the arena. One elsewhere (a GPU tensor) gets them
 chunk by chunk through host buffers the worker threads reuse (:class:`~ckptd.client.stagepool.BouncePool`):
-the chunk is copied and checksummed there, and the checked bytes go on to the device; a new host tensor of
-the shard's size each time would fault in every page of it first.
+the chunk is copied and checksummed there, and the checked bytes go on to the device (from page-locked
+memory for a CUDA tensor); a new host tensor of the shard's size each time would fault in every page of it
+first.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from ckptd.client.chunkio import contiguous_run, copy_crc
 from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreRequest, RestoreShard
-from ckptd.client.stagepool import BouncePool
+from ckptd.client.stagepool import BouncePool, pinnable
 from ckptd.writer.arrays import chunk_selection, full_chunk
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CkptdError
@@ -78,8 +79,9 @@ class ArenaSource:
             if host_addressable(dst):
                 flat = out.numpy()
                 return all(copy_crc(flat, src, start, stop) == ch.crc32c for ch, start, stop in spans)
+            pin = pinnable(dst)
             for ch, start, stop in spans:
-                with self.bounces.buffer(stop - start) as buf:
+                with self.bounces.buffer(stop - start, pin=pin) as buf:
                     if copy_crc(buf, src[start:stop], 0, stop - start) != ch.crc32c:
                         return False
                     out[start:stop].copy_(torch.from_numpy(buf))
