@@ -103,7 +103,7 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
         run[mode]()
         out[f"{mode}:peak_growth_mib"] = [(_status_kib("VmHWM") - before) / 1024]
         out[f"{mode}:read_mib"] = [sum(reads) / MiB]  # ckptd's chunk reads from storage in that load
-        times = []
+        times, cpu = [], []
         for _ in range(repeats):
             dist.barrier()
             if mode == "cold":
@@ -111,10 +111,12 @@ def _rank(rank: int, world: int, workdir: str, cfg: dict[str, Any], modes: list[
             if mode == "fresh":
                 clear_states()
                 dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run[mode]()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         out[mode] = times
+        out[f"{mode}:cpu_s"] = [statistics.median(cpu)]  # the process's CPU time, all its threads, user + system
         for name, spent in phases.items():
             out[f"{mode}:{name}"] = [statistics.median(spent[-repeats:])] if spent else [0.0]
             spent.clear()
@@ -211,8 +213,8 @@ def _slowest(results: list[dict[str, list[float]]], mode: str) -> float:
     return round(float(statistics.median(max(r[mode][i] for r in results) for i in range(n))), 4)
 
 
-def _largest(results: list[dict[str, list[float]]], key: str) -> float:
-    return round(max(r[key][0] for r in results), 1)
+def _largest(results: list[dict[str, list[float]]], key: str, digits: int = 1) -> float:
+    return round(max(r[key][0] for r in results), digits)
 
 
 def main() -> None:
@@ -271,6 +273,10 @@ def main() -> None:
     row["ratio_cold_over_memory"] = round(row["ckptd_cold_s"] / row["memory_restore_s"], 3)
     row["ckptd_fresh_states_s"] = _slowest(same, "fresh")
     row["ratio_fresh_states_vs_same_warm"] = round(row["ckptd_fresh_states_s"] / row["ckptd_warm_s"], 3)
+    # CPU time a rank spent in a warm load (the larger rank's median, all threads): with both ranks on two
+    # cores, where the wall time cannot fall below it
+    for mode in ("raw_place", "ckptd", "memory"):
+        row[f"{mode}_cpu_s"] = _largest(same, f"{mode}:cpu_s", 4)
     print(json.dumps(row), flush=True)
     for label, results in (("same", same), ("tp2", tp), ("buckets", buckets)):
         for r, res in enumerate(results):
