@@ -33,3 +33,38 @@ async def test_inside_a_running_loop_uses_a_private_loop() -> None:
     assert thread != threading.get_ident() and loop != outer
     with pytest.raises(FileNotFoundError, match="unchanged"):
         run_sync(_fail())
+
+
+async def _to_thread_names() -> list[str]:
+    return list(await asyncio.gather(*(asyncio.to_thread(lambda: threading.current_thread().name) for _ in range(4))))
+
+
+def test_to_thread_runs_on_the_shared_pool_and_no_call_starts_or_joins_threads() -> None:
+    """What a library runs with ``asyncio.to_thread`` inside ``run_sync`` (fsspec's local filesystem) runs on
+    the process's shared pool: after the first call, later calls start no thread (``asyncio.run`` would
+    start its own executor's threads each call, and one more to join them), and the pool outlives every
+    loop."""
+    from ckptd.writer.fanout import POOL_THREADS, shared_pool
+
+    assert all(name.startswith("ckptd-io") for name in run_sync(_to_thread_names()))
+    everyone = threading.Barrier(POOL_THREADS)  # the pool grown to its bound: it starts no thread after
+    for f in [shared_pool().submit(everyone.wait, 10) for _ in range(POOL_THREADS)]:
+        f.result()
+    started = []
+    real_start = threading.Thread.start
+
+    def counted(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    pool = shared_pool()
+    threading.Thread.start = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            assert all(name.startswith("ckptd-io") for name in run_sync(_to_thread_names()))
+            with pytest.raises(FileNotFoundError, match="unchanged"):
+                run_sync(_fail())
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+    assert started == [] and shared_pool() is pool
+    assert pool.submit(lambda: 7).result() == 7  # not shut down by any loop's close

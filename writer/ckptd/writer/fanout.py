@@ -7,8 +7,8 @@ import functools
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,11 +63,9 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-async def in_thread(fn: Callable[..., R], /, *args: object) -> R:
-    """``await asyncio.to_thread(fn, *args)`` on one pool of :data:`POOL_THREADS` threads kept for the
-    process's life. A synchronous load runs its own event loop (:func:`~ckptd.writer.sync.run_sync`), whose
-    default pool would start its threads on the load's first reads and join them at its end: milliseconds
-    of every load on a busy host. Idle threads cost nothing; they end with the interpreter."""
+def shared_pool() -> ThreadPoolExecutor:
+    """The process's pool of :data:`POOL_THREADS` worker threads, made on first use and kept for the
+    process's life (idle threads cost nothing; they end with the interpreter)."""
     global _pool
     pool = _pool
     if pool is None:
@@ -75,4 +73,26 @@ async def in_thread(fn: Callable[..., R], /, *args: object) -> R:
             if _pool is None:
                 _pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="ckptd-io")
             pool = _pool
-    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+    return pool
+
+
+async def in_thread(fn: Callable[..., R], /, *args: object) -> R:
+    """``await asyncio.to_thread(fn, *args)`` on :func:`shared_pool`. A synchronous load runs its own event
+    loop (:func:`~ckptd.writer.sync.run_sync`), whose own default pool would start its threads on the load's
+    first reads and join them at its end: milliseconds of every load on a busy host."""
+    return await asyncio.get_running_loop().run_in_executor(shared_pool(), functools.partial(fn, *args))
+
+
+class SharedExecutor(ThreadPoolExecutor):
+    """An event loop's default executor that hands every call to :func:`shared_pool` and is never shut down
+    by the loop: what a library runs with ``asyncio.to_thread`` (fsspec's wrapper of the local filesystem)
+    then starts no threads of its own in each short-lived loop of :func:`~ckptd.writer.sync.run_sync`."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)  # never used: no thread of its own is ever started
+
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
+        return shared_pool().submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to do: the shared pool outlives every loop."""

@@ -1,10 +1,14 @@
 """The one bridge from synchronous callers to ckptd's async readers.
 
 Every synchronous read entry point (``load``, ``read_commit``, the Megatron loader...) runs its async core
-through :func:`run_sync`. Without a running event loop in the calling thread that is ``asyncio.run``.
-Inside one (a notebook, an async server that calls a sync API) a second loop cannot run on the same
-thread, so the coroutine runs on a private loop in a short-lived worker thread while the caller blocks —
-as a synchronous call does anyway. Storage clients are opened and closed inside the coroutine, so they
+through :func:`run_sync`. Without a running event loop in the calling thread that is an ``asyncio.Runner``
+(``asyncio.run``'s own) on a new loop whose default executor is the process's shared worker pool
+(:class:`~ckptd.writer.fanout.SharedExecutor`). ``asyncio.run``'s loop would start threads for the first
+``asyncio.to_thread`` calls of each run (fsspec's local filesystem makes one per object it reads) and one
+more at its end to join them: ~3.5 ms of every load on the 2-core machine. Inside a running loop (a
+notebook, an async server that calls a sync API) a second loop cannot run on the same thread, so the
+coroutine runs on a private loop in a short-lived worker thread while the caller blocks — as a synchronous
+call does anyway. Storage clients are opened and closed inside the coroutine, so they
 always belong to the loop that runs them. Nothing starts at import.
 """
 
@@ -15,7 +19,26 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ckptd.writer.fanout import SharedExecutor
+
 T = TypeVar("T")
+
+
+class _Loop(asyncio.SelectorEventLoop):
+    """A loop whose default executor is the shared pool, so closing it joins no threads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_default_executor(SharedExecutor())
+
+    async def shutdown_default_executor(self, timeout: float | None = None) -> None:
+        """Nothing to join: the shared pool outlives the loop (``asyncio.Runner`` calls this at close)."""
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)`` (the same cancellation, Ctrl-C and async-generator handling) on a :class:`_Loop`."""
+    with asyncio.Runner(loop_factory=_Loop) as runner:
+        return runner.run(coro)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -23,7 +46,7 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        return _run(coro)
     return _run_in_thread(coro)
 
 
@@ -33,7 +56,7 @@ def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
 
     def target() -> None:
         try:
-            outcome.append(asyncio.run(coro))
+            outcome.append(_run(coro))
         except BaseException as exc:  # handed to the caller's thread below
             failure.append(exc)
 
