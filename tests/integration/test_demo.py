@@ -26,6 +26,17 @@ def test_demo_json(tmp_path: Path) -> None:
     assert out["roundtrip"] == "bit-exact" and out["roundtrip_step"] == 8
     assert out["roundtrip_tensors_checked"] > 100 and not out["mismatches"]
     assert out["verify"] == "ok" and out["verify_detail"]["bytes"] == out["bytes_per_step"]
+    # at another layout, from the DP slices (no merge) and after the merge from the merged layout: every
+    # param's fp32 value and Adam moments, every element, compared with what the saving ranks held
+    other = out["other_layout"]
+    assert (other["ranks"], other["tp"], other["dp"]) == (4, 1, 4)
+    params = out["model_params"]
+    for name in ("resharded", "merged"):
+        assert other[name]["result"] == "bit-exact" and not other[name]["mismatches"], other[name]
+        assert other[name]["layout"] == [name]
+        assert other[name]["values_compared"] == 3 * params and other[name]["params_compared"] > 40
+    assert out["merge"]["step"] == 8 and out["merge"]["arrays"] == out["verify_detail"]["merged_arrays"] > 0
+    assert out["verify_detail"]["merged_bytes"] == out["merge"]["bytes_written"]
     assert (out["ranks"], out["tp"], out["dp"]) == (4, 2, 2)
     assert out["bytes_per_step"] > 1 << 20
     assert 0 < out["stall_s_median"] < 30

@@ -120,6 +120,7 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
     fp8 = _with_fp8(model, -1.0)
     merged, plain = roots
     per_rank = []  # per load: (RNG before, RNG after, amax after)
+    layouts = []  # per load: what LoadedCheckpoint.layout says was read
     for path in (merged, plain):
         torch.manual_seed(900 + rank)
         random.seed(900 + rank)
@@ -127,6 +128,7 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
         fp8.amax = torch.full((4,), -1.0)
         before = _rng_digest()
         loaded = load_checkpoint(path, K, model, optimizer)
+        layouts.append(loaded.layout)
         per_rank.append((before, _rng_digest(), float(fp8.amax[0])))
         if path == merged:
             via_merged = _digest(model, optimizer)
@@ -138,8 +140,9 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         value.zero_()
     layout = get_layout(model, optimizer)
-    return {"merged": via_merged, "dp": via_dp, "extra": loaded.extra, "paths": paths, "rank_state": per_rank,
-            "warned": warned, "dp_rank": layout.dp_rank, "sizes": (layout.tp_size, layout.pp_size, layout.dp_size),
+    return {"merged": via_merged, "dp": via_dp, "extra": loaded.extra, "paths": paths, "layouts": layouts,
+            "rank_state": per_rank, "warned": warned, "dp_rank": layout.dp_rank,
+            "sizes": (layout.tp_size, layout.pp_size, layout.dp_size),
             "losses": [train_step(K + i) for i in range(AFTER)]}
 
 
@@ -192,6 +195,7 @@ def test_load_without_merge_equals_merged_and_resumes(
     assert {r["sizes"] for r in results} == {sizes}
     same = saved == "tp1dp2" and build == {"tp": 1, **MULTI}  # only DP changed: the DP layout as saved
     assert {tuple(r["paths"]) for r in results} == {("dp", "dp") if same else ("merged", "merge-free")}
+    assert {tuple(r["layouts"]) for r in results} == {("saved", "saved") if same else ("merged", "resharded")}
     for r in results:
         assert r["dp"] == r["merged"], "merge-free and merged loads differ"
         assert r["extra"] == {"iteration": K}

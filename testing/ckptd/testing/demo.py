@@ -8,8 +8,13 @@
 3. reloads the latest committed step into fresh rank processes (new model, new optimizer, another
    init seed) and compares the model and the optimizer state bit for bit with digests each rank took
    of its live state right after its last save returned;
-4. re-reads every chunk of that step against its crc32c (what ``ckptd verify`` does) and prints a
-   summary (or one JSON object with ``--json``).
+4. reloads that step at another layout (TP2 x DP2 -> TP1 x DP4; TP1 -> TP2) straight from the stored DP
+   bucket slices, no merge, and compares every param's optimizer state (fp32 main param, Adam's moments
+   and step) in model space with what the saving ranks held, byte for byte (:mod:`.crosscheck`);
+5. merges the step offline (what ``ckptd merge`` does), reloads it at that other layout again, now from the
+   merged layout, and compares the same way;
+6. re-reads every chunk of that step, the merged layout's included, against its crc32c (what
+   ``ckptd verify`` does) and prints a summary (or one JSON object with ``--json``).
 
 Why TP2 x DP2 for 4 ranks: it exercises both halves of the format at once — model tensors split over
 tensor parallelism and written in model space by their owners, and optimizer state in the DP layout
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -31,8 +37,12 @@ import tempfile
 import time
 from typing import Any
 
+import msgspec
+
+from ckptd.testing.crosscheck import compare_runs, full_states, param_states
 from ckptd.testing.launch import DaemonProcess, run_ranks
 from ckptd.writer.errors import InvalidRequestError
+from ckptd.writer.merge import merge
 
 MARKER = ".ckptd-demo"  # a root holding this file was made by the demo and may be emptied by it
 MODEL = {"hidden": 128, "layers": 4, "vocab": 512, "seq": 32, "heads": 4}
@@ -77,6 +87,7 @@ def _train_rank(rank: int, world: int, socket: str, steps: int, save_every: int,
     saves: list[dict[str, Any]] = []
     losses: list[float] = []
     digests: dict[str, str] = {}
+    params: dict[str, Any] = {}
     t0 = time.perf_counter()
     for it in range(steps):
         losses.append(train_step(it))
@@ -89,11 +100,12 @@ def _train_rank(rank: int, world: int, socket: str, steps: int, save_every: int,
         handle = save_checkpoint(client, step, model, optimizer, extra={"iteration": step, "losses": list(losses)})
         saves.append({"step": step, "started_at": started, "stall_s": handle.stall_s, "nbytes": handle.nbytes})
         digests = state_digests(model, optimizer)  # the state at save time; training goes on from here
+        params = param_states(model, optimizer)
     train_s = time.perf_counter() - t0
     if handle is not None:
         handle.wait(300)
     client.close()
-    return {"saves": saves, "digests": digests, "losses": losses, "train_s": train_s}
+    return {"saves": saves, "digests": digests, "params": params, "losses": losses, "train_s": train_s}
 
 
 def _reload_rank(rank: int, world: int, root: str, tp: int, gmb: int) -> dict[str, Any]:
@@ -106,6 +118,22 @@ def _reload_rank(rank: int, world: int, root: str, tp: int, gmb: int) -> dict[st
     return {"step": loaded.step, "digests": state_digests(model, optimizer), "load_s": time.perf_counter() - t0}
 
 
+def _reload_other_rank(rank: int, world: int, root: str, tp: int, gmb: int) -> dict[str, Any]:
+    from ckptd.client.megatron import load_checkpoint
+    from ckptd.testing.toy_gpt import build_gpt
+
+    model, optimizer, _train = build_gpt(tp=tp, global_microbatches=gmb, seed=98, **MODEL)  # type: ignore[arg-type]
+    warned: list[str] = []  # the loader's warnings, printed once by the parent instead of once per rank
+    keep = logging.Handler(logging.WARNING)
+    keep.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptd").addHandler(keep)
+    t0 = time.perf_counter()
+    loaded = load_checkpoint(root, "latest", model, optimizer)
+    load_s = time.perf_counter() - t0
+    return {"step": loaded.step, "layout": loaded.layout, "params": param_states(model, optimizer), "load_s": load_s,
+            "warnings": warned}
+
+
 # --- the parent ----------------------------------------------------------------------------------
 def parallel_layout(ranks: int) -> tuple[int, int, int]:
     """(TP, DP, global micro-batches) for ``ranks`` ranks: TP2 x DP(ranks/2) for an even count >= 4."""
@@ -114,6 +142,14 @@ def parallel_layout(ranks: int) -> tuple[int, int, int]:
     tp = 2 if ranks >= 4 and ranks % 2 == 0 else 1
     dp = ranks // tp
     return tp, dp, dp * max(1, -(-4 // dp))
+
+
+def other_layout(ranks: int, tp: int) -> tuple[int, int, int, int]:
+    """(ranks, TP, DP, global micro-batches) of the reload at another layout: TP 2 -> 1 over the same ranks,
+    else TP 1 -> 2 (one rank more for an odd count)."""
+    new_tp, n = (1, ranks) if tp == 2 else (2, ranks + ranks % 2)
+    dp = n // new_tp
+    return n, new_tp, dp, dp * max(1, -(-4 // dp))
 
 
 def _prepare_root(root: str) -> None:
@@ -129,7 +165,8 @@ def _prepare_root(root: str) -> None:
 
 
 async def _inspect(root: str) -> tuple[list[int], dict[int, Any], dict[str, Any]]:
-    """Committed steps, their manifests, and a full checksum pass over the latest one."""
+    """Committed steps, their manifests, and a full checksum pass over the latest one (its merged layout's
+    arrays counted apart: ``merged_arrays``, ``merged_bytes``)."""
     from ckptd.writer.arrays import verify_array
     from ckptd.writer.errors import CkptdError
     from ckptd.writer.format import step_dir
@@ -138,15 +175,19 @@ async def _inspect(root: str) -> tuple[list[int], dict[int, Any], dict[str, Any]
     async with open_root(root) as ckpt:
         steps = await ckpt.committed_steps()
         commits = {s: await ckpt.read_commit(s) for s in steps}
-        report: dict[str, Any] = {"ok": False, "step": None, "bytes": 0, "arrays": 0, "errors": []}
+        report: dict[str, Any] = {"ok": False, "step": None, "bytes": 0, "arrays": 0, "merged_bytes": 0,
+                                  "merged_arrays": 0, "errors": []}
         if steps:
             latest = commits[steps[-1]]
+            merged = await ckpt.read_merged_manifest(latest.step)
             report.update(step=latest.step, arrays=len(latest.arrays))
-            for rec in latest.arrays:
+            for rec in [*latest.arrays, *(merged.arrays if merged else [])]:
+                part = "bytes" if rec in latest.arrays else "merged_bytes"
                 try:
-                    report["bytes"] += await verify_array(ckpt.store, step_dir(latest.step), rec)
+                    report[part] += await verify_array(ckpt.store, step_dir(latest.step), rec)
                 except CkptdError as exc:
                     report["errors"].append(f"{type(exc).__name__}: {exc}")
+            report["merged_arrays"] = len(merged.arrays) if merged else 0
             report["ok"] = not report["errors"]
     return steps, commits, report
 
@@ -174,6 +215,14 @@ def run_demo(root: str | None, as_json: bool, ranks: int, steps: int, save_every
         finally:
             daemon.stop(60)
     reloaded = run_ranks(_reload_rank, ranks, root, tp, gmb, timeout_s=600)
+    # another layout: first straight from the DP bucket slices, then from the merged layout
+    n_other, tp_other, dp_other, gmb_other = other_layout(ranks, tp)
+    saved_states = full_states([t["params"] for t in trained])
+    resharded = run_ranks(_reload_other_rank, n_other, root, tp_other, gmb_other, timeout_s=600)
+    merge_summary = merge(root, "latest", progress=False)
+    via_merged = run_ranks(_reload_other_rank, n_other, root, tp_other, gmb_other, timeout_s=600)
+    across = {name: _across(saved_states, runs, trained) for name, runs in
+              (("resharded", resharded), ("merged", via_merged))}
     committed, commits, verify = asyncio.run(_inspect(root))
 
     mismatched = sorted(
@@ -219,6 +268,8 @@ def run_demo(root: str | None, as_json: bool, ranks: int, steps: int, save_every
         "roundtrip_step": reloaded[0]["step"],
         "roundtrip_tensors_checked": sum(len(t["digests"]) for t in trained),
         "mismatches": mismatched[:20],
+        "other_layout": {"ranks": n_other, "tp": tp_other, "dp": dp_other, **across},
+        "merge": msgspec.to_builtins(merge_summary),
         "verify": "ok" if verify["ok"] else "corrupt",
         "verify_detail": verify,
         "losses": trained[0]["losses"],
@@ -228,7 +279,19 @@ def run_demo(root: str | None, as_json: bool, ranks: int, steps: int, save_every
         print(json.dumps(result))
     else:
         _print_table(result)
-    return 0 if roundtrip == "bit-exact" and verify["ok"] and committed else 1
+    exact = all(r["result"] == "bit-exact" for r in across.values())
+    return 0 if roundtrip == "bit-exact" and exact and verify["ok"] and committed else 1
+
+
+def _across(saved: Any, runs: list[dict[str, Any]], trained: list[dict[str, Any]]) -> dict[str, Any]:
+    """One reload at the other layout against the saving ranks' state: which layout it read, how many
+    values matched, what differs."""
+    compared, differs = compare_runs(saved, full_states([r["params"] for r in runs]))
+    step = trained[0]["saves"][-1]["step"]
+    ok = not differs and compared > 0 and all(r["step"] == step for r in runs)
+    return {"result": "bit-exact" if ok else "mismatch", "layout": sorted({r["layout"] for r in runs}),
+            "values_compared": compared, "params_compared": len(saved.states), "mismatches": differs[:20],
+            "load_s_max": max(r["load_s"] for r in runs), "warnings": sorted({w for r in runs for w in r["warnings"]})}
 
 
 def _print_table(r: dict[str, Any]) -> None:
@@ -249,8 +312,23 @@ def _print_table(r: dict[str, Any]) -> None:
           f"({r['roundtrip_tensors_checked']} model/optimizer entries compared on {r['ranks']} ranks)")
     for m in r["mismatches"]:
         print(f"  differs: {m}")
+    o, m = r["other_layout"], r["merge"]
+    where = {"resharded": "straight from the DP bucket slices, no merge", "merged": "from the merged layout"}
+    for name in ("resharded", "merged"):
+        if name == "merged":
+            print(f"merge of step {m['step']} (offline, what `ckptd merge` does): {m['arrays']} arrays (one per "
+                  f"param and state, layers stacked), {m['bytes_read'] / 2**20:.1f} MiB read, "
+                  f"{m['bytes_written'] / 2**20:.1f} MiB written in {m['seconds']:.1f}s")
+        x = o[name]
+        print(f"reload at TP{o['tp']} x DP{o['dp']} {where[name]}: {x['result']} ({x['params_compared']} params' "
+              f"optimizer state, {x['values_compared']:,} values, against the saving ranks'; read from: "
+              f"{', '.join(x['layout'])})")
+        for d in x["mismatches"]:
+            print(f"  differs: {d}")
+    for w in sorted({w for name in ("resharded", "merged") for w in o[name]["warnings"]}):
+        print(f"  (the loader warned: {w})")
     v = r["verify_detail"]
     status = "OK" if v["ok"] else f"CORRUPT ({len(v['errors'])} array(s))"
-    print(f"verify step {v['step']}: {status}: {v['arrays']} arrays, {v['bytes'] / 2**20:.1f} MiB re-read "
-          "against crc32c")
+    print(f"verify step {v['step']}: {status}: {v['arrays']} arrays, {v['bytes'] / 2**20:.1f} MiB, and "
+          f"{v['merged_arrays']} merged arrays, {v['merged_bytes'] / 2**20:.1f} MiB, re-read against crc32c")
     print(f"total {r['seconds']:.1f}s")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -65,6 +65,10 @@ class LoadedCheckpoint:
     extra: object  # the ``extra`` plain data given to save_checkpoint (None if there was none)
     source_rank: int  # the saved rank whose RNG state and ``extra`` were restored
     from_memory_bytes: int = 0  # bytes copied from the daemon's arena (in-memory restore), checksummed
+    # where the optimizer state was read: "saved" (each rank's own stored bucket slices, the saving run's
+    # TP/PP and buckets), "merged" (the per-parameter layout `ckptd merge` built), "resharded" (the stored DP
+    # bucket slices read through the layout sidecars, no merge), "model" (no optimizer loaded)
+    layout: Literal["saved", "merged", "resharded", "model"] = "saved"
 
 
 @paused
@@ -277,8 +281,11 @@ async def _load_merged(
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
     slices[OPTIM_META] = metas
-    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
-                  source="its merged layout", in_place=targets.in_place)
+    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng, source="merged",
+                  in_place=targets.in_place)
+
+
+_SOURCES = {"merged": "its merged layout", "resharded": "its DP layout without a merge"}
 
 
 def _apply(
@@ -291,7 +298,7 @@ def _apply(
     slices: dict[str, Any],
     *,
     rng: bool,
-    source: str,
+    source: Literal["merged", "resharded"],
     in_place: Collection[str] = (),
 ) -> LoadedCheckpoint:
     """The common end of the two loads at another layout (model tensors and RNG already read into place):
@@ -303,10 +310,10 @@ def _apply(
     saved = records[rank.source]
     logger.info(
         "loaded step %d from %s (saved TP=%d PP=%d DP=%d; now tp%d pp%d dp%d of TP=%d PP=%d DP=%d)",
-        commit.step, source, saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank,
+        commit.step, _SOURCES[source], saved["tp_size"], saved["pp_size"], saved["dp_size"], layout.tp_rank,
         layout.pp_rank, layout.dp_rank, layout.tp_size, layout.pp_size, layout.dp_size,
     )
-    return LoadedCheckpoint(commit.step, rank.extra, rank.source)
+    return LoadedCheckpoint(commit.step, rank.extra, rank.source, layout=source)
 
 
 async def _load_resharded(
@@ -340,8 +347,8 @@ async def _load_resharded(
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
     slices[OPTIM_META] = metas
-    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng,
-                  source="its DP layout without a merge", in_place=targets.in_place)
+    return _apply(commit, records, rank, model_chunks, optimizer, layout, slices, rng=rng, source="resharded",
+                  in_place=targets.in_place)
 
 
 async def _load_model_only(
@@ -372,7 +379,7 @@ async def _load_model_only(
     rank.restore(model_chunks, rng=rng)
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)
-    return LoadedCheckpoint(commit.step, rank.extra, rank.source)
+    return LoadedCheckpoint(commit.step, rank.extra, rank.source, layout="model")
 
 
 async def _saved_layouts(
