@@ -25,10 +25,11 @@ from ckptd.client.state import Shard
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.s3server import S3Server
 from ckptd.writer import format as fmt
-from ckptd.writer.arrays import ChunkSink
+from ckptd.writer.arrays import ChunkSink, verify_array
 from ckptd.writer.backends import open_backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import CorruptCheckpointError
+from ckptd.writer.progress import ByteProgress
 from ckptd.writer.root import open_root
 
 # name -> (tensor, rows per chunk)
@@ -114,6 +115,26 @@ def test_whole_and_partial_regions_are_bit_exact(root: str, monkeypatch: pytest.
     # 1-D regions clipped to the stored length, starting inside a chunk
     got = read_flat(root, read_commit(root, 1), {"flat": (30, 130), "b16": (3, 4)})
     assert torch.equal(got["flat"], flat[30:]) and torch.equal(got["b16"].view(torch.int16), b16[3:4].view(torch.int16))
+
+
+def test_a_load_and_verify_report_every_byte_they_checked(root: str) -> None:
+    """What the progress of a load (logged past 30 s) and of ``ckptd verify`` counts: every chunk once."""
+
+    async def go() -> tuple[ByteProgress, list[int], int, torch.Tensor]:
+        async with open_root(root, None, create=False) as ckpt:
+            commit = await ckpt.read_commit(1)
+            reader = ChunkReader(ckpt, commit)
+            reader.progress = ByteProgress("load of step 1", every_s=3600)
+            out = torch.zeros(100)
+            reader.add("flat", out, (0,))
+            await reader.run()
+            chunks: list[int] = []
+            rec = next(r for r in commit.arrays if r.name == "flat")
+            return reader.progress, chunks, await verify_array(ckpt.store, fmt.step_dir(1), rec, chunks.append), out
+
+    progress, chunks, verified, out = asyncio.run(go())
+    assert torch.equal(out, ARRAYS["flat"][0]) and progress.done == progress.total == 400
+    assert chunks == [100] * 4 and verified == 400
 
 
 @pytest.mark.parametrize("device", [False, True], ids=["host-views", "device-stand-in"])

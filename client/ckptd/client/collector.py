@@ -7,7 +7,7 @@ hundred of those, once enough objects have outlived them, the oldest-generation 
 object in the process, the model's included. Such a full pass, started at a random point of a save, is paid
 by the rank that hit it and so by the whole job. Measured on the toy GPT
 (2 ranks, ``benchmarks/bench_stall_scale.py``'s sizes): the first save of 96 layers (1,352 shards a rank)
-took 0.71 s with the collector on and 0.24 s with it held off (docs/benchmarks.md).
+took 0.71 s with the collector on and 0.24 s with it held off (docs/benchmarks-log.md).
 
 :func:`collector_paused` disables the collector for the length of the call and enables it again after, if
 it was enabled when the outermost paused call began (nested and concurrent calls count, so the last one

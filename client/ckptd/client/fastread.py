@@ -54,6 +54,7 @@ from ckptd.writer.format import (
     itemsize,
     step_dir,
 )
+from ckptd.writer.progress import ByteProgress
 from ckptd.writer.root import CheckpointRoot
 
 #: chunks in flight at once (each holds a worker thread while it reads and checksums); on object stores
@@ -110,6 +111,9 @@ class ChunkReader:
         self._stored: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ShardRecord]] = {}  # by region
         self._gather_by_chunk: dict[tuple[str, int], Job] = {}  # (1-D array, chunk) -> its gather job
         self._bases: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # add_gathers' slices as flat numpy arrays
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            else None
+        self.progress = ByteProgress(f"{'' if rank is None else f'rank {rank}: '}load of step {commit.step}")
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
         """Fill ``dst`` with the region of array ``key`` that starts at ``offset`` (shape: ``dst.shape``).
@@ -389,6 +393,7 @@ class ChunkReader:
         finally:
             self.memory = kept
             self.staging.release()
+            self.progress.close()
 
     async def _read_planned(self) -> None:
         """Read every chunk planned so far (bounded concurrency), then the zarr-decoded remainder, then copy
@@ -396,6 +401,7 @@ class ChunkReader:
         self._carve_staged()
         self._gets = asyncio.Semaphore(self.concurrency)
         gathered = self._gather_jobs()  # first: it takes over the direct reads of chunks it reads anyway
+        self.progress.expect(sum(job.chunk.nbytes for job in (*self.jobs, *gathered)))  # logged past 30 s
         if self.local_root is not None:
             await self._read_local_all(self.jobs + gathered)
         else:
@@ -438,6 +444,7 @@ class ChunkReader:
                 except BaseException:
                     stop.set()
                     raise
+                self.progress.advance(job.chunk.nbytes)
 
         try:
             done = await asyncio.gather(*(in_thread(drain) for _ in range(min(self.concurrency, len(jobs)))),
@@ -481,4 +488,5 @@ class ChunkReader:
                 f"{job.path}: chunk holds {what} bytes, the manifest recorded {nbytes}+{CRC_BYTES}"
             )
         await in_thread(verify, job, body, bytes(trailer))
+        self.progress.advance(nbytes)
 

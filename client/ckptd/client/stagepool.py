@@ -6,7 +6,7 @@ into place after the round (:class:`~ckptd.client.fastread.ChunkReader`: at most
 A new ``torch.empty`` a region made every round's staging new memory, and on the first write the kernel
 faults in and zeroes each of its 4 KiB pages: on the 2-core dev machine 1 GiB staged in 128 MiB rounds took
 0.61 s that way, against 0.21 s through one buffer (``benchmarks/run.py --only staged_load``,
-docs/benchmarks.md). A GPU rank loading 20 GiB of optimizer state in 1 GiB rounds paid it twenty times.
+docs/benchmarks-log.md). A GPU rank loading 20 GiB of optimizer state in 1 GiB rounds paid it twenty times.
 :class:`StagingPool` carves every round's regions out of one buffer that stays for the whole load: its pages
 are faulted in by the first round that uses them, and later rounds reuse them. The buffer is made when the
 first round starts, the size of the largest round the load can have (at most the round's bound), and freed

@@ -251,6 +251,7 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
     from ckptd.writer.arrays import verify_array
     from ckptd.writer.errors import CorruptCheckpointError
     from ckptd.writer.format import step_dir
+    from ckptd.writer.progress import ByteProgress
 
     results: list[dict[str, Any]] = []
     if which is None:
@@ -267,11 +268,15 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
         merged = await root.read_merged_manifest(step)
         t0 = time.perf_counter()
         verified, errors = 0, []
-        for rec in [*commit.arrays, *(merged.arrays if merged else [])]:
+        records = [*commit.arrays, *(merged.arrays if merged else [])]
+        todo = sum(ch.nbytes for rec in records for sh in rec.shards for ch in sh.chunks)
+        bar = ByteProgress(f"verify step {step}", todo, out=None if as_json else sys.stderr)
+        for rec in records:
             try:
-                verified += await verify_array(root.store, step_dir(step), rec)
+                verified += await verify_array(root.store, step_dir(step), rec, bar.advance)
             except (CorruptCheckpointError, CkptdError) as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
+        bar.close()
         failures += bool(errors)
         n_arrays = len(commit.arrays) + (len(merged.arrays) if merged else 0)
         results.append({"step": step, "ok": not errors, "bytes": verified, "arrays": n_arrays, "merged": bool(merged),

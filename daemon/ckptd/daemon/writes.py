@@ -44,7 +44,7 @@ PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting 
 BATCH_CHUNKS = 64
 # local chunks smaller than this get no fsync of their own (nor their folders): the step is made durable by
 # one sync of the filesystem instead. One fsync per file and folder cost ~2 s of a 9,808-tensor rank's
-# 8-9 s commit on ext4 (docs/benchmarks.md)
+# 8-9 s commit on ext4 (docs/benchmarks-log.md)
 FSYNC_EACH_BYTES = 1 << 20
 
 

@@ -5,7 +5,7 @@ Every chunk is checksummed once when it is written and once more each time it is
 in-memory restore, ``ckptd verify``), so the checksum's speed is the load's floor whenever the data is
 already in memory. ``fastcrc``'s implementation folds with carry-less multiplies (PCLMULQDQ, VPCLMULQDQ
 where the CPU has them): on the 2-core EPYC it checksums a cached 1 MiB piece at ~49 GB/s, against ~20 GB/s
-for the ``crc32c`` package's SSE4.2 loop (docs/benchmarks.md). Both give the same value and release the
+for the ``crc32c`` package's SSE4.2 loop (docs/benchmarks-log.md). Both give the same value and release the
 GIL; the ``crc32c`` package stays the fallback where no ``fastcrc`` wheel installs.
 """
 

@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -78,6 +78,7 @@ from ckptd.writer.format import (
     step_dir,
 )
 from ckptd.writer.layout import MegatronLayout, ModelPiece, ParamLayout, decode_layout
+from ckptd.writer.progress import ByteProgress
 from ckptd.writer.root import CheckpointRoot, open_root
 from ckptd.writer.sync import run_sync
 
@@ -259,35 +260,6 @@ def _whole_chunks(piece: ModelPiece, shape: tuple[int, ...], chunks: Sequence[in
     )
 
 
-# --- progress -------------------------------------------------------------------------------------
-class Progress:
-    """A bar with bytes and ETA on a terminal; one log line per bucket otherwise."""
-
-    def __init__(self, total: int, out: TextIO = sys.stderr) -> None:
-        self.total, self.done, self.out = max(total, 1), 0, out
-        self.t0 = time.monotonic()
-        self.tty = out.isatty()
-
-    def advance(self, nbytes: int, what: str) -> None:
-        self.done += nbytes
-        elapsed = time.monotonic() - self.t0
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
-        pct = 100.0 * self.done / self.total
-        if self.tty:
-            bar = "#" * int(pct / 4)
-            self.out.write(f"\r[{bar:<25}] {pct:5.1f}% {self.done / 2**20:,.0f}/{self.total / 2**20:,.0f} MiB "
-                           f"{rate / 2**20:,.0f} MiB/s ETA {eta:,.0f}s ")
-            self.out.flush()
-        else:
-            log.info("merge: %s done, %.1f%% (%.0f/%.0f MiB, %.0f MiB/s, ETA %.0fs)", what, pct,
-                     self.done / 2**20, self.total / 2**20, rate / 2**20, eta)
-
-    def close(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-
-
 # --- execution ------------------------------------------------------------------------------------
 class MergeSummary(msgspec.Struct, frozen=True):
     step: int
@@ -327,7 +299,8 @@ async def run_merge(
     plan = plan_merge(commit, layouts)
     finished = await _finished_tasks(backend, n)
     todo = [t for t in plan.tasks if t.name not in finished]
-    bar = Progress(sum(t.nbytes for t in todo)) if progress else None
+    bar = ByteProgress(f"merge of step {n}", sum(t.nbytes for t in todo), out=sys.stderr, every_s=0.0,
+                       logger=log) if progress else None
     sink = ChunkSink(backend, fsync_each=False)  # many small pieces: one filesystem sync per bucket instead
     sem = asyncio.Semaphore(max(1, workers))
     records: dict[str, list[ShardRecord]] = {name: list(recs) for name, recs in _records_of(finished).items()}

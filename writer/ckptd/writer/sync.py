@@ -6,7 +6,7 @@ through :func:`run_sync`. Without a running event loop in the calling thread tha
 (:class:`~ckptd.writer.fanout.SharedExecutor`). ``asyncio.run``'s loop would start threads for the first
 ``asyncio.to_thread`` calls of each run (fsspec's local filesystem makes one per object it reads) and one
 more at its end to join them: ~0.5 ms a call on the idle 2-core machine, ~3.5 ms of a load there with both
-ranks loading (py-spy; docs/benchmarks.md). Inside a running loop (a
+ranks loading (py-spy; docs/benchmarks-log.md). Inside a running loop (a
 notebook, an async server that calls a sync API) a second loop cannot run on the same thread, so the
 coroutine runs on a private loop in a short-lived worker thread while the caller blocks — as a synchronous
 call does anyway. Storage clients are opened and closed inside the coroutine, so they
