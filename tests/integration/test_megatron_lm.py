@@ -249,7 +249,8 @@ def test_megatron_step_names_on_the_command_line(full_run: tuple[str, list[dict[
     root, _ = full_run
     name = f"iter_{N:07d}"
     assert main(["ls", root, "--step", name, "--json"]) == 0
-    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [N]
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["layout"]) for r in rows] == [(N, {"tp": 1, "pp": 1, "dp": 2})]  # saved at
     assert main(["verify", root, "--step", name, "--json"]) == 0
     assert [(r["step"], r["ok"]) for r in json.loads(capsys.readouterr().out)] == [(N, True)]
     assert main(["merge", root, "--step", name, "--json"]) == 0

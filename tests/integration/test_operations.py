@@ -186,3 +186,13 @@ def test_status_counts_the_saves_waiting_for_staging_space(start_daemon, tmp_pat
     assert "waiting for staging space" not in ckptd("status", "--socket", d.socket).stdout
     for c in (holder, waiter):
         c.close()
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    """``ckptd ls ROOT | head``: stdout's reader is gone before the command writes; it ends quietly (141,
+    as a shell reports SIGPIPE), with nothing on stderr."""
+    proc = subprocess.Popen([*CLI, "ls", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == b""

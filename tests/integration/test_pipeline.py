@@ -233,7 +233,8 @@ def test_retention_keeps_newest_and_gc_cli(start_daemon, tmp_path):
     subprocess.run([*cli, "gc", root, "--keep", "0"], check=True, capture_output=True)
     assert (tmp_path / "ckpt" / "step_4" / "_ckptd" / "COMMITTED").exists()  # never the only committed step
     out = subprocess.run([*cli, "ls", root, "--json"], check=True, capture_output=True, text=True)
-    assert [(r["step"], r["committed"]) for r in json.loads(out.stdout)] == [(4, True)]
+    rows = json.loads(out.stdout)
+    assert [(r["step"], r["committed"], r["layout"]) for r in rows] == [(4, True, None)]  # not a Megatron step
 
 
 def test_coordinator_failure_reaches_other_nodes_and_retry_commits(start_daemon, tmp_path):

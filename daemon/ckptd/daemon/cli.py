@@ -159,27 +159,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
     try:
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "demo" and args.trainer == "verl":
-            from ckptd.testing.demo_verl import run_verl_demo
-
-            return run_verl_demo(root=args.root, as_json=args.json, ranks=args.ranks, steps=args.steps,
-                                 save_every=args.save_every)
-        if args.command == "demo":
-            from ckptd.testing.demo import run_demo
-
-            return run_demo(root=args.root, as_json=args.json, ranks=4 if args.ranks is None else args.ranks,
-                            steps=12 if args.steps is None else args.steps,
-                            save_every=4 if args.save_every is None else args.save_every)
-        if args.command in COMMANDS:
-            return run_command(args)
-        return asyncio.run(_offline(args))
+        rc = _run(args)
+        sys.stdout.flush()  # a reader that left (`ckptd ls ROOT | head`) shows here, not at exit
+        return rc
     except CkptdError as exc:
         print(f"ckptd {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `ckptd ls ROOT | head`: the reader left; no traceback for it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor from flushing stdout at exit
+        return 141
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "demo" and args.trainer == "verl":
+        from ckptd.testing.demo_verl import run_verl_demo
+
+        return run_verl_demo(root=args.root, as_json=args.json, ranks=args.ranks, steps=args.steps,
+                             save_every=args.save_every)
+    if args.command == "demo":
+        from ckptd.testing.demo import run_demo
+
+        return run_demo(root=args.root, as_json=args.json, ranks=4 if args.ranks is None else args.ranks,
+                        steps=12 if args.steps is None else args.steps,
+                        save_every=4 if args.save_every is None else args.save_every)
+    if args.command in COMMANDS:
+        return run_command(args)
+    return asyncio.run(_offline(args))
 
 
 # attributes of the serve command's namespace that are not daemon options
@@ -227,6 +236,7 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
             row["merged"] = await root.read_merged_manifest(step) is not None
             c = await root.read_commit(step)
             row.update(bytes=c.nbytes, arrays=len(c.arrays), nodes=c.num_nodes, world_size=c.world_size,
+                       layout=_parallel_layout(c.objects),
                        committed_at=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)))
         else:  # a failure note: the step failed (or its daemon died and a successor abandoned it)
             failed = await root.read_failed(step)
@@ -236,15 +246,31 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
     if as_json:
         print(json.dumps(rows))
         return 0
-    print(f"{'step':>8}  {'state':<17} {'size':>10} {'arrays':>7} {'nodes':>5} {'world':>5}  committed at")
+    print(f"{'step':>8}  {'state':<17} {'size':>10} {'arrays':>7} {'nodes':>5} {'world':>5}  {'saved at':<14} "
+          "committed at")
     for r in rows:
         state = ("committed+merged" if r["merged"] else "committed") if r["committed"] else "incomplete"
         if "failed" in r:
             state = "failed"
         size = f"{r['bytes'] / 2**20:.1f}MiB" if "bytes" in r else "-"
+        p = r.get("layout")
+        saved_at = f"TP{p['tp']} PP{p['pp']} DP{p['dp']}" if p else "-"
         print(f"{r['step']:>8}  {state:<17} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
-              f"{r.get('world_size', '-'):>5}  {r.get('committed_at', '-') if r['committed'] else r.get('failed', '')}")
+              f"{r.get('world_size', '-'):>5}  {saved_at:<14} "
+              f"{r.get('committed_at', '-') if r['committed'] else r.get('failed', '')}")
     return 0
+
+
+def _parallel_layout(objects: dict[str, Any]) -> dict[str, int] | None:
+    """The TP/PP/DP sizes a Megatron step was saved at (its ranks' ``megatron`` records), else None."""
+    from ckptd.writer.format import MEGATRON_RECORD
+
+    sizes = {(rec["tp_size"], rec["pp_size"], rec["dp_size"]) for o in objects.values()
+             if isinstance(rec := o.get(MEGATRON_RECORD), dict) and {"tp_size", "pp_size", "dp_size"} <= rec.keys()}
+    if len(sizes) != 1:
+        return None
+    tp, pp, dp = sizes.pop()
+    return {"tp": tp, "pp": pp, "dp": dp}
 
 
 async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int:
