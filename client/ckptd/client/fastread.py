@@ -111,9 +111,9 @@ class ChunkReader:
         self._stored: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ShardRecord]] = {}  # by region
         self._gather_by_chunk: dict[tuple[str, int], Job] = {}  # (1-D array, chunk) -> its gather job
         self._bases: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # add_gathers' slices as flat numpy arrays
-        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            else None
-        self.progress = ByteProgress(f"{'' if rank is None else f'rank {rank}: '}load of step {commit.step}")
+        dist = torch.distributed
+        rank = f"rank {dist.get_rank()}: " if dist.is_available() and dist.is_initialized() else ""
+        self.progress = ByteProgress(f"{rank}load of step {commit.step}")  # logged once a load passes 30 s
 
     def add(self, key: str, dst: torch.Tensor, offset: Sequence[int]) -> None:
         """Fill ``dst`` with the region of array ``key`` that starts at ``offset`` (shape: ``dst.shape``).
@@ -401,7 +401,7 @@ class ChunkReader:
         self._carve_staged()
         self._gets = asyncio.Semaphore(self.concurrency)
         gathered = self._gather_jobs()  # first: it takes over the direct reads of chunks it reads anyway
-        self.progress.expect(sum(job.chunk.nbytes for job in (*self.jobs, *gathered)))  # logged past 30 s
+        self.progress.expect(sum(job.chunk.nbytes for job in (*self.jobs, *gathered)))
         if self.local_root is not None:
             await self._read_local_all(self.jobs + gathered)
         else:
