@@ -10,9 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TextIO
-
-from tqdm import tqdm
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +24,12 @@ class ByteProgress:
         self.t0 = self._last = time.monotonic()
         self._logged = False
         self._lock = threading.Lock()
-        self.bar = None if out is None or not out.isatty() else tqdm(
-            total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=out, dynamic_ncols=True,
-        )
+        self.bar: Any = None
+        if out is not None and out.isatty():
+            from tqdm import tqdm  # imported only for a terminal: a rank's loads never draw a bar
+
+            self.bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=out,
+                            dynamic_ncols=True)
 
     def expect(self, nbytes: int) -> None:
         """``nbytes`` more to do (work planned in rounds)."""
