@@ -144,6 +144,23 @@ def test_status_names_the_job_owner_socket_and_drain(start_daemon, tmp_path, cap
         owner.wait()
 
 
+def test_status_without_flags_finds_the_users_one_daemon(tmp_path, sockdir):
+    """``ckptd status`` with no flags and no CKPTD_SOCKET/CKPTD_ROOT asks the node's one daemon of this user
+    (a daemon started with ``--root`` alone listens on its root's socket, not on a fixed path)."""
+    from ckptd.client.paths import default_socket_path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_SOCKET", "CKPTD_ROOT")}
+    env["XDG_RUNTIME_DIR"] = sockdir
+    root = str(tmp_path / "ckpt")
+    d = DaemonProcess(root, default_socket_path(env, root), "--arena-size", "16MiB", env=env).wait_ready()
+    try:
+        out = subprocess.run([*CLI, "status", "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["socket"] == d.socket
+    finally:
+        d.stop(30)
+
+
 def test_status_without_a_daemon_is_a_clear_error(sockdir):
     out = ckptd("status", "--socket", os.path.join(sockdir, "nobody.sock"))
     assert out.returncode == 2 and "DaemonUnavailableError" in out.stderr

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from ckptd.client.paths import default_socket_path
+from ckptd.client.paths import client_socket_path, default_socket_path
 from ckptd.client.protocol import (
     HEADER,
     PROTOCOL_VERSION,
@@ -41,7 +41,8 @@ def add_commands(sub: Any) -> None:  # argparse's _SubParsersAction is private
     """Register ``status`` and ``plan`` on the ``ckptd`` parser's subcommands."""
     st = sub.add_parser("status", help="show a running daemon: steps in flight, arena, throughput, errors")
     where = st.add_mutually_exclusive_group()
-    where.add_argument("--socket", help="the daemon's socket (default: $CKPTD_SOCKET or the per-user path)")
+    where.add_argument("--socket", help="the daemon's socket (default: $CKPTD_SOCKET, the socket of "
+                       "$CKPTD_ROOT, else this user's one daemon on the node)")
     where.add_argument("--root", help="find the daemon serving this checkpoint root (among this user's sockets)")
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon's answer")
@@ -97,7 +98,9 @@ def find_socket(root: str, timeout: float) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    path = args.socket or (find_socket(args.root, args.timeout) if args.root else default_socket_path(os.environ))
+    # with neither flag, the socket a client given no root would use: $CKPTD_SOCKET, $CKPTD_ROOT's, else this
+    # user's one daemon on the node (several: an error naming how many)
+    path = args.socket or (find_socket(args.root, args.timeout) if args.root else client_socket_path(os.environ))
     reply = request(path, ReportRequest(v=PROTOCOL_VERSION), args.timeout)
     if not isinstance(reply, StatusReport):
         raise ProtocolError(f"the daemon answered {type(reply).__name__} to a status report request")
