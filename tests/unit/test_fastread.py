@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,15 @@ from ckptd.client.state import Shard
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.s3server import S3Server
 from ckptd.writer import format as fmt
-from ckptd.writer.arrays import ChunkSink, verify_array
+from ckptd.writer.arrays import (
+    ChunkSink,
+    array_metadata,
+    checksum,
+    full_chunk,
+    open_for_write,
+    verify_array,
+    write_metadata,
+)
 from ckptd.writer.backends import open_backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import CorruptCheckpointError
@@ -200,6 +209,125 @@ def test_cuda_destinations_are_staged_in_rounds_and_bit_exact(root: str) -> None
     whole, strided, reader = asyncio.run(read())
     assert torch.equal(whole.cpu(), w) and torch.equal(strided.cpu(), flat)
     assert reader.peak_staged_bytes <= 64 and reader.staging.allocations == 1 and reader.staging.pinned
+
+
+@pytest.mark.parametrize("staged_first", [False, True])
+def test_a_staged_and_a_direct_region_in_one_chunk_are_both_filled(root: str, staged_first: bool) -> None:
+    """Two regions of one chunk of a 1-D array in one round: one read straight into a host tensor (a bucket
+    slice), one staged for another device's tensor (a ``meta`` tensor stands in for a GPU's; what reaches it
+    is the staging, watched here). Their gather job is shared, in one numbering of the chunk's elements,
+    whichever region comes first."""
+    flat = ARRAYS["flat"][0]
+
+    async def go() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        direct, device = torch.full((10,), -1.0), torch.empty(10, device="meta")
+        adds = [(direct, (30,)), (device, (40,))]  # both in chunk 1 (elements 25..49), neither whole
+        async with open_root(root, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1))
+            staged: list[torch.Tensor] = []
+            take = reader.staging.take
+
+            def watched(dst: torch.Tensor) -> torch.Tensor:
+                buf = take(dst)
+                buf.fill_(-1.0)
+                staged.append(buf)
+                return buf
+
+            reader.staging.take = watched  # type: ignore[method-assign]
+            for dst, offset in reversed(adds) if staged_first else adds:
+                reader.add("flat", dst, offset)
+            await reader.run()
+        return direct, staged
+
+    direct, staged = asyncio.run(go())
+    assert torch.equal(direct, flat[30:40]) and len(staged) == 1 and torch.equal(staged[0], flat[40:50])
+
+
+def _write_zstd(root: str, t: torch.Tensor, rows: int) -> None:
+    """A committed step with one zstd-compressed 1-D array (as ``--codec zstd`` writes), edge chunk padded."""
+
+    async def go() -> None:
+        async with await open_backend(root, None, create=True) as backend:
+            n = t.numel()
+            meta = await array_metadata("float32", [n], [rows], codec="zstd", separator="/")
+            await write_metadata(backend.store, "step_1/z", meta)
+            await open_for_write(backend.store, "step_1/z", meta).setitem(slice(None), t.numpy())
+            blocks = [full_chunk(t.numpy()[i : i + rows], [rows]) for i in range(0, n, rows)]
+            chunks = [fmt.ChunkRecord([i], b.nbytes, await checksum(b)) for i, b in enumerate(blocks)]
+            rec = fmt.ArrayRecord("z", "float32", [n], [rows], [fmt.ShardRecord(0, [0], [n], chunks)], codec="zstd",
+                                  separator="/")
+            writer = CheckpointWriter(backend)
+            await writer.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], [rec], {}, 0, 0.0))
+            await writer.commit(1, 1, timeout=5)
+
+    asyncio.run(go())
+
+
+def test_compressed_chunks_are_checked_against_the_manifest(tmp_path: Path) -> None:
+    """zarr reads a missing chunk as zeros and any valid chunk as what it holds: the compressed path checks
+    each chunk it reads for presence, size and the manifest's crc32c, like the raw path."""
+    t = torch.arange(1, 111, dtype=torch.float32)  # 5 chunks of 25, the last an edge chunk of 10
+    good = str(tmp_path / "good")
+    _write_zstd(good, t, 25)
+    assert torch.equal(load(good, 1, {"z": torch.zeros(110)})["z"], t)
+    part = torch.zeros(55)
+    load(good, 1, {"z": Shard("z", part, (110,), (30,))})  # cuts chunks 1 and 3
+    assert torch.equal(part, t[30:85])
+    for damage in ("remove", "another chunk"):
+        bad = str(tmp_path / damage.replace(" ", "-"))
+        shutil.copytree(good, bad)
+        chunk2 = os.path.join(bad, "step_1", "z", "c", "2")
+        if damage == "remove":
+            os.remove(chunk2)
+        else:  # a valid zstd chunk with its own trailer, holding other data
+            shutil.copy(os.path.join(bad, "step_1", "z", "c", "1"), chunk2)
+        with pytest.raises(CorruptCheckpointError, match=r"z: chunk \[2\]"):
+            load(bad, 1, {"z": torch.zeros(110)})
+        rest = torch.zeros(20)
+        load(bad, 1, {"z": Shard("z", rest, (110,), (80,))})  # chunks 3 and 4 are intact
+        assert torch.equal(rest, t[80:100])
+
+
+def test_a_failed_ranged_load_raises_once_no_check_still_writes(root: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The object-store path: one chunk fails its check while another chunk's check (which copies its
+    elements into place) still runs in a pool thread; the load raises only after that thread is done, so
+    nothing lands in the caller's tensors after the error (as on the local path)."""
+    from ckptd.client import chunkio, ranged
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(root, copy)
+    chunk = os.path.join(copy, "step_1", "w", "c", "1", "0")
+    data = bytearray(Path(chunk).read_bytes())
+    data[5] ^= 0x10
+    Path(chunk).write_bytes(bytes(data))
+
+    flat_checking = threading.Event()
+
+    def slow_verify(job: Job, body: memoryview, trailer: bytes) -> None:
+        if "flat" in job.path:
+            flat_checking.set()
+            time.sleep(0.3)  # the crc of a large chunk on a busy host
+        elif job.path.endswith("c/1/0"):
+            assert flat_checking.wait(10)  # the damaged chunk fails while the other one is being checked
+        chunkio.verify(job, body, trailer)
+
+    monkeypatch.setattr(ranged, "verify", slow_verify)
+    dst = torch.full((10,), -1.0)
+
+    async def go() -> torch.Tensor:
+        async with open_root(copy, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1))
+            reader.local_root = None  # the ranged reads of an object store, here from a local store
+            reader.add("flat", dst, (30,))
+            reader.add("w", torch.zeros(7, 5), (0, 0))
+            with pytest.raises(CorruptCheckpointError, match="c/1/0"):
+                await reader.run()
+            return dst.clone()
+
+    at_raise = asyncio.run(go())
+    time.sleep(0.5)
+    assert torch.equal(dst, at_raise)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])

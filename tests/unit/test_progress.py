@@ -34,6 +34,11 @@ def test_log_lines_at_most_every_interval_and_one_at_the_end(caplog: pytest.LogC
     assert lines[1].startswith("merge of step 7: bucket1, 50.0% (4 of 8 MiB")
     assert lines[2].startswith("merge of step 7: finished, 50.0%") and len(lines) == 3
 
+    failed = ByteProgress("load of step 7", 1 << 20, every_s=0.0)
+    failed.advance(1 << 19)
+    failed.close(done=False)
+    assert caplog.records[-1].getMessage().startswith("load of step 7: stopped, 50.0%")
+
 
 def test_a_terminal_gets_a_bar_and_threads_count_every_byte() -> None:
     out = Terminal()

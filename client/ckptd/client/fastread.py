@@ -16,7 +16,7 @@ returns; :class:`~ckptd.writer.errors.CorruptCheckpointError` names the chunk ot
 be read into (a GPU tensor, a non-contiguous view) is read into host staging and copied into place after:
 at most :data:`STAGE_BYTES` of staging at once (larger regions split into blocks of rows, the rest read in
 later rounds; every round in one buffer, :mod:`ckptd.client.stagepool`). Compressed arrays (and big-endian
-hosts) keep going through zarr (:func:`ckptd.writer.arrays.read_region`).
+hosts) keep going through zarr, chunk by chunk, each checked against the manifest (:mod:`.zarrpath`).
 
     reader = ChunkReader(root, commit)
     reader.add(key, dst_tensor, global_offset)   # any number of regions
@@ -31,20 +31,24 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from ckptd.client.chunkio import CRC_BYTES, Job, contiguous_run, read_local, verify
+from ckptd.client.chunkio import Job, contiguous_run, read_local
 from ckptd.client.gather import Strided, merge_dims, normalize
 from ckptd.client.protocol import RestoreShard
+from ckptd.client.ranged import read_ranged
 from ckptd.client.restore import ArenaSource
 from ckptd.client.stagepool import StagingPool, pinnable
 from ckptd.client.state import dtype_name
-from ckptd.writer.arrays import chunk_selection, open_array, read_region
-from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError, StorageNotFoundError
-from ckptd.writer.fanout import bounded_map, in_thread
+from ckptd.client.zarrpath import read_through_zarr
+from ckptd.writer.arrays import chunk_selection
+from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError
+from ckptd.writer.fanout import bounded_map, in_thread, shared_pool
 from ckptd.writer.format import (
     ArrayRecord,
     ChunkRecord,
@@ -56,6 +60,8 @@ from ckptd.writer.format import (
 )
 from ckptd.writer.progress import ByteProgress
 from ckptd.writer.root import CheckpointRoot
+
+R = TypeVar("R")
 
 #: chunks in flight at once (each holds a worker thread while it reads and checksums); on object stores
 #: also the bound on ranged GETs in flight
@@ -93,6 +99,7 @@ class ChunkReader:
         self.concurrency = concurrency
         self.part_bytes = max(1, part_bytes)
         self._gets: asyncio.Semaphore | None = None  # ranged GETs in flight (object stores), made in run()
+        self._threads: list[Future[Any]] = []  # checks and copies in read-pool threads (:meth:`_tracked`)
         self.jobs: list[Job] = []
         self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
@@ -336,7 +343,8 @@ class ChunkReader:
                 shape = tuple(s.stop - s.start for s in ext)
                 if math.prod(rec.chunks) * item == ch.nbytes:  # an edge chunk stored at full size (zarr)
                     shape = tuple(rec.chunks)
-                if not self._gather_part(path, ch, typed[rel], src, shape, item):
+                first = ext[0].start if len(rec.shape) == 1 else 0  # a 1-D chunk's first element in the array
+                if not self._gather_part(path, ch, typed[rel], src, shape, item, first):
                     self.jobs.append(Job(path, ch, None, typed[rel], src, shape, item))
             self.fast_bytes += math.prod(b - a for a, b in zip(lo, hi, strict=True)) * item
 
@@ -349,22 +357,25 @@ class ChunkReader:
         return grid
 
     def _gather_part(
-        self, path: str, ch: ChunkRecord, dst: np.ndarray, src: tuple[slice, ...], shape: tuple[int, ...], item: int
+        self, path: str, ch: ChunkRecord, dst: np.ndarray, src: tuple[slice, ...], shape: tuple[int, ...], item: int,
+        start: int,
     ) -> bool:
-        """Plan the block ``src`` of an N-d chunk (stored as ``shape``, C order) as a gather job whose
-        positions count the chunk's elements: read piece by piece, its long runs straight into ``dst``, the
-        rest through the thread's scratch piece (no buffer of a whole chunk; other regions in the chunk
-        share the read). False where ``dst``'s strides rule that out."""
+        """Plan the block ``src`` of an N-d chunk (stored as ``shape``, C order) as a gather job: read piece by
+        piece, its long runs straight into ``dst``, the rest through the thread's scratch piece (no buffer of
+        a whole chunk; other regions in the chunk share the read). Positions count the chunk's elements from
+        ``start``: 0, or for a 1-D array the chunk's first element in the array, the numbering of the gather
+        jobs :meth:`add_gather` plans, so both kinds of region can share one chunk's read. False where
+        ``dst``'s strides rule that out."""
         strides = [1] * len(shape)
         for k in range(len(shape) - 2, -1, -1):
             strides[k] = strides[k + 1] * shape[k + 1]
-        first = sum(s.start * st for s, st in zip(src, strides, strict=True))
+        first = start + sum(s.start * st for s, st in zip(src, strides, strict=True))
         norm = normalize(Strided(first, tuple(s.stop - s.start for s in src), tuple(strides)), dst)
         if norm is None:
             return False
         job = self.gathers.get(path)
         if job is None:
-            job = self.gathers[path] = Job(path, ch, None, item=item, start=0, gather=[])
+            job = self.gathers[path] = Job(path, ch, None, item=item, start=start, gather=[])
         job.gather.append(norm)  # type: ignore[union-attr]
         return True
 
@@ -372,28 +383,32 @@ class ChunkReader:
         """Copy what memory holds (checked), then read every planned chunk (bounded concurrency), then the
         zarr-decoded remainder; then the staged regions left to later rounds, one round of at most
         :attr:`stage_bytes` of staging at a time."""
-        if self.from_memory and self.memory is not None:
-            ok = await bounded_map(self._copy_from_memory, self.from_memory, limit=self.concurrency)
-            missed = [item for item, good in zip(self.from_memory, ok, strict=True) if not good]
-            pairs = list(zip(self.from_memory, ok, strict=True))
-            self.memory.served_bytes += sum(item[3].nbytes for item, good in pairs if good)
-            self.from_memory, memory, self.memory = [], self.memory, None
-            for key, dst, offset, _hit, _stored in missed:  # stale or damaged: read from storage
-                memory.rejected.append(key)
-                self.add(key, dst, offset)
-            self.memory = memory
-        kept, self.memory = self.memory, None  # a deferred region was not in memory when it was added
+        kept, done = self.memory, False
         try:
+            if self.from_memory and self.memory is not None:
+                ok = await bounded_map(self._copy_from_memory, self.from_memory, limit=self.concurrency)
+                missed = [item for item, good in zip(self.from_memory, ok, strict=True) if not good]
+                pairs = list(zip(self.from_memory, ok, strict=True))
+                self.memory.served_bytes += sum(item[3].nbytes for item, good in pairs if good)
+                self.from_memory, memory, self.memory = [], self.memory, None
+                for key, dst, offset, _hit, _stored in missed:  # stale or damaged: read from storage
+                    memory.rejected.append(key)
+                    self.add(key, dst, offset)
+                self.memory = memory
+            self.memory = None  # a deferred region was not in memory when it was added
             await self._read_planned()
             while self.deferred:  # later rounds of staged regions, each within stage_bytes
                 todo, self.deferred = self.deferred, []  # (_read_planned took the last round's staging back)
                 for key, dst, offset in todo:
                     self.add(key, dst, offset)
                 await self._read_planned()
+            done = True
         finally:
+            threads, self._threads = self._threads, []  # a failed load raises once none of them still writes
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in threads), return_exceptions=True)
             self.memory = kept
             self.staging.release()
-            self.progress.close()
+            self.progress.close(done)
 
     async def _read_planned(self) -> None:
         """Read every chunk planned so far (bounded concurrency), then the zarr-decoded remainder, then copy
@@ -406,11 +421,9 @@ class ChunkReader:
             await self._read_local_all(self.jobs + gathered)
         else:
             await bounded_map(self._read_ranged, self.jobs + gathered, limit=self.concurrency)
-        for key, dst, offset in self.slow:
-            arr = await open_array(self.ckpt.store, f"{self.prefix}/{key}")
-            data = await read_region(arr, offset, tuple(dst.shape))
-            src = torch.from_numpy(np.ascontiguousarray(data).reshape(tuple(dst.shape)))  # 0-d stays 0-d
-            dst.copy_(src.view(dst.dtype) if src.dtype != dst.dtype else src)
+        for key, dst, offset in self.slow:  # compressed: through zarr, every chunk checked
+            rec = self.arrays[key]
+            await read_through_zarr(self.ckpt.store, self.prefix, rec, self._chunk_grid(rec), dst, offset)
         for staging, dst in self.copies:
             dst.copy_(staging)
         self.jobs, self.slow, self.copies, self.staged_bytes = [], [], [], 0
@@ -419,7 +432,7 @@ class ChunkReader:
     async def _copy_from_memory(
         self, item: tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]
     ) -> bool:
-        return await in_thread(self._copy_checked, *item)
+        return await self._tracked(self._copy_checked, *item)
 
     def _copy_checked(
         self, key: str, dst: torch.Tensor, offset: tuple[int, ...], hit: RestoreShard, stored: ShardRecord
@@ -456,37 +469,16 @@ class ChunkReader:
             raise failed
 
     async def _read_ranged(self, job: Job) -> None:
-        """Object stores: the chunk and its trailer in ranged GETs of at most ``part_bytes``, each body read
-        straight into the destination run (or a scratch chunk), then the crc32c in a worker thread."""
-        nbytes, size = job.chunk.nbytes, job.chunk.nbytes + CRC_BYTES
-        scratch = job.direct if job.direct is not None else np.empty(nbytes, dtype=np.uint8)
-        body, trailer = scratch.data, bytearray(CRC_BYTES)
-        tail = memoryview(trailer)
+        """Object stores: one chunk in ranged GETs (:func:`~ckptd.client.ranged.read_ranged`)."""
         if self._gets is None:
             self._gets = asyncio.Semaphore(self.concurrency)
-        gets = self._gets
+        await read_ranged(self.ckpt.backend, job, self.part_bytes, self._gets, self._tracked)
+        self.progress.advance(job.chunk.nbytes)
 
-        async def part(lo: int) -> int | None:
-            """Bytes ``[lo, hi)`` of the object: the body's part of it, then the trailer's; the object's size
-            (-1 when it was shorter)."""
-            hi = min(lo + self.part_bytes, size)
-            views = [body[min(lo, nbytes) : min(hi, nbytes)], tail[max(lo - nbytes, 0) : max(hi - nbytes, 0)]]
-            views = [v for v in views if v.nbytes]
-            async with gets:
-                try:
-                    got, total = await self.ckpt.backend.read_into(job.path, lo, views)
-                except StorageNotFoundError:
-                    raise CorruptCheckpointError(f"{job.path}: chunk missing") from None
-            return total if got == hi - lo else -1
-
-        starts = range(0, size, self.part_bytes)
-        sizes = await bounded_map(part, starts, limit=len(starts))  # the bound is ``gets``; first error cancels
-        held = next((n for n in sizes if n is not None and n != size), None)
-        if held is not None:
-            what = "fewer" if held < 0 else str(held)
-            raise CorruptCheckpointError(
-                f"{job.path}: chunk holds {what} bytes, the manifest recorded {nbytes}+{CRC_BYTES}"
-            )
-        await in_thread(verify, job, body, bytes(trailer))
-        self.progress.advance(nbytes)
-
+    async def _tracked(self, fn: Callable[..., R], /, *args: object) -> R:
+        """``fn`` in a read-pool thread, remembered until the load settles (:meth:`run`): a running thread
+        cannot be cancelled, and a failed load must not raise while one still writes into the caller's
+        tensors or the staging."""
+        future = shared_pool().submit(fn, *args)
+        self._threads.append(future)
+        return await asyncio.wrap_future(future)

@@ -297,12 +297,14 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
         records = [*commit.arrays, *(merged.arrays if merged else [])]
         todo = sum(ch.nbytes for rec in records for sh in rec.shards for ch in sh.chunks)
         bar = ByteProgress(f"verify step {step}", todo, out=None if as_json else sys.stderr)
-        for rec in records:
-            try:
-                verified += await verify_array(root.store, step_dir(step), rec, bar.advance)
-            except (CorruptCheckpointError, CkptdError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-        bar.close()
+        try:
+            for rec in records:
+                try:
+                    verified += await verify_array(root.store, step_dir(step), rec, bar.advance)
+                except (CorruptCheckpointError, CkptdError) as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            bar.close(not errors)
         failures += bool(errors)
         n_arrays = len(commit.arrays) + (len(merged.arrays) if merged else 0)
         results.append({"step": step, "ok": not errors, "bytes": verified, "arrays": n_arrays, "merged": bool(merged),

@@ -238,30 +238,37 @@ async def verify_array(
     total = 0
     for shard in rec.shards:
         for ch in shard.chunks:
-            key = f"{prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
-            if not await store.exists(key):
-                raise CorruptCheckpointError(f"{rec.name}: chunk {ch.coords} missing ({key})")
-            full = math.prod(rec.chunks) * itemsize(rec.torch_dtype)
-            if rec.codec == "raw" and ch.nbytes != full:  # maybe a format-2 edge chunk stored cut: zarr refuses it
-                await _verify_cut_chunk(store, key, rec.name, ch)
-                total += ch.nbytes
-                if on_chunk is not None:
-                    on_chunk(ch.nbytes)
-                continue
-            sel = chunk_selection(ch.coords, rec.chunks, rec.shape)
-            data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
-            if data.nbytes != ch.nbytes and ch.nbytes == full:  # an edge chunk, recorded whole (format 3)
-                data = full_chunk(data, rec.chunks)
-            crc = await checksum(data)
-            if crc != ch.crc32c or data.nbytes != ch.nbytes:
-                raise CorruptCheckpointError(
-                    f"{rec.name}: chunk {ch.coords} holds {data.nbytes} bytes with crc32c {crc:#010x}; the "
-                    f"manifest recorded {ch.nbytes} bytes with crc32c {ch.crc32c:#010x}"
-                )
-            total += data.nbytes
+            await read_chunk_checked(store, arr, prefix, rec, ch)
+            total += ch.nbytes
             if on_chunk is not None:
-                on_chunk(data.nbytes)
+                on_chunk(ch.nbytes)
     return total
+
+
+async def read_chunk_checked(
+    store: Store, arr: AsyncArray[Any], prefix: str, rec: ArrayRecord, ch: ChunkRecord
+) -> np.ndarray | None:
+    """One stored chunk through zarr, checked against the manifest: it must exist (zarr would read a missing
+    chunk as the fill value) and its decoded bytes must have the recorded size and crc32c (which catches a
+    valid chunk of another step in its place). Returns its elements inside the array (an edge chunk cut to
+    the array's end), or None for a format-2 raw edge chunk stored cut, checked as stored (zarr refuses it)."""
+    key = f"{prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
+    if not await store.exists(key):
+        raise CorruptCheckpointError(f"{rec.name}: chunk {ch.coords} missing ({key})")
+    full = math.prod(rec.chunks) * itemsize(rec.torch_dtype)
+    if rec.codec == "raw" and ch.nbytes != full:  # maybe a format-2 edge chunk stored cut: zarr refuses it
+        await _verify_cut_chunk(store, key, rec.name, ch)
+        return None
+    sel = chunk_selection(ch.coords, rec.chunks, rec.shape)
+    data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
+    stored = full_chunk(data, rec.chunks) if data.nbytes != ch.nbytes and ch.nbytes == full else data  # format 3
+    crc = await checksum(stored)
+    if crc != ch.crc32c or stored.nbytes != ch.nbytes:
+        raise CorruptCheckpointError(
+            f"{rec.name}: chunk {ch.coords} holds {stored.nbytes} bytes with crc32c {crc:#010x}; the "
+            f"manifest recorded {ch.nbytes} bytes with crc32c {ch.crc32c:#010x}"
+        )
+    return data
 
 
 async def _verify_cut_chunk(store: Store, key: str, name: str, ch: ChunkRecord) -> None:

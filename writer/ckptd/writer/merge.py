@@ -320,13 +320,15 @@ async def run_merge(
         if bar is not None:
             bar.advance(task.nbytes, task.name)
 
+    merged_all = False
     try:
         async with asyncio.TaskGroup() as tg:
             for task in todo:
                 tg.create_task(one(task))
+        merged_all = True
     finally:
         if bar is not None:
-            bar.close()
+            bar.close(merged_all)
     manifest = await _commit_merge(backend, commit, plan, records)
     return MergeSummary(n, len(manifest.arrays), len(todo), len(plan.tasks) - len(todo),
                         sum(t.nbytes for t in todo), written, time.monotonic() - t0)

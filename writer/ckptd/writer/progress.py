@@ -50,12 +50,13 @@ class ByteProgress:
                 self._last, self._logged = now, True
                 self._log(now, note)
 
-    def close(self) -> None:
+    def close(self, done: bool = True) -> None:
+        """The end: ``done`` False when the work failed (the last line says "stopped", not "finished")."""
         with self._lock:
             if self.bar is not None:
                 self.bar.close()
             elif self._logged:
-                self._log(time.monotonic(), "finished")
+                self._log(time.monotonic(), "finished" if done else "stopped")
 
     def _log(self, now: float, note: str) -> None:
         elapsed = now - self.t0
