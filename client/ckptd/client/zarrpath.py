@@ -15,18 +15,24 @@ from zarr.abc.store import Store
 
 from ckptd.writer.arrays import chunk_selection, open_array, read_chunk_checked
 from ckptd.writer.errors import CorruptCheckpointError
+from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import ArrayRecord, ChunkRecord
+
+CHUNKS_IN_FLIGHT = 4  # decoded chunks held at once (each up to the chunk size)
 
 
 async def read_through_zarr(
     store: Store, prefix: str, rec: ArrayRecord, grid: Mapping[tuple[int, ...], ChunkRecord], dst: torch.Tensor,
     offset: tuple[int, ...],
 ) -> None:
-    """Fill ``dst`` with the region of ``rec`` at ``offset``; ``grid``: the array's chunks by coords."""
+    """Fill ``dst`` with the region of ``rec`` at ``offset``; ``grid``: the array's chunks by coords. The first
+    chunk that fails its check is raised and the others are cancelled (a chunk is copied into ``dst`` by its
+    own task after its check, so nothing lands after the error)."""
     arr = await open_array(store, f"{prefix}/{rec.name}")
     ends = [o + n for o, n in zip(offset, dst.shape, strict=True)]
     spans = (range(o // c, -(-e // c)) for o, e, c in zip(offset, ends, rec.chunks, strict=True))
-    for coords in itertools.product(*spans):
+
+    async def one(coords: tuple[int, ...]) -> None:
         ch = grid.get(coords)
         data = None if ch is None else await read_chunk_checked(store, arr, prefix, rec, ch)
         if data is None:  # not in the manifest, or a format-2 edge chunk stored cut (zarr cannot decode it)
@@ -39,3 +45,5 @@ async def read_through_zarr(
         part = dst[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))]
         src = torch.from_numpy(np.ascontiguousarray(piece).reshape(tuple(part.shape)))  # 0-d stays 0-d
         part.copy_(src.view(dst.dtype) if src.dtype != dst.dtype else src)
+
+    await bounded_map(one, itertools.product(*spans), limit=CHUNKS_IN_FLIGHT)
