@@ -205,6 +205,27 @@ def test_status_counts_the_saves_waiting_for_staging_space(start_daemon, tmp_pat
         c.close()
 
 
+def test_a_save_waits_for_staging_space_up_to_lease_timeout_not_the_request_timeout(start_daemon, tmp_path):
+    """``backpressure="wait"``: a save waits for arena space up to ``lease_timeout_s``, past ``timeout_s``
+    (the bound on the daemon's ordinary answers), and goes through once the space is given back."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", "--part-timeout", "1", arena="8MiB")  # rank 0 never saves
+    holder = CheckpointClient(d.socket, placement=Placement(0, 2, 2, 0))
+    waiter = CheckpointClient(d.socket, placement=Placement(1, 2, 2, 0), timeout_s=1, lease_timeout_s=30)
+    held = holder._request(LeaseRequest(v=PROTOCOL_VERSION, step=1, rank=0, sizes=[6 << 20], timeout_s=0))
+    assert isinstance(held, LeaseGranted)
+    give_back = threading.Timer(2.5, lambda: holder._request(ReleaseRequest(v=PROTOCOL_VERSION,
+                                                                            lease_id=held.lease_id)))
+    give_back.start()
+    t0 = time.monotonic()
+    n = 1 << 20  # 4 MiB of float32: fits only once the holder's 6 MiB are back
+    handle = waiter.save(1, {"x": Shard("x", torch.ones(n), (2 * n,), (n,))})
+    waited = time.monotonic() - t0
+    give_back.join()
+    assert waited > 2 and not handle.skipped and handle.nbytes == 4 * n
+    for c in (holder, waiter):
+        c.close()
+
+
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     """``ckptd ls ROOT | head``: stdout's reader is gone before the command writes; it ends quietly (141,
     as a shell reports SIGPIPE), with nothing on stderr."""

@@ -245,10 +245,11 @@ class CheckpointClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, msg: _Msg, ahead: LeaseRequest | None = None) -> Reply:
+    def _request(self, msg: _Msg, ahead: LeaseRequest | None = None, *, wait_s: float = 0.0) -> Reply:
         """Send ``msg`` and read its answer. ``ahead``: a lease request for the next save, sent with it; its
         answer stays owed (:mod:`ckptd.client.pipeline`: read by the next exchange, the next save takes the
-        lease)."""
+        lease). ``wait_s``: how long the daemon may hold its answer back on purpose (a lease waiting for
+        staging space), on top of ``timeout_s``."""
         if self._pipe.owed:
             self._pipe.drain(self)
         if self._sock is None:
@@ -256,15 +257,20 @@ class CheckpointClient:
         sock = self._sock
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {self.socket_path}")
+        limit = self.timeout_s + wait_s
         try:
+            if wait_s:
+                sock.settimeout(limit)
             sock.sendall(encode(msg) if ahead is None else encode(msg) + encode(ahead))
             if ahead is not None:
                 self._pipe.owe_lease(ahead.sizes[0])
             header = self._recv_exactly(HEADER.size)
             reply = decode_reply(self._recv_exactly(frame_length(header)))
+            if wait_s:
+                sock.settimeout(self.timeout_s)
         except TimeoutError as exc:
             self._close_socket()
-            raise SaveTimeoutError(f"the daemon did not answer within {self.timeout_s}s") from exc
+            raise SaveTimeoutError(f"the daemon did not answer within {limit}s") from exc
         except (OSError, ProtocolError) as exc:
             self._close_socket()
             raise DaemonUnavailableError(f"lost the connection to the daemon at {self.socket_path}: {exc}") from exc
@@ -369,8 +375,9 @@ class CheckpointClient:
         timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
         self._pipe.release(self)  # a lease granted ahead and not used: give it back first
         try:
-            grant = self._request(
-                LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=sizes, timeout_s=timeout)
+            grant = self._request(  # the daemon may wait up to ``timeout`` for space before it answers
+                LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=sizes, timeout_s=timeout),
+                wait_s=timeout,
             )
         except BackpressureError:
             if self.backpressure == "skip":

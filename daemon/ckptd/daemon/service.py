@@ -119,7 +119,11 @@ class CheckpointService:
         self.arena.adopt(span or lease)
         save = RankSave(req, lease, staged=(span or lease).nbytes)
         nbytes = sum(lease.sizes[s.slot] for s in req.shards)
-        last = job.add_save(save, nbytes)
+        try:
+            last = job.add_save(save, nbytes)  # refused if the step failed while the sidecar was written
+        except BaseException:
+            self.arena.release(span or lease)  # adopted, and no job took it: nothing else would free it
+            raise
         self.stats.on_save(req.stall_s)
         write = self.writer.write_rank(job, save) if span is None else self._write_span(job, save, span)
         job.tasks[req.rank] = self._spawn(write, f"write step={req.step} rank={req.rank}")
@@ -259,8 +263,8 @@ class CheckpointService:
         """Delete the steps ``--keep`` no longer keeps. The step just committed is committed whatever this
         does: a store that refuses deletes (a bucket policy, Object Lock) or fails one leaves old steps in
         place and a warning, and the next commit tries again."""
-        try:
-            await self.root.retain(self.config.keep)
+        try:  # never a step this node still writes: steps may commit out of order (a chunk in retry backoff)
+            await self.root.retain(self.config.keep, busy={j.step for j in self.in_flight()})
         except Exception as exc:
             log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
                         self.config.keep, self.root.backend.error(exc))

@@ -21,7 +21,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import NamedTuple
 
 import msgspec
@@ -169,6 +169,7 @@ class CheckpointWriter(CheckpointRoot):
             docs.append(functools.partial(write_control_doc, store, folder))
         try:  # zarr writes these through its store: classify their failures like the backend's own
             await bounded_map(lambda write: write(), docs, limit=METADATA_CONCURRENCY)
+            await self.backend.sync_all()  # local roots: the metadata durable before the marker (S3: no-op)
         except CkptdError:
             raise
         except Exception as exc:
@@ -246,29 +247,31 @@ class CheckpointWriter(CheckpointRoot):
             if aborted:
                 log.info("step=%d: aborted %d unfinished multipart upload(s)", step, aborted)
 
-    async def doomed_steps(self, keep: int) -> list[int]:
+    async def doomed_steps(self, keep: int, busy: Collection[int] = ()) -> list[int]:
         """What :meth:`retain` would remove now (see :func:`plan_retention`)."""
-        return plan_retention(await self.committed_steps(), await self.steps(), keep)
+        return plan_retention(await self.committed_steps(), await self.steps(), keep, busy)
 
-    async def retain(self, keep: int) -> list[int]:
+    async def retain(self, keep: int, busy: Collection[int] = ()) -> list[int]:
         """Keep the newest ``keep`` committed steps; drop older ones and unfinished steps older than the
-        newest commit. Never removes the only committed step, nor anything when nothing committed."""
-        doomed = await self.doomed_steps(keep)
+        newest commit, except those in ``busy`` (steps a daemon is still writing: a step may commit after a
+        newer one). Never removes the only committed step, nor anything when nothing committed."""
+        doomed = await self.doomed_steps(keep, busy)
         for step in doomed:
             log.info("retention: removing step %d", step)
             await self.delete_step(step)
         return doomed
 
 
-def plan_retention(committed: list[int], steps: list[int], keep: int) -> list[int]:
+def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Collection[int] = ()) -> list[int]:
     """The steps retention removes, ascending: committed ones beyond the newest ``max(1, keep)``, and
-    unfinished ones older than the newest commit. Nothing when nothing committed. Pure."""
+    unfinished ones older than the newest commit unless ``busy`` (still being written). Nothing when nothing
+    committed. Pure."""
     if not committed:
         return []
     newest = max(committed)
     done = sorted(committed)
     doomed = set(done[: -max(1, keep)])
-    doomed |= {s for s in steps if s < newest and s not in committed}
+    doomed |= {s for s in steps if s < newest and s not in committed and s not in busy}
     return sorted(doomed)
 
 

@@ -1,0 +1,113 @@
+"""The daemon's write side where a failure meets a save: a save refused because its step failed meanwhile
+gives its staging space back; retention never removes a step the daemon is still writing (steps may commit
+out of order); a commit makes its metadata durable before the marker."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptd.client.protocol import PROTOCOL_VERSION, SaveRequest, ShardMeta
+from ckptd.daemon.arena import Arena
+from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.service import CheckpointService
+from ckptd.writer import format as fmt
+from ckptd.writer.arrays import ChunkSink
+from ckptd.writer.backends import open_backend
+from ckptd.writer.commit import CheckpointWriter, plan_retention
+from ckptd.writer.errors import CkptdError, StorageError
+
+
+def test_a_save_refused_because_its_step_failed_meanwhile_gives_its_lease_back(tmp_path: Path) -> None:
+    """The step fails (another rank's write, the part timeout) while this save's accept writes the layout
+    sidecar; the save is refused, and its lease, already adopted by the step, is freed, not leaked."""
+    (tmp_path / "shm").mkdir()
+
+    async def go() -> tuple[int, int, int]:
+        cfg = DaemonConfig(root=str(tmp_path / "root"), socket=str(tmp_path / "s.sock"), arena_size=1 << 20,
+                           retain=False)
+        arena = Arena(cfg.arena_size, shm_dir=str(tmp_path / "shm"), prefault=False)
+        try:
+            svc = CheckpointService(cfg, arena, await open_backend(cfg.root, None, create=True))
+            write_sidecar = svc.root.write_sidecar
+
+            async def slow_sidecar(name: str, text: str) -> None:
+                await asyncio.sleep(0.2)  # an S3 round trip or two
+                await write_sidecar(name, text)
+
+            svc.root.write_sidecar = slow_sidecar  # type: ignore[method-assign]
+            lease = await arena.lease(7, [4096], 1.0)
+            text = '{"layout": 1}'
+            req = SaveRequest(v=PROTOCOL_VERSION, lease_id=lease.lease_id, step=5, rank=0, world_size=2, node=0,
+                              num_nodes=1, local_world_size=2, objects={}, sidecars={fmt.sidecar_name(text): text},
+                              shards=[ShardMeta("w", "float32", [1024], [0], [1024], [1024], 0)])
+            accept = asyncio.create_task(svc.accept(req, 7))
+            await asyncio.sleep(0.05)  # the accept is writing the sidecar
+            svc.jobs[5].fail(StorageError("rank 1's write failed"))
+            with pytest.raises(CkptdError):
+                await accept
+            return arena.free_bytes, arena.size, arena.leases
+        finally:
+            arena.close()
+
+    free, size, leases = asyncio.run(go())
+    assert (free, leases) == (size, 0)
+
+
+def test_retention_never_removes_a_step_still_being_written(tmp_path: Path) -> None:
+    """Step 11 is still being written when step 12 commits (a chunk of 11 in retry backoff): ``--keep``
+    removes older unfinished steps, but not one the daemon has in flight."""
+    assert plan_retention([10, 12], [10, 11, 12], 2) == [11]  # an unfinished step left by a crash
+    assert plan_retention([10, 12], [10, 11, 12], 2, busy={11}) == []
+    assert plan_retention([10, 12], [10, 11, 12], 1, busy={11}) == [10]
+
+    async def go() -> tuple[list[int], bool]:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            writer, sink = CheckpointWriter(backend), ChunkSink(backend)
+            for step in (10, 11, 12):
+                await sink.put(f"{fmt.step_dir(step)}/x/c.0", np.zeros(4, "float32"))
+            for step in (10, 12):
+                await writer.write_marker(step, b"{}")
+            removed = await writer.retain(2, busy={11})
+            return removed, await backend.exists(f"{fmt.step_dir(11)}/x/c.0")
+
+    removed, kept = asyncio.run(go())
+    assert removed == [] and kept
+
+
+def test_a_commit_makes_its_metadata_durable_before_the_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a local root the arrays' and groups' ``zarr.json`` are written in place: one sync of the filesystem
+    makes them durable before ``COMMITTED`` is written (else a crash could leave a marker over empty docs)."""
+    order: list[str] = []
+
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            writer, sink = CheckpointWriter(backend), ChunkSink(backend)
+            block = np.arange(4, dtype=np.float32)
+            crc = await sink.put(f"{fmt.step_dir(1)}/x/{fmt.chunk_key([0], fmt.CHUNK_SEPARATOR)}", block)
+            rec = fmt.ArrayRecord("x", "float32", [4], [4],
+                                  [fmt.ShardRecord(0, [0], [4], [fmt.ChunkRecord([0], 16, crc)])],
+                                  separator=fmt.CHUNK_SEPARATOR)
+            await writer.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], [rec], {}, 0, 0.0))
+            sync_all, write_marker = backend.sync_all, writer.write_marker
+
+            async def synced() -> None:
+                order.append("sync")
+                await sync_all()
+
+            async def marker(step: int, data: bytes) -> None:
+                order.append("marker")
+                await write_marker(step, data)
+
+            monkeypatch.setattr(backend, "sync_all", synced)
+            monkeypatch.setattr(writer, "write_marker", marker)
+            await writer.commit(1, 1, timeout=5)
+            assert await writer.is_committed(1)
+
+    asyncio.run(go())
+    assert order == ["sync", "marker"]
