@@ -299,28 +299,30 @@ class StagePlan:
         # the plan's device, not a walk over this save's sources: a looked-up source that moved to the GPU
         # since is copied blocking (non_blocking=False), which is correct, only slower
         cuda = self.cuda
-        with torch.no_grad():  # sources may require grad (a plain save of params); torch.cat(out=) refuses those
-            for (srcs, _), dst in zip(self._static_cat, static_cat_dst, strict=True):
-                torch.cat(srcs, out=dst)
-            if static_dst:
-                torch._foreach_copy_(
-                    static_dst, [self._static[i][0] for i in self._static_rest], non_blocking=cuda
-                )
-            try:
-                # the element counts were checked (sources()), so a concatenation never outgrows its run
-                ext = sources + self._gap_zeros if self._gap_zeros else sources
-                for (idx, _), dst in zip(self._looked_cat, looked_cat_dst, strict=True):
-                    torch.cat(list(map(ext.__getitem__, idx)), out=dst)
-                if looked_dst:
-                    every = len(looked_dst) == len(sources)
-                    rest = sources if every else list(map(sources.__getitem__, self._looked_rest))
-                    torch._foreach_copy_(looked_dst, rest, non_blocking=cuda)
-            except RuntimeError as exc:  # the planned element count in another shape: copy_ and cat refuse it
-                raise StalePlanError(f"a looked-up source no longer fits its slot: {exc}") from exc
-            if zero_dst:
-                torch._foreach_zero_(zero_dst)
-        if cuda:
-            torch.cuda.current_stream().synchronize()
+        try:
+            with torch.no_grad():  # sources may require grad (a plain save of params); torch.cat(out=) refuses those
+                for (srcs, _), dst in zip(self._static_cat, static_cat_dst, strict=True):
+                    torch.cat(srcs, out=dst)
+                if static_dst:
+                    torch._foreach_copy_(
+                        static_dst, [self._static[i][0] for i in self._static_rest], non_blocking=cuda
+                    )
+                try:
+                    # the element counts were checked (sources()), so a concatenation never outgrows its run
+                    ext = sources + self._gap_zeros if self._gap_zeros else sources
+                    for (idx, _), dst in zip(self._looked_cat, looked_cat_dst, strict=True):
+                        torch.cat(list(map(ext.__getitem__, idx)), out=dst)
+                    if looked_dst:
+                        every = len(looked_dst) == len(sources)
+                        rest = sources if every else list(map(sources.__getitem__, self._looked_rest))
+                        torch._foreach_copy_(looked_dst, rest, non_blocking=cuda)
+                except RuntimeError as exc:  # the planned element count in another shape: copy_ and cat refuse it
+                    raise StalePlanError(f"a looked-up source no longer fits its slot: {exc}") from exc
+                if zero_dst:
+                    torch._foreach_zero_(zero_dst)
+        finally:  # on a failure too: a span given back must not receive a queued device copy afterwards
+            if cuda:
+                torch.cuda.current_stream().synchronize()
 
 
 def pieces_of(shard: Shard) -> list[Piece]:

@@ -64,11 +64,13 @@ class StagingArena:
         """Copy every shard into its slot: one memcpy each (or one D2H copy, then one stream sync)."""
         cuda = any(s.data.is_cuda for s in shards)
         arena = self._bytes(cuda)
-        for shard, off in zip(shards, offsets, strict=True):
-            dst = arena[off : off + shard.nbytes].view(shard.data.dtype).view(shard.data.shape)
-            shard.stage_into(dst, non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream().synchronize()
+        try:
+            for shard, off in zip(shards, offsets, strict=True):
+                dst = arena[off : off + shard.nbytes].view(shard.data.dtype).view(shard.data.shape)
+                shard.stage_into(dst, non_blocking=cuda)
+        finally:  # on a failure too: slots given back must not receive a queued device copy afterwards
+            if cuda:
+                torch.cuda.current_stream().synchronize()
 
     def stage_plan(self, plan: StagePlan, base: int, sources: list[torch.Tensor]) -> None:
         """Copy a registered plan's sources into its span at ``base``."""
