@@ -60,3 +60,30 @@ def test_bounded_map_keeps_order_and_raises_the_first_error_itself() -> None:
     assert asyncio.run(bounded_map(slow_square, range(7), limit=3)) == [x * x for x in range(7)]
     with pytest.raises(KeyError):
         asyncio.run(bounded_map(slow_square, range(10), limit=3))
+
+
+def test_a_cancelled_write_returns_once_its_thread_is_done_with_the_memory() -> None:
+    """``in_thread_settled`` (the chunk writes out of the arena): a caller cancelled while its thread runs
+    (a step's part timeout, shutdown) is cancelled only after the thread ended, so the arena slot it reads
+    is not freed under it."""
+    import time
+
+    from ckptd.writer.fanout import in_thread_settled
+
+    done = threading.Event()
+
+    def write() -> int:
+        time.sleep(0.3)
+        done.set()
+        return 1
+
+    async def go() -> bool:
+        task = asyncio.create_task(in_thread_settled(write))
+        await asyncio.sleep(0.05)  # the thread runs
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return done.is_set()
+
+    assert asyncio.run(go())
+    assert asyncio.run(in_thread_settled(lambda: 7)) == 7

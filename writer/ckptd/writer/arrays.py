@@ -28,6 +28,7 @@ from zarr.storage import MemoryStore, StorePath
 from ckptd.writer.backends import Backend
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
+from ckptd.writer.fanout import in_thread_settled
 from ckptd.writer.format import (
     ARRAY_ATTR,
     CHUNK_SEPARATOR,
@@ -109,12 +110,13 @@ class ChunkSink:
         the caller (:meth:`Backend.sync_all`), as ``fsync_each=False`` does for every chunk.
 
         Padding, checksumming and copying run in worker threads, never in the event loop that serves the
-        ranks.
+        ranks. A cancelled write returns once its thread is done with ``block`` (an arena slot the caller
+        frees next).
         """
         if self.local_root is not None:
             path = os.path.join(self.local_root, key)
-            return await asyncio.to_thread(_put_local, path, block, self.fsync_each and fsync, chunks)
-        body, crc = await asyncio.to_thread(_encode, block, chunks)
+            return await in_thread_settled(_put_local, path, block, self.fsync_each and fsync, chunks)
+        body, crc = await in_thread_settled(_encode, block, chunks)
         await self.backend.put_body(key, body)
         return crc
 
@@ -126,7 +128,7 @@ class ChunkSink:
         root = self.local_root
         if root is None:
             raise ValueError("put_local_unsynced writes to a local root only")
-        return await asyncio.to_thread(
+        return await in_thread_settled(
             lambda: [_put_local(os.path.join(root, key), block, False, chunks) for key, block, chunks in items]
         )
 

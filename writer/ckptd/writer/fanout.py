@@ -83,6 +83,20 @@ async def in_thread(fn: Callable[..., R], /, *args: object) -> R:
     return await asyncio.get_running_loop().run_in_executor(shared_pool(), functools.partial(fn, *args))
 
 
+async def in_thread_settled(fn: Callable[..., R], /, *args: object) -> R:
+    """``asyncio.to_thread(fn, *args)`` for a call that reads memory its caller frees once it returns (an
+    arena slot): a running thread cannot be stopped, so a cancelled caller still waits for it to end before
+    its cancellation goes on."""
+    future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])  # the thread is done with the memory; then the cancellation goes on
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what the caller gets
+        raise
+
+
 class SharedExecutor(ThreadPoolExecutor):
     """An event loop's default executor that hands every call to :func:`shared_pool` and is never shut down
     by the loop: what a library runs with ``asyncio.to_thread`` (fsspec's wrapper of the local filesystem)
