@@ -248,8 +248,7 @@ class CheckpointClient:
     def _request(self, msg: _Msg, ahead: LeaseRequest | None = None, *, wait_s: float = 0.0) -> Reply:
         """Send ``msg`` and read its answer. ``ahead``: a lease request for the next save, sent with it; its
         answer stays owed (:mod:`ckptd.client.pipeline`: read by the next exchange, the next save takes the
-        lease). ``wait_s``: how long the daemon may hold its answer back on purpose (a lease waiting for
-        staging space), on top of ``timeout_s``."""
+        lease). ``wait_s``: how long the daemon may hold its answer back on purpose, on top of ``timeout_s``."""
         if self._pipe.owed:
             self._pipe.drain(self)
         if self._sock is None:
@@ -375,10 +374,8 @@ class CheckpointClient:
         timeout = self.lease_timeout_s if self.backpressure == "wait" else 0.0
         self._pipe.release(self)  # a lease granted ahead and not used: give it back first
         try:
-            grant = self._request(  # the daemon may wait up to ``timeout`` for space before it answers
-                LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=sizes, timeout_s=timeout),
-                wait_s=timeout,
-            )
+            ask = LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=self.placement.rank, sizes=sizes, timeout_s=timeout)
+            grant = self._request(ask, wait_s=timeout)  # the daemon may wait up to ``timeout`` for space
         except BackpressureError:
             if self.backpressure == "skip":
                 log.warning("rank %d: step %d skipped: staging arena still full", self.placement.rank, step)
