@@ -32,8 +32,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -48,7 +47,7 @@ from ckptd.client.state import dtype_name
 from ckptd.client.zarrpath import read_through_zarr
 from ckptd.writer.arrays import chunk_selection
 from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError
-from ckptd.writer.fanout import bounded_map, in_thread, shared_pool
+from ckptd.writer.fanout import bounded_map, in_thread, in_thread_settled, shared_pool
 from ckptd.writer.format import (
     ArrayRecord,
     ChunkRecord,
@@ -99,7 +98,6 @@ class ChunkReader:
         self.concurrency = concurrency
         self.part_bytes = max(1, part_bytes)
         self._gets: asyncio.Semaphore | None = None  # ranged GETs in flight (object stores), made in run()
-        self._threads: list[Future[Any]] = []  # checks and copies in read-pool threads (:meth:`_tracked`)
         self.jobs: list[Job] = []
         self.slow: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging, caller's tensor)
@@ -404,8 +402,6 @@ class ChunkReader:
                 await self._read_planned()
             done = True
         finally:
-            threads, self._threads = self._threads, []  # a failed load raises once none of them still writes
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in threads), return_exceptions=True)
             self.memory = kept
             self.staging.release()
             self.progress.close(done)
@@ -432,7 +428,7 @@ class ChunkReader:
     async def _copy_from_memory(
         self, item: tuple[str, torch.Tensor, tuple[int, ...], RestoreShard, ShardRecord]
     ) -> bool:
-        return await self._tracked(self._copy_checked, *item)
+        return await self._settled(self._copy_checked, *item)
 
     def _copy_checked(
         self, key: str, dst: torch.Tensor, offset: tuple[int, ...], hit: RestoreShard, stored: ShardRecord
@@ -472,13 +468,11 @@ class ChunkReader:
         """Object stores: one chunk in ranged GETs (:func:`~ckptd.client.ranged.read_ranged`)."""
         if self._gets is None:
             self._gets = asyncio.Semaphore(self.concurrency)
-        await read_ranged(self.ckpt.backend, job, self.part_bytes, self._gets, self._tracked)
+        await read_ranged(self.ckpt.backend, job, self.part_bytes, self._gets, self._settled)
         self.progress.advance(job.chunk.nbytes)
 
-    async def _tracked(self, fn: Callable[..., R], /, *args: object) -> R:
-        """``fn`` in a read-pool thread, remembered until the load settles (:meth:`run`): a running thread
-        cannot be cancelled, and a failed load must not raise while one still writes into the caller's
-        tensors or the staging."""
-        future = shared_pool().submit(fn, *args)
-        self._threads.append(future)
-        return await asyncio.wrap_future(future)
+    @staticmethod
+    async def _settled(fn: Callable[..., R], /, *args: object) -> R:
+        """``fn`` in a read-pool thread that a failed load waits for (:func:`~ckptd.writer.fanout.in_thread_settled`):
+        the load raises once no check or copy still writes into the caller's tensors or the staging."""
+        return await in_thread_settled(fn, *args, pool=shared_pool())

@@ -22,7 +22,7 @@ async def read_ranged(
     in_thread: Callable[..., Awaitable[Any]],
 ) -> None:
     """Read and check ``job``; ``gets`` bounds the GETs in flight across chunks, ``in_thread`` runs the
-    checks (the reader's tracked threads: a failed load waits for them before it raises)."""
+    checks (in threads a failed load waits for before it raises)."""
     nbytes, size = job.chunk.nbytes, job.chunk.nbytes + CRC_BYTES
     scratch = job.direct if job.direct is not None else np.empty(nbytes, dtype=np.uint8)
     body, trailer = scratch.data, bytearray(CRC_BYTES)

@@ -7,7 +7,7 @@ import functools
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -83,11 +83,12 @@ async def in_thread(fn: Callable[..., R], /, *args: object) -> R:
     return await asyncio.get_running_loop().run_in_executor(shared_pool(), functools.partial(fn, *args))
 
 
-async def in_thread_settled(fn: Callable[..., R], /, *args: object) -> R:
-    """``asyncio.to_thread(fn, *args)`` for a call that reads memory its caller frees once it returns (an
-    arena slot): a running thread cannot be stopped, so a cancelled caller still waits for it to end before
-    its cancellation goes on."""
-    future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+async def in_thread_settled(fn: Callable[..., R], /, *args: object, pool: Executor | None = None) -> R:
+    """``fn(*args)`` in a thread (of ``pool``, else the loop's default executor) for a call that touches
+    memory its caller frees or reports on once it returns (an arena slot; a load's tensors): a running thread
+    cannot be stopped, so a cancelled caller still waits for it to end before its cancellation goes on (a
+    failed ``bounded_map`` then raises once no such thread runs)."""
+    future = asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
