@@ -1,5 +1,5 @@
 """A load's regions of compressed arrays (``--codec zstd``; any array on a big-endian host): through zarr's
-codec pipeline, one stored chunk at a time, each checked against the commit manifest before its part is
+codec pipeline chunk by chunk (a few at once), each checked against the commit manifest before its part is
 copied into place (:func:`~ckptd.writer.arrays.read_chunk_checked`: the chunk exists, and its decoded bytes
 have the recorded size and crc32c). zarr alone would read a missing chunk as zeros and accept a valid chunk
 of another step."""

@@ -181,8 +181,9 @@ async def _inspect(root: str) -> tuple[list[int], dict[int, Any], dict[str, Any]
             latest = commits[steps[-1]]
             merged = await ckpt.read_merged_manifest(latest.step)
             report.update(step=latest.step, arrays=len(latest.arrays))
-            for rec in [*latest.arrays, *(merged.arrays if merged else [])]:
-                part = "bytes" if rec in latest.arrays else "merged_bytes"
+            tagged = [("bytes", rec) for rec in latest.arrays]
+            tagged += [("merged_bytes", rec) for rec in (merged.arrays if merged else [])]
+            for part, rec in tagged:
                 try:
                     report[part] += await verify_array(ckpt.store, step_dir(latest.step), rec)
                 except CkptdError as exc:
