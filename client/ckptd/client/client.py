@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import torch
 
+from ckptd.client.attempts import Attempts
 from ckptd.client.collector import paused
 from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.embedded import ensure_daemon
@@ -27,7 +28,7 @@ from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
 from ckptd.client.pipeline import Pipeline, check_prepared, lease_ahead, save_span, send_prepare
 from ckptd.client.placement import Placement
-from ckptd.client.plan import StagePlan
+from ckptd.client.plan import StagePlan, shard_meta
 from ckptd.client.protocol import (
     HEADER,
     PROTOCOL_VERSION,
@@ -54,7 +55,7 @@ from ckptd.client.protocol import (
 )
 from ckptd.client.reuse import RepeatedPlans
 from ckptd.client.staging import StagingArena
-from ckptd.client.state import Plan, Shard, dtype_name, plan_state, replica_metas
+from ckptd.client.state import Plan, Shard, plan_state, replica_metas
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
@@ -152,6 +153,8 @@ class CheckpointClient:
         self._repeats = RepeatedPlans()  # the plain save path's plan, reused while the structure holds
         self.assume_constant_structure = assume_constant_structure
         self._pipe = Pipeline()  # answers read later, the lease granted ahead (assume_constant_structure)
+        self._attempts = Attempts(env)
+        self._attempt = ""  # the token of the save being made (:mod:`ckptd.client.attempts`)
         self._connect()
 
     # --- connection -------------------------------------------------------------------------------
@@ -351,6 +354,7 @@ class CheckpointClient:
         warning) instead of raising into the training loop, unless ``on_daemon_lost="raise"``."""
         self._drop_if_dead()
         self._raise_background_errors()
+        self._attempt = self._attempts.next(step)
         try:
             return attempt()
         except DaemonUnavailableError as exc:
@@ -393,7 +397,7 @@ class CheckpointClient:
         try:
             prepared = send_prepare(self, step)  # the daemon starts the step while the shards are copied
             self._staging.stage(plan.shards, grant.offsets)
-            metas = [_meta(s, i) for i, s in enumerate(plan.shards)]
+            metas = [shard_meta(s, i) for i, s in enumerate(plan.shards)]
             check_prepared(self, prepared)
             reply = self._request(self._save_request(step, grant, metas, plan.objects, docs, 0, t0, plan.replicas))
             self._sidecars_sent.update(docs)
@@ -444,7 +448,7 @@ class CheckpointClient:
             v=PROTOCOL_VERSION, lease_id=grant.lease_id, step=step, rank=p.rank, world_size=p.world_size,
             node=p.node, num_nodes=p.num_nodes, local_world_size=p.local_world_size, shards=shards,
             objects=objects, sidecars=docs, plan_id=plan_id, replicas=replica_metas(replicas),
-            stall_s=time.perf_counter() - t0,
+            stall_s=time.perf_counter() - t0, attempt=self._attempt,
         )
 
     def _unsent(self, sidecars: Sequence[str]) -> dict[str, str]:
@@ -487,14 +491,3 @@ class CheckpointClient:
 # the layout sidecar is the same string every save: hash it once (its sha256 costs ~1 µs per shard)
 _sidecar_name = functools.lru_cache(maxsize=16)(sidecar_name)
 
-
-def _meta(shard: Shard, slot: int) -> ShardMeta:
-    return ShardMeta(
-        key=shard.key,
-        dtype=dtype_name(shard.data.dtype),
-        global_shape=list(shard.global_shape),
-        global_offset=list(shard.global_offset),
-        shape=list(shard.data.shape),
-        chunk_shape=list(shard.grid),
-        slot=slot,
-    )

@@ -164,7 +164,7 @@ def send_prepare(client: CheckpointClient, step: int) -> _Owed | None:
     if sock is None:
         return None
     msg = PrepareStep(v=PROTOCOL_VERSION, step=step, rank=p.rank, world_size=p.world_size, node=p.node,
-                      num_nodes=p.num_nodes, local_world_size=p.local_world_size)
+                      num_nodes=p.num_nodes, local_world_size=p.local_world_size, attempt=client._attempt)
     try:
         sock.sendall(encode(msg))
     except OSError:

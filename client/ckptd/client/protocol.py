@@ -17,7 +17,7 @@ import msgspec
 
 from ckptd.writer.errors import ProtocolError, ProtocolVersionError
 
-PROTOCOL_VERSION = 3  # 2: LeaseRequest.ahead; 3: PrepareStep
+PROTOCOL_VERSION = 4  # 2: LeaseRequest.ahead; 3: PrepareStep; 4: the attempt token
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 32 << 20
 
@@ -118,6 +118,7 @@ class SaveRequest(_StepPlacement, frozen=True, tag="save"):
     stall_s: float = 0.0
     # Regions the rank holds only as non-main replicas (a plan save's come with its RegisterPlan instead).
     replicas: list[ReplicaMeta] = []
+    attempt: str = ""  # which attempt at the step (:mod:`ckptd.client.attempts`); "" when unknown
 
 
 class PrepareStep(_StepPlacement, frozen=True, tag="prepare"):
@@ -126,6 +127,8 @@ class PrepareStep(_StepPlacement, frozen=True, tag="prepare"):
     attempt left), so the :class:`SaveRequest` that follows is answered at once. Its answer,
     :class:`StepPrepared` or the typed error the save would get (``StepCommittedError``...), is read after
     the copy; the fields are the save's own."""
+
+    attempt: str = ""
 
 
 class ReleaseRequest(_Msg, frozen=True, tag="release"):

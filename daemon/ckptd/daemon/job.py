@@ -83,8 +83,10 @@ class StepJob:
     accepted. Both are plain events: waiting on them is the caller's business.
     """
 
-    def __init__(self, where: NodeStep, retries_before: RetryMetrics | None = None) -> None:
+    def __init__(self, where: NodeStep, retries_before: RetryMetrics | None = None, attempt: str = "") -> None:
         self.where = where
+        self.attempt = attempt  # the ranks' attempt token (client/attempts.py); "" when unknown
+        self.superseded = False  # given up for a newer attempt of the same step by restarted ranks
         # timing
         self.started = time.monotonic()
         self.started_wall = time.time()

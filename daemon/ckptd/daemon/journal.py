@@ -46,6 +46,7 @@ class JournalEntry(msgspec.Struct, frozen=True):
     node: int
     num_nodes: int
     started_at: float
+    attempt: str = ""
 
 
 class JournalDoc(msgspec.Struct, frozen=True):
@@ -82,8 +83,8 @@ class StepJournal:
             return None
         return doc
 
-    def started(self, step: int, node: int, num_nodes: int) -> JournalEntry:
-        entry = self._steps[step] = JournalEntry(step, node, num_nodes, time.time())
+    def started(self, step: int, node: int, num_nodes: int, attempt: str = "") -> JournalEntry:
+        entry = self._steps[step] = JournalEntry(step, node, num_nodes, time.time(), attempt)
         self._write()
         return entry
 
@@ -143,4 +144,4 @@ async def abandon_predecessor_steps(journal: StepJournal, root: CheckpointWriter
 
 
 def _note(entry: JournalEntry) -> dict[str, Any]:
-    return {"node": entry.node, "abandoned": True}
+    return {"node": entry.node, "abandoned": True, "attempt": entry.attempt}

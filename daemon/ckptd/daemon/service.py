@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from ckptd.client.attempts import valid_token
 from ckptd.client.protocol import PrepareStep, SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
@@ -47,6 +48,7 @@ from ckptd.writer.format import (
     PartManifest,
     check_sidecar,
     itemsize,
+    other_attempt,
     plan_chunks,
 )
 
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 
 KEEP_FINISHED_JOBS = 64
 CLOCK_SKEW_S = 5.0  # failure notes older than a step's start (less this) are an earlier attempt's
+SUPERSEDE_WAIT_S = 20.0  # a new attempt's rank waits this long for its node's earlier attempt to end
 
 
 # Starts a background task of the service (the server passes its task group's); the name is for logs.
@@ -168,12 +171,17 @@ class CheckpointService:
         check_replica_metas(req.replicas)
 
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
+        earlier = self.jobs.get(req.step)
+        if earlier is not None and not earlier.final and other_attempt(earlier.attempt, req.attempt):
+            await self._end_earlier_attempt(earlier, req)  # outside the lock: it may wait
         async with self._job_lock:
             job = self.jobs.get(req.step)
             if job is not None and job.state is StepState.COMMITTED:
                 raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
+            if job is not None and not job.final and other_attempt(job.attempt, req.attempt):
+                raise self._busy(job, req)  # yet another attempt began while this one waited
             if (job is not None and job.state is StepState.FAILED and job.error is not None
-                    and req.rank not in job.saves and req.rank not in job.told and since < job.failed_at):
+                    and req.rank not in job.saves and req.rank not in job.told and _late(job, req, since)):
                 # A new attempt would wait for ranks that already heard of the failure (until --part-timeout)
                 job.told.add(req.rank)
                 raise job.error
@@ -183,18 +191,18 @@ class CheckpointService:
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
                 if left.part:
                     await self.root.discard_part(req.step, req.node)
-                if left.failed and req.node == 0:
+                if left.failed and req.node == 0 and not req.attempt:  # a named attempt ignores others' notes
                     await self.root.clear_failed(req.step)
                 metrics = self.root.backend.metrics
                 job = StepJob(
                     NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size),
-                    retries_before=metrics.snapshot() if metrics is not None else None,
+                    retries_before=metrics.snapshot() if metrics is not None else None, attempt=req.attempt,
                 )
                 self.jobs[req.step] = job
                 self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
                 if self.journal is not None:
-                    entry = self.journal.started(req.step, req.node, req.num_nodes)
+                    entry = self.journal.started(req.step, req.node, req.num_nodes, req.attempt)
                     self._spawn(self._journal_until_final(job, self.journal, entry), f"journal step={req.step}")
             w = job.where
             if NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size) != w:
@@ -204,6 +212,37 @@ class CheckpointService:
                     f"{w.node}/{w.num_nodes}, world {w.world_size}, local world {w.local_world_size}"
                 )
             return job
+
+    async def _end_earlier_attempt(self, job: StepJob, req: SaveRequest | PrepareStep) -> None:
+        """A rank saves ``job``'s step in another attempt than ``job``'s (its processes were restarted, or
+        the save is retried) while ``job`` has not ended on this node.
+
+        Still missing ranks, ``job`` is given up at once: its ranks that are gone will never save into it.
+        Its writes in flight finish first (the new attempt writes the same keys), and a note tells the
+        other nodes' daemons, still in that attempt, to stop waiting for it. With all its ranks saved it
+        may still commit: the rank waits up to :data:`SUPERSEDE_WAIT_S` for it to end, and gets a typed
+        error if it has not (:meth:`_busy`)."""
+        if job.state is StepState.PENDING and not job.all_staged.is_set():
+            err = StepFailedError(
+                f"step {job.step} node {job.node}: attempt {job.attempt} given up: rank {req.rank} started "
+                f"attempt {req.attempt} of the step while {job.missing_ranks} of its ranks had not saved"
+            )
+            job.superseded = True  # the part-timeout watch leaves the note and the log to this
+            if job.fail(err):
+                await asyncio.gather(*job.tasks.values(), return_exceptions=True)
+                self.retention.step_failed(job.step)
+                await self._note_failure(job, err, superseded=True)
+                self._log_step(job)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.finished.wait(), SUPERSEDE_WAIT_S)
+
+    def _busy(self, job: StepJob, req: SaveRequest | PrepareStep) -> StepFailedError:
+        return StepFailedError(
+            f"step {req.step}: attempt {job.attempt} of it is still {job.state} on node {job.node} (all its "
+            f"ranks saved; it commits or fails by --commit-timeout, {self.config.commit_timeout_s:.0f}s): "
+            f"attempt {req.attempt} cannot start before it ended; save under another step number meanwhile"
+        )
 
     @staticmethod
     async def _journal_until_final(job: StepJob, journal: StepJournal, entry: JournalEntry) -> None:
@@ -240,13 +279,13 @@ class CheckpointService:
                       job.step, job.node, written - job.started, job.durable_at - written,
                       " (by one filesystem sync)" if job.unsynced else "")
             if job.node == 0:
-                await self.root.commit(job.step, job.where.num_nodes, self.config.commit_timeout_s)
+                await self.root.commit(job.step, job.where.num_nodes, self.config.commit_timeout_s,
+                                       attempt=job.attempt)
                 if self.config.keep:
                     await self._retain()
             else:
-                await self.root.wait_committed(
-                    job.step, self.config.commit_timeout_s, since=job.started_wall - CLOCK_SKEW_S
-                )
+                await self.root.wait_committed(job.step, self.config.commit_timeout_s, attempt=job.attempt,
+                                               since=job.started_wall - CLOCK_SKEW_S, node=job.node)
         except Exception as exc:
             err = self.root.backend.error(exc)
             job.fail(err)
@@ -269,9 +308,9 @@ class CheckpointService:
             log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
                         self.config.keep, self.root.backend.error(exc))
 
-    async def _note_failure(self, job: StepJob, exc: CkptdError) -> None:
+    async def _note_failure(self, job: StepJob, exc: CkptdError, **extra: object) -> None:
         try:
-            await self.root.mark_failed(job.step, exc)
+            await self.root.mark_failed(job.step, exc, attempt=job.attempt, node=job.node, **extra)
         except Exception as note_exc:
             log.warning("step=%d node=%d: could not record the failure: %s", job.step, job.node, note_exc)
 
@@ -298,6 +337,7 @@ class CheckpointService:
             nbytes=job.nbytes,
             written_at=time.time(),
             replicas=node_replicas(job.saves.values()),
+            attempt=job.attempt,
         )
 
     async def _watch_part_timeout(self, job: StepJob) -> None:
@@ -321,7 +361,7 @@ class CheckpointService:
             if job.node == 0:
                 await self._note_failure(job, err)
             self._log_step(job)
-        elif job.state is StepState.FAILED and not job.all_staged.is_set():
+        elif job.state is StepState.FAILED and not job.all_staged.is_set() and not job.superseded:
             # A write failed before the node's last rank arrived (later ones are refused): _finish_node
             # never runs for this step, so its failure is recorded (and told to the other nodes) here.
             if job.node == 0 and job.error is not None:
@@ -399,6 +439,14 @@ class CheckpointService:
             raise self.root.backend.error(exc) from exc
 
 
+def _late(job: StepJob, req: SaveRequest | PrepareStep, since: float) -> bool:
+    """Whether a rank that did not save in ``job``'s failed attempt was meant to: the same named attempt,
+    else (unnamed) connected before the failure."""
+    if job.attempt and req.attempt:
+        return job.attempt == req.attempt
+    return since < job.failed_at
+
+
 def _check_placement(req: SaveRequest | PrepareStep) -> None:
     if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):
         raise InvalidRequestError(
@@ -406,3 +454,5 @@ def _check_placement(req: SaveRequest | PrepareStep) -> None:
         )
     if req.local_world_size < 1 or req.local_world_size > req.world_size:
         raise InvalidRequestError(f"local_world_size {req.local_world_size} outside [1, {req.world_size}]")
+    if not valid_token(req.attempt):
+        raise InvalidRequestError(f"attempt {req.attempt[:120]!r} is not an attempt token (client/attempts.py)")

@@ -51,6 +51,7 @@ from ckptd.writer.format import (
     failed_marker,
     latest_key,
     merge_parts,
+    other_attempt,
     part_key,
     sidecar_key,
     step_dir,
@@ -130,30 +131,42 @@ class CheckpointWriter(CheckpointRoot):
             await self.backend.delete(key)
 
     # --- the coordinator --------------------------------------------------------------------------
-    async def wait_parts(self, step: int, num_nodes: int, timeout: float, poll: float = 0.05) -> list[PartManifest]:
-        """Every node's part, in node order; :class:`SaveTimeoutError` when some are missing at ``timeout``."""
+    async def wait_parts(
+        self, step: int, num_nodes: int, timeout: float, poll: float = 0.05, *, attempt: str = ""
+    ) -> list[PartManifest]:
+        """Every node's part of ``attempt``, in node order; :class:`SaveTimeoutError` when some are missing
+        at ``timeout``. A part of another attempt (left by a failed one, whose node has not started this
+        one yet) counts as missing: committing it would pair two attempts' bytes."""
         deadline = time.monotonic() + timeout
+        warned: set[int] = set()
         while True:
-            parts = await self.read_parts(step)
-            if len(parts) < num_nodes:  # a node whose daemon died mid-step says so (journal.py): stop waiting
-                await self._raise_if_abandoned(step)
-            if len(parts) >= num_nodes:
-                missing = sorted(set(range(num_nodes)) - set(parts))
-                if not missing:
-                    return [parts[n] for n in range(num_nodes)]
+            found = await self.read_parts(step)
+            parts = {n: p for n, p in found.items() if not other_attempt(p.attempt, attempt)}
+            for n in sorted(set(found) - set(parts) - warned):
+                warned.add(n)
+                log.warning("step=%d: node %d's part is from attempt %s, not this one (%s): waiting for its new "
+                            "part", step, n, found[n].attempt, attempt)
+            if len(parts) < num_nodes:  # a node that gave this attempt up says so (journal.py, attempts)
+                await self._raise_if_given_up(step, attempt)
+            missing = sorted(set(range(num_nodes)) - set(parts))
+            if not missing:
+                return [parts[n] for n in range(num_nodes)]
             if time.monotonic() >= deadline:
-                have = sorted(parts)
+                stale = "".join(f"; node {n}'s part is from another attempt ({found[n].attempt}, this one is "
+                                f"{attempt})" for n in missing if n in found)
                 raise SaveTimeoutError(
-                    f"step {step}: only node parts {have} of {num_nodes} arrived within {timeout:.0f}s; not committed"
+                    f"step {step}: only node parts {sorted(parts)} of {num_nodes} arrived within {timeout:.0f}s"
+                    f"{stale}; not committed"
                 )
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, 1.0)
 
-    async def commit(self, step: int, num_nodes: int, timeout: float) -> CommitManifest:
-        """Coordinator side: wait for all parts, check them, write metadata, then the commit marker."""
+    async def commit(self, step: int, num_nodes: int, timeout: float, *, attempt: str = "") -> CommitManifest:
+        """Coordinator side: wait for all parts of ``attempt``, check them, write metadata, then the commit
+        marker."""
         if await self.is_committed(step):
             raise StepCommittedError(f"step {step} already committed under {self.url}")
-        parts = await self.wait_parts(step, num_nodes, timeout)
+        parts = await self.wait_parts(step, num_nodes, timeout, attempt=attempt)
         merged = merge_parts(parts)
         check_replicas(parts, {rec.name: rec for rec in merged.arrays})  # someone wrote every replica region
         prefix = step_dir(step)
@@ -194,16 +207,24 @@ class CheckpointWriter(CheckpointRoot):
         except CkptdError as exc:
             log.warning("step %d is committed under %s, but its 'latest' hint was not moved: %s", step, self.url, exc)
 
-    async def mark_failed(self, step: int, error: BaseException, **extra: object) -> None:
-        """Tell the other nodes' daemons at once that this step will never commit (they stop waiting);
-        ``ckptd ls`` shows the note. ``extra`` fields go into the note as they are."""
-        doc = {**extra, "step": step, "code": type(error).__name__, "message": str(error), "at": time.time()}
+    async def mark_failed(self, step: int, error: BaseException, *, attempt: str = "", **extra: object) -> None:
+        """Tell the other nodes' daemons at once that this step's ``attempt`` will never commit (they stop
+        waiting); ``ckptd ls`` shows the note. ``extra`` fields go into the note as they are."""
+        doc = {**extra, "step": step, "code": type(error).__name__, "message": str(error), "at": time.time(),
+               "attempt": attempt}
         await self.backend.put(failed_marker(step), encode_json(doc))
 
-    async def _raise_if_abandoned(self, step: int) -> None:
+    async def _raise_if_given_up(self, step: int, attempt: str) -> None:
+        """Raise the note's error when a node gave up this attempt: its daemon died (``abandoned``, written
+        by its successor) or its ranks were replaced (``superseded``, written by the node itself)."""
         failed = await self.read_failed(step)
-        if failed is not None and failed.get("abandoned"):
+        if failed is None or other_attempt(str(failed.get("attempt", "")), attempt):
+            return
+        if failed.get("abandoned"):
             raise StepAbandonedError(f"step {step}: not committed: {failed.get('message')}")
+        if attempt and failed.get("attempt") == attempt and failed.get("superseded"):
+            cls = error_classes().get(str(failed.get("code")), StepFailedError)
+            raise cls(f"step {step}: not committed: node {failed.get('node')} gave it up: {failed.get('message')}")
 
     async def clear_failed(self, step: int) -> None:
         """The coordinator starts the step again: drop the failure note of an earlier attempt."""
@@ -213,23 +234,30 @@ class CheckpointWriter(CheckpointRoot):
 
     # --- the other nodes --------------------------------------------------------------------------
     async def wait_committed(
-        self, step: int, timeout: float, poll: float = 0.05, *, since: float = 0.0
+        self, step: int, timeout: float, poll: float = 0.05, *, since: float = 0.0, attempt: str = "", node: int = -1
     ) -> CommitManifest:
-        """Non-coordinator side: wait for the marker (or for the coordinator's failure note).
+        """Non-coordinator side: wait for the marker (or for a failure note of this attempt).
 
-        Failure notes written before ``since`` (wall clock) belong to an earlier attempt and are ignored.
+        A note names its attempt: one of another attempt is ignored. Where either attempt is unknown, notes
+        written before ``since`` (wall clock) are taken for an earlier attempt's. A commit that holds another
+        attempt's part of ``node`` raises :class:`StepCommittedError` (this attempt's part is not in it).
         """
         deadline = time.monotonic() + timeout
         while not await self.is_committed(step):
             failed = await self.read_failed(step)
-            if failed is not None and float(failed.get("at", 0.0)) >= since:
+            if failed is not None and _note_of(failed, attempt, since):
                 cls = error_classes().get(str(failed.get("code")), StepFailedError)
                 raise cls(f"step {step} failed on the coordinator: {failed.get('message')}")
             if time.monotonic() >= deadline:
                 raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s")
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, 1.0)
-        return await self.read_commit(step)
+        manifest = await self.read_commit(step)
+        theirs = manifest.attempts[node] if 0 <= node < len(manifest.attempts) else ""
+        if other_attempt(theirs, attempt):
+            raise StepCommittedError(f"step {step} was committed with node {node}'s part of another attempt "
+                                     f"({theirs}), not this one ({attempt})")
+        return manifest
 
     # --- retention --------------------------------------------------------------------------------
     async def delete_step(self, step: int) -> None:
@@ -260,6 +288,15 @@ class CheckpointWriter(CheckpointRoot):
             log.info("retention: removing step %d", step)
             await self.delete_step(step)
         return doomed
+
+
+def _note_of(note: dict[str, object], attempt: str, since: float) -> bool:
+    """Whether a failure note is about the waiter's attempt (module :func:`CheckpointWriter.wait_committed`)."""
+    theirs = str(note.get("attempt", ""))
+    if theirs and attempt:
+        return theirs == attempt
+    at = note.get("at", 0.0)
+    return float(at) >= since if isinstance(at, int | float) else False
 
 
 def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Collection[int] = ()) -> list[int]:

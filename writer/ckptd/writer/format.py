@@ -264,6 +264,7 @@ class PartManifest(msgspec.Struct, frozen=True):
     nbytes: int
     written_at: float
     replicas: list[ReplicaRecord] = []  # regions its ranks hold only as non-main replicas (writer/replicas.py)
+    attempt: str = ""  # the attempt of its ranks' saves (client/attempts.py); "" when unknown
 
 
 class CommitManifest(msgspec.Struct, frozen=True):
@@ -277,6 +278,13 @@ class CommitManifest(msgspec.Struct, frozen=True):
     objects: dict[str, Any]
     nbytes: int
     committed_at: float
+    attempts: list[str] = []  # each node's attempt token, in node order ("" unknown; absent before them)
+
+
+def other_attempt(a: str, b: str) -> bool:
+    """Whether two attempt tokens name different attempts: both known and unequal (``""`` is unknown and
+    stands for any, as it did before attempts were named)."""
+    return bool(a) and bool(b) and a != b
 
 
 def encode_json(obj: object) -> bytes:
@@ -367,6 +375,7 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
         objects=objects,
         nbytes=sum(p.nbytes for p in parts),
         committed_at=0.0,
+        attempts=[p.attempt for p in parts],
     )
 
 
