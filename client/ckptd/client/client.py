@@ -285,8 +285,9 @@ class CheckpointClient:
             raise ConnectionResetError("the connection to the daemon was closed")
         return recv_exactly(self._sock, n)
 
-    def _status(self, step: int, wait_s: float) -> StepStatus:
-        return _expect(self._request(StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s)), StepStatus)
+    def _status(self, step: int, wait_s: float, attempt: str = "") -> StepStatus:
+        ask = StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s, attempt=attempt)
+        return _expect(self._request(ask), StepStatus)
 
     # --- save -------------------------------------------------------------------------------------
     @paused
@@ -461,7 +462,7 @@ class CheckpointClient:
 
     def _accepted(self, step: int, reply: Reply, t0: float) -> SaveHandle:
         accepted = _expect(reply, SaveAccepted)
-        handle = SaveHandle(self, step, accepted.nbytes, time.perf_counter() - t0)
+        handle = SaveHandle(self, step, accepted.nbytes, time.perf_counter() - t0, attempt=self._attempt)
         self._handles.append(handle)
         return handle
 

@@ -25,10 +25,12 @@ class SaveHandle:
     """The future of one save: node durability, then global commit. Errors re-raise here."""
 
     def __init__(
-        self, client: CheckpointClient | None, step: int, nbytes: int, stall_s: float, skipped: bool = False
+        self, client: CheckpointClient | None, step: int, nbytes: int, stall_s: float, skipped: bool = False,
+        attempt: str = "",
     ) -> None:
         self._client = client
         self.step = step
+        self.attempt = attempt  # which attempt at the step this save was (client/attempts.py)
         self.nbytes = nbytes
         self.stall_s = stall_s
         self.skipped = skipped
@@ -46,7 +48,7 @@ class SaveHandle:
         if self.state.final or self._client is None:
             return
         try:
-            st = self._client._status(self.step, wait_s)
+            st = self._client._status(self.step, wait_s, self.attempt)
         except DaemonUnavailableError as exc:  # the daemon died or restarted: this save is lost with it
             self._fail(DaemonUnavailableError(f"step {self.step}: lost the daemon before the commit: {exc}"))
             return

@@ -221,7 +221,7 @@ def save_span(
             raise DaemonUnavailableError(f"no connection to the daemon at {client.socket_path}")
         try:
             sock.sendall(b"".join([encode(req), encode(ahead)] + [
-                encode(StatusRequest(v=PROTOCOL_VERSION, step=h.step, wait_s=0.0)) for h in polls
+                encode(StatusRequest(v=PROTOCOL_VERSION, step=h.step, wait_s=0.0, attempt=h.attempt)) for h in polls
             ]))
         except OSError as exc:
             client._close_socket()
@@ -230,7 +230,7 @@ def save_span(
     except BaseException:
         client._release(grant)
         raise
-    handle = SaveHandle(client, step, plan.nbytes, time.perf_counter() - t0)
+    handle = SaveHandle(client, step, plan.nbytes, time.perf_counter() - t0, attempt=client._attempt)
     handle._polled = True
     pipe.owed += [_Owed(handle, grant, req, plan), _Owed(size=plan.span)] + [_Owed(polled=h) for h in polls]
     client._handles.append(handle)

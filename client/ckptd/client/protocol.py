@@ -138,6 +138,7 @@ class ReleaseRequest(_Msg, frozen=True, tag="release"):
 class StatusRequest(_Msg, frozen=True, tag="status"):
     step: int
     wait_s: float  # block up to this long for the step to reach a final state
+    attempt: str = ""  # the save's attempt: an earlier attempt of the step is reported, not the newest
 
 
 # --- daemon -> client -----------------------------------------------------------------------------

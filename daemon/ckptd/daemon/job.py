@@ -87,6 +87,7 @@ class StepJob:
         self.where = where
         self.attempt = attempt  # the ranks' attempt token (client/attempts.py); "" when unknown
         self.superseded = False  # given up for a newer attempt of the same step by restarted ranks
+        self.earlier: StepJob | None = None  # the attempt at the step this one replaced (failed)
         # timing
         self.started = time.monotonic()
         self.started_wall = time.time()

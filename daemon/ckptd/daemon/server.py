@@ -354,7 +354,7 @@ class Daemon:
             case RegisterPlan():
                 return PlanRegistered(v=v, plan_id=service.plans.register(req, conn))
             case StatusRequest():
-                state, err = await service.status(req.step, min(max(0.0, req.wait_s), MAX_STATUS_WAIT_S))
+                state, err = await service.status(req.step, min(max(0.0, req.wait_s), MAX_STATUS_WAIT_S), req.attempt)
                 return StepStatus(
                     v=v, step=req.step, state=state, error_code=type(err).__name__ if err else "",
                     error=str(err) if err else "",

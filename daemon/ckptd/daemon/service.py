@@ -198,7 +198,9 @@ class CheckpointService:
                     NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size),
                     retries_before=metrics.snapshot() if metrics is not None else None, attempt=req.attempt,
                 )
-                self.jobs[req.step] = job
+                job.earlier, self.jobs[req.step] = self.jobs.get(req.step), job  # its status stays askable
+                if job.earlier is not None:
+                    job.earlier.earlier = None
                 self._forget_old_jobs()
                 self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
                 if self.journal is not None:
@@ -369,9 +371,15 @@ class CheckpointService:
             self._log_step(job)
 
     # --- status -----------------------------------------------------------------------------------
-    async def status(self, step: int, wait_s: float) -> tuple[StepState, CkptdError | None]:
-        """The step's state on this node (waiting up to ``wait_s`` for a final one) and its error."""
+    async def status(self, step: int, wait_s: float, attempt: str = "") -> tuple[StepState, CkptdError | None]:
+        """The step's state on this node (waiting up to ``wait_s`` for a final one) and its error; with
+        ``attempt``, that attempt's (an earlier one of the step, replaced by a newer, has failed)."""
         job = self.jobs.get(step)
+        if job is not None and other_attempt(job.attempt, attempt):
+            if job.earlier is None or other_attempt(job.earlier.attempt, attempt):
+                return StepState.FAILED, StepFailedError(
+                    f"step {step}: attempt {attempt} ended on node {job.node}; attempt {job.attempt} replaced it")
+            job = job.earlier
         if job is None:
             with self._typed_storage_errors():
                 committed = await self.root.is_committed(step)

@@ -1,0 +1,128 @@
+"""A step saved again by restarted ranks is committed from that attempt's bytes only (client/attempts.py).
+
+Real daemons on a local root; each "run" of the trainer is a set of clients made under its own
+``CKPTD_INCARNATION`` (what the process group's store gives a restarted job). The ranks of the first run
+die part-way through a save; the second run saves the same step with other values. Before attempts were
+named, the coordinator committed the surviving node's part of the dead run beside the new run's part, and
+a restarted rank joined its node's unfinished attempt of the dead ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import CheckpointClient, Placement, Shard, StepState
+from ckptd.client.reader import load
+from ckptd.writer.errors import SaveTimeoutError, StepFailedError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(run: str, rank: int) -> dict[str, Shard]:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{run}/{rank}".encode()))
+    t = torch.randn(4096, generator=g)
+    return {f"r{rank}/w": Shard(f"r{rank}/w", t, tuple(t.shape), (0,))}
+
+
+def _client(monkeypatch: pytest.MonkeyPatch, run: str, sock: str, placement: Placement) -> CheckpointClient:
+    monkeypatch.setenv("CKPTD_INCARNATION", run)
+    return CheckpointClient(sock, placement=placement, timeout_s=60)
+
+
+def _part(root: Path, step: int, node: int) -> dict[str, object]:
+    return dict(json.loads((root / f"step_{step}" / "_ckptd" / "_parts" / f"node-{node}.json").read_text()))
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _loaded(root: Path, step: int, ranks: list[int]) -> dict[str, torch.Tensor]:
+    template = {f"r{r}/w": torch.zeros(4096) for r in ranks}
+    load(str(root), step, template)
+    return template
+
+
+def test_coordinator_never_commits_another_attempts_part(start_daemon, tmp_path, monkeypatch):
+    """Node 1's part of the dead run is on storage when the new run's coordinator reaches the commit: it
+    waits for node 1's part of the new run instead of committing the stale one."""
+    root = tmp_path / "ckpt"
+    n0 = start_daemon(str(root), "n0", "--stage-grace", "0", arena="64MiB")
+    n1 = start_daemon(str(root), "n1", "--stage-grace", "0", "--commit-timeout", "3", arena="64MiB")
+    # run A: node 1's rank saves step 2; node 0's rank died before its save
+    old = _client(monkeypatch, "runA", n1.socket, Placement(1, 2, 1, 1))
+    stale = old.save(2, _state("A", 1))
+    _wait_for(lambda: (root / "step_2" / "_ckptd" / "_parts" / "node-1.json").exists(), 30, "run A's part")
+    assert _part(root, 2, 1)["attempt"] == "runA.1"
+
+    # run B: node 0 first; its coordinator finds only run A's part of node 1 and must not take it
+    new = {r: _client(monkeypatch, "runB", d.socket, Placement(r, 2, 1, r)) for r, d in ((0, n0), (1, n1))}
+    first = new[0].save(2, _state("B", 0))
+    time.sleep(1.0)
+    assert not (root / "step_2" / "_ckptd" / "COMMITTED").exists()
+    assert "from attempt runA.1, not this one (runB.1)" in n0.log_tail()
+    # node 1's new rank waits for run A to end there (its commit timeout), then saves run B's bytes
+    with pytest.raises(SaveTimeoutError):
+        stale.wait(30)
+    second = new[1].save(2, _state("B", 1))
+    assert first.wait(60).state is StepState.COMMITTED and second.wait(60).state is StepState.COMMITTED
+
+    commit = json.loads((root / "step_2" / "_ckptd" / "COMMITTED").read_text())
+    assert commit["attempts"] == ["runB.1", "runB.1"]
+    got = _loaded(root, 2, [0, 1])
+    for r in (0, 1):
+        assert torch.equal(got[f"r{r}/w"], _state("B", r)[f"r{r}/w"].data), f"rank {r}: not run B's bytes"
+    for c in (old, *new.values()):
+        c.close()
+
+
+def test_restarted_ranks_give_up_their_nodes_unfinished_attempt(start_daemon, tmp_path, monkeypatch):
+    """One node, two ranks; run A's rank 1 died before saving step 3. Run B's ranks save step 3: the first
+    of them gives run A's attempt up at once (not after --part-timeout) and never joins it."""
+    root = tmp_path / "ckpt"
+    d = start_daemon(str(root), "d0", "--stage-grace", "0", arena="64MiB")
+    old = _client(monkeypatch, "runA", d.socket, Placement(0, 2, 2, 0))
+    stale = old.save(3, _state("A", 0))
+    new = {r: _client(monkeypatch, "runB", d.socket, Placement(r, 2, 2, 0)) for r in (0, 1)}
+    t0 = time.monotonic()
+    # run B's rank 1 first: joined to run A's attempt it would complete it with run A's rank 0 bytes
+    handles = [new[1].save(3, _state("B", 1)), new[0].save(3, _state("B", 0))]
+    with pytest.raises(StepFailedError, match=r"attempt runA\.1 given up: rank 1 started attempt runB\.1"):
+        stale.wait(30)
+    assert all(h.wait(60).state is StepState.COMMITTED for h in handles)
+    assert time.monotonic() - t0 < 30  # not the 600 s part timeout
+    got = _loaded(root, 3, [0, 1])
+    for r in (0, 1):
+        assert torch.equal(got[f"r{r}/w"], _state("B", r)[f"r{r}/w"].data), f"rank {r}: not run B's bytes"
+    for c in (old, *new.values()):
+        c.close()
+
+
+def test_a_retry_by_the_same_ranks_is_the_next_attempt(start_daemon, tmp_path, monkeypatch):
+    """Same processes, the save of a step that failed is saved again: attempt ``.2``, committed."""
+    root = tmp_path / "ckpt"
+    d = start_daemon(str(root), "d0", "--stage-grace", "0", "--part-timeout", "1", arena="64MiB")
+    ranks = {r: _client(monkeypatch, "runC", d.socket, Placement(r, 2, 2, 0)) for r in (0, 1)}
+    failed = ranks[0].save(4, _state("C1", 0))  # rank 1 misses this save: the part timeout fails it
+    with pytest.raises(SaveTimeoutError):
+        failed.wait(30)
+    with pytest.raises(SaveTimeoutError):  # rank 1's first save of step 4 was meant for that attempt
+        ranks[1].save(4, _state("C1", 1))
+    retry = [ranks[r].save(4, _state("C2", r)) for r in (0, 1)]
+    assert all(h.wait(60).state is StepState.COMMITTED for h in retry)
+    assert _part(root, 4, 0)["attempt"] == "runC.2"
+    got = _loaded(root, 4, [0, 1])
+    for r in (0, 1):
+        assert torch.equal(got[f"r{r}/w"], _state("C2", r)[f"r{r}/w"].data)
+    for c in ranks.values():
+        c.close()

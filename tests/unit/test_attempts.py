@@ -1,0 +1,99 @@
+"""Attempt tokens (client/attempts.py) and how the commit protocol reads them: the ranks of one run agree on
+the incarnation through the process group's store; a failure note or a part of another attempt is not
+taken for this attempt's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ckptd.client.attempts import STORE_KEY, Attempts, valid_token
+from ckptd.writer import format as fmt
+from ckptd.writer.backends import open_backend
+from ckptd.writer.commit import CheckpointWriter
+from ckptd.writer.errors import ConfigError, SaveTimeoutError, StepCommittedError, StepFailedError
+
+
+def test_tokens_count_the_saves_of_each_step() -> None:
+    a = Attempts({"CKPTD_INCARNATION": "run-7"})
+    assert [a.next(5), a.next(6), a.next(5)] == ["run-7.1", "run-7.1", "run-7.2"]
+    assert Attempts({}).next(5) == ""  # no incarnation, no process group: unnamed, as before
+    with pytest.raises(ConfigError, match="CKPTD_INCARNATION"):
+        Attempts({"CKPTD_INCARNATION": "a b"})
+    assert valid_token("") and valid_token("x.1") and not valid_token("x/1") and not valid_token("x" * 97)
+
+
+def _agree(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        token = Attempts({}).next(3)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(token)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_of_one_run_agree_on_the_incarnation(tmp_path: Path) -> None:
+    """Two gloo ranks, each its own random token: one ``compare_set`` each, and both use the first one set."""
+    from ckptd.testing.launch import free_port
+
+    out = str(tmp_path / "token")
+    mp.spawn(_agree, args=(free_port(), out), nprocs=2)
+    tokens = [Path(f"{out}.{r}").read_text() for r in (0, 1)]
+    assert tokens[0] == tokens[1] and tokens[0].endswith(".1") and len(tokens[0]) == 18, tokens
+    assert STORE_KEY.startswith("ckptd/")
+
+
+def _part(step: int, node: int, attempt: str) -> fmt.PartManifest:
+    return fmt.PartManifest(format=fmt.FORMAT_VERSION, step=step, node=node, num_nodes=2, world_size=2, ranks=[node],
+                            arrays=[], objects={}, nbytes=0, written_at=0.0, attempt=attempt)
+
+
+def test_notes_and_parts_of_another_attempt_are_not_this_ones(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            # a part of another attempt is missing, by name, until this attempt's arrives
+            await w.write_part(_part(1, 0, "B.1"))
+            await w.write_part(_part(1, 1, "A.1"))
+            stale = r"node 1's part is from another attempt \(A\.1, this one is B\.1\)"
+            with pytest.raises(SaveTimeoutError, match=stale):
+                await w.wait_parts(1, 2, timeout=0.3, attempt="B.1")
+            assert len(await w.wait_parts(1, 2, timeout=0.3)) == 2  # unnamed: any part, as before
+            await w.write_part(_part(1, 1, "B.1"))
+            assert [p.attempt for p in await w.wait_parts(1, 2, timeout=0.3, attempt="B.1")] == ["B.1", "B.1"]
+
+            # a failure note of another attempt is ignored by a waiter; its own is not
+            await w.mark_failed(2, StepFailedError("old"), attempt="A.1")
+            with pytest.raises(SaveTimeoutError):
+                await w.wait_committed(2, timeout=0.3, attempt="B.1", node=1)
+            await w.mark_failed(2, StepFailedError("new"), attempt="B.1")
+            with pytest.raises(StepFailedError, match="new"):
+                await w.wait_committed(2, timeout=0.3, attempt="B.1", node=1)
+
+            # a node that gave this attempt up stops the coordinator; one that gave up another does not
+            await w.write_part(_part(3, 0, "B.1"))
+            await w.mark_failed(3, StepFailedError("ranks replaced"), attempt="A.1", superseded=True, node=1)
+            with pytest.raises(SaveTimeoutError):
+                await w.wait_parts(3, 2, timeout=0.3, attempt="B.1")
+            await w.mark_failed(3, StepFailedError("ranks replaced"), attempt="B.1", superseded=True, node=1)
+            with pytest.raises(StepFailedError, match="node 1 gave it up"):
+                await w.wait_parts(3, 2, timeout=5.0, attempt="B.1")
+
+            # a commit that holds another attempt's part of this node: this attempt's bytes are not in it
+            await w.write_part(_part(4, 0, "A.1"))
+            await w.write_part(_part(4, 1, "A.1"))
+            manifest = await w.commit(4, 2, timeout=1.0, attempt="A.1")
+            assert manifest.attempts == ["A.1", "A.1"]
+            with pytest.raises(StepCommittedError, match=r"node 1's part of another attempt \(A\.1\)"):
+                await w.wait_committed(4, timeout=1.0, attempt="B.1", node=1)
+            assert (await w.wait_committed(4, timeout=1.0, attempt="A.1", node=1)).step == 4
+
+    asyncio.run(go())
