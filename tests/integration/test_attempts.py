@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient, Placement, Shard, StepState
+from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreRequest
 from ckptd.client.reader import load
 from ckptd.writer.errors import SaveTimeoutError, StepFailedError
 
@@ -109,7 +110,8 @@ def test_restarted_ranks_give_up_their_nodes_unfinished_attempt(start_daemon, tm
 
 
 def test_a_retry_by_the_same_ranks_is_the_next_attempt(start_daemon, tmp_path, monkeypatch):
-    """Same processes, the save of a step that failed is saved again: attempt ``.2``, committed."""
+    """Same processes, the save of a step that failed is saved again: attempt ``.2``, committed, and served
+    from the daemon's memory without the failed attempt's bytes."""
     root = tmp_path / "ckpt"
     d = start_daemon(str(root), "d0", "--stage-grace", "0", "--part-timeout", "1", arena="64MiB")
     ranks = {r: _client(monkeypatch, "runC", d.socket, Placement(r, 2, 2, 0)) for r in (0, 1)}
@@ -121,6 +123,9 @@ def test_a_retry_by_the_same_ranks_is_the_next_attempt(start_daemon, tmp_path, m
     retry = [ranks[r].save(4, _state("C2", r)) for r in (0, 1)]
     assert all(h.wait(60).state is StepState.COMMITTED for h in retry)
     assert _part(root, 4, 0)["attempt"] == "runC.2"
+    # what the failed attempt kept in the arena (rank 0's written shard) is not served with the new one's
+    reply = ranks[0]._request(RestoreRequest(v=PROTOCOL_VERSION, step=4))
+    assert isinstance(reply, RestoreReply) and sorted(s.key for s in reply.shards) == ["r0/w", "r1/w"]
     got = _loaded(root, 4, [0, 1])
     for r in (0, 1):
         assert torch.equal(got[f"r{r}/w"], _state("C2", r)[f"r{r}/w"].data)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -172,14 +172,17 @@ class CheckpointService:
 
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
         earlier = self.jobs.get(req.step)
-        if earlier is not None and not earlier.final and other_attempt(earlier.attempt, req.attempt):
-            await self._end_earlier_attempt(earlier, req)  # outside the lock: it may wait
+        if _another_in_flight(earlier, req) and not _waits_for_ranks(earlier):  # it may still commit: wait
+            with contextlib.suppress(TimeoutError):  # a while, outside the lock
+                await asyncio.wait_for(earlier.finished.wait(), SUPERSEDE_WAIT_S)
         async with self._job_lock:
             job = self.jobs.get(req.step)
             if job is not None and job.state is StepState.COMMITTED:
                 raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
-            if job is not None and not job.final and other_attempt(job.attempt, req.attempt):
-                raise self._busy(job, req)  # yet another attempt began while this one waited
+            if _another_in_flight(job, req):
+                if not _waits_for_ranks(job):
+                    raise self._busy(job, req)
+                await self._give_up(job, req)  # under the lock: the new attempt starts once its writes ended
             if (job is not None and job.state is StepState.FAILED and job.error is not None
                     and req.rank not in job.saves and req.rank not in job.told and _late(job, req, since)):
                 # A new attempt would wait for ranks that already heard of the failure (until --part-timeout)
@@ -193,6 +196,7 @@ class CheckpointService:
                     await self.root.discard_part(req.step, req.node)
                 if left.failed and req.node == 0 and not req.attempt:  # a named attempt ignores others' notes
                     await self.root.clear_failed(req.step)
+                self.retention.step_failed(req.step)  # what a failed attempt kept serves no restore of this one
                 metrics = self.root.backend.metrics
                 job = StepJob(
                     NodeStep(req.step, req.node, req.num_nodes, req.world_size, req.local_world_size),
@@ -215,29 +219,26 @@ class CheckpointService:
                 )
             return job
 
-    async def _end_earlier_attempt(self, job: StepJob, req: SaveRequest | PrepareStep) -> None:
-        """A rank saves ``job``'s step in another attempt than ``job``'s (its processes were restarted, or
-        the save is retried) while ``job`` has not ended on this node.
-
-        Still missing ranks, ``job`` is given up at once: its ranks that are gone will never save into it.
-        Its writes in flight finish first (the new attempt writes the same keys), and a note tells the
-        other nodes' daemons, still in that attempt, to stop waiting for it. With all its ranks saved it
-        may still commit: the rank waits up to :data:`SUPERSEDE_WAIT_S` for it to end, and gets a typed
-        error if it has not (:meth:`_busy`)."""
-        if job.state is StepState.PENDING and not job.all_staged.is_set():
-            err = StepFailedError(
-                f"step {job.step} node {job.node}: attempt {job.attempt} given up: rank {req.rank} started "
-                f"attempt {req.attempt} of the step while {job.missing_ranks} of its ranks had not saved"
-            )
-            job.superseded = True  # the part-timeout watch leaves the note and the log to this
-            if job.fail(err):
-                await asyncio.gather(*job.tasks.values(), return_exceptions=True)
-                self.retention.step_failed(job.step)
-                await self._note_failure(job, err, superseded=True)
-                self._log_step(job)
+    async def _give_up(self, job: StepJob, req: SaveRequest | PrepareStep) -> None:
+        """A rank saves ``job``'s step in another attempt than ``job``'s while ``job`` still waits for ranks
+        of its own: its processes were restarted, or the save is retried, so the missing ranks will never
+        save into it. It fails at once (not after ``--part-timeout``); its writes in flight are cancelled
+        and end before the new attempt writes the same keys; a note tells the other nodes' daemons, still
+        in that attempt, to stop waiting for it. (An attempt whose ranks all saved may still commit: the
+        rank waits up to :data:`SUPERSEDE_WAIT_S` for it, then gets :meth:`_busy`'s error.)"""
+        err = StepFailedError(
+            f"step {job.step} node {job.node}: attempt {job.attempt} given up: rank {req.rank} started "
+            f"attempt {req.attempt} of the step while {job.missing_ranks} of its ranks had not saved"
+        )
+        job.superseded = True  # the part-timeout watch leaves the note and the log to this
+        if not job.fail(err):
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.finished.wait(), SUPERSEDE_WAIT_S)
+        for task in job.tasks.values():
+            task.cancel()
+        await asyncio.gather(*job.tasks.values(), return_exceptions=True)
+        self.retention.step_failed(job.step)
+        await self._note_failure(job, err, superseded=True)
+        self._log_step(job)
 
     def _busy(self, job: StepJob, req: SaveRequest | PrepareStep) -> StepFailedError:
         return StepFailedError(
@@ -262,6 +263,7 @@ class CheckpointService:
         await asyncio.gather(*job.tasks.values(), return_exceptions=True)
         if job.state is not StepState.PENDING:
             if job.state is StepState.FAILED:  # a write failed
+                self.retention.step_failed(job.step)
                 if job.node == 0 and job.error is not None:
                     await self._note_failure(job, job.error)
                 self._log_step(job)
@@ -360,12 +362,14 @@ class CheckpointService:
             job.fail(err)
             for task in job.tasks.values():
                 task.cancel()
+            self.retention.step_failed(job.step)
             if job.node == 0:
                 await self._note_failure(job, err)
             self._log_step(job)
         elif job.state is StepState.FAILED and not job.all_staged.is_set() and not job.superseded:
             # A write failed before the node's last rank arrived (later ones are refused): _finish_node
             # never runs for this step, so its failure is recorded (and told to the other nodes) here.
+            self.retention.step_failed(job.step)
             if job.node == 0 and job.error is not None:
                 await self._note_failure(job, job.error)
             self._log_step(job)
@@ -445,6 +449,17 @@ class CheckpointService:
             raise
         except Exception as exc:
             raise self.root.backend.error(exc) from exc
+
+
+def _another_in_flight(job: StepJob | None, req: SaveRequest | PrepareStep) -> TypeGuard[StepJob]:
+    """``job`` is an attempt at ``req``'s step other than ``req``'s, and has not ended on this node."""
+    return job is not None and not job.final and other_attempt(job.attempt, req.attempt)
+
+
+def _waits_for_ranks(job: StepJob) -> bool:
+    """Still waiting for some of its node's ranks: an attempt restarted ranks may give up (it cannot commit
+    without them)."""
+    return job.state is StepState.PENDING and not job.all_staged.is_set()
 
 
 def _late(job: StepJob, req: SaveRequest | PrepareStep, since: float) -> bool:
