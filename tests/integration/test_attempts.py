@@ -20,6 +20,7 @@ import torch
 from ckptd.client import CheckpointClient, Placement, Shard, StepState
 from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreRequest
 from ckptd.client.reader import load
+from ckptd.testing.fixtures import wait_for
 from ckptd.writer.errors import SaveTimeoutError, StepFailedError
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,12 +41,6 @@ def _part(root: Path, step: int, node: int) -> dict[str, object]:
     return dict(json.loads((root / f"step_{step}" / "_ckptd" / "_parts" / f"node-{node}.json").read_text()))
 
 
-def _wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def _loaded(root: Path, step: int, ranks: list[int]) -> dict[str, torch.Tensor]:
@@ -63,7 +58,7 @@ def test_coordinator_never_commits_another_attempts_part(start_daemon, tmp_path,
     # run A: node 1's rank saves step 2; node 0's rank died before its save
     old = _client(monkeypatch, "runA", n1.socket, Placement(1, 2, 1, 1))
     stale = old.save(2, _state("A", 1))
-    _wait_for(lambda: (root / "step_2" / "_ckptd" / "_parts" / "node-1.json").exists(), 30, "run A's part")
+    wait_for(lambda: (root / "step_2" / "_ckptd" / "_parts" / "node-1.json").exists(), "run A's part", 30)
     assert _part(root, 2, 1)["attempt"] == "runA.1"
 
     # run B: node 0 first; its coordinator finds only run A's part of node 1 and must not take it

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from ckptd.client import CheckpointClient, DaemonUnavailableError, Placement, StepState
 from ckptd.client.reader import load
+from ckptd.testing.fixtures import wait_for
 from ckptd.writer.format import commit_marker, failed_marker
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,12 +33,6 @@ BIG = 24 << 18  # 24 MiB of float32 in ~190 chunks: the kill lands mid-write
 TIMEOUT_S = 60.0  # client request timeouts, and the embedded daemon's start: generous on a loaded runner
 
 
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _writing(root: Path, step: int) -> Callable[[], bool]:
@@ -70,7 +64,7 @@ def test_lost_daemon_fails_the_handle_not_the_training_loop(start_daemon, tmp_pa
     client.save(1, first).wait(60)
 
     pending = client.save(2, {"x": torch.arange(10.0) + 2, "big": torch.randn(BIG)})
-    _wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
+    wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
     d.kill()  # kill -9 mid-write
     with caplog.at_level(logging.WARNING, logger="ckptd.client.client"):
         assert pending.wait(60) is pending  # no raise under the default on_daemon_lost="warn"
@@ -115,9 +109,9 @@ def test_embedded_daemon_restarts_on_the_next_save(tmp_path, sockdir):
         assert client._welcome is not None
         pids.append(client._welcome.daemon_pid)
         pending = client.save(2, {"x": torch.arange(10.0) + 2, "big": torch.randn(BIG)})
-        _wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
+        wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
         os.kill(pids[0], signal.SIGKILL)
-        _wait_for(lambda: _refuses(sock), "the killed daemon's socket to refuse connections")
+        wait_for(lambda: _refuses(sock), "the killed daemon's socket to refuse connections")
         third = {"x": torch.arange(10.0) + 3}
         handle = client.save(3, third)  # a new daemon starts here; the training loop never sees an error
         pids.append(client._welcome.daemon_pid)

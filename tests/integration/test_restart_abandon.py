@@ -22,7 +22,7 @@ import torch
 from ckptd.client import CheckpointClient, Placement, Shard, StepState
 from ckptd.client.reader import load
 from ckptd.daemon.journal import journal_path
-from ckptd.testing.fixtures import tree_digest
+from ckptd.testing.fixtures import tree_digest, wait_for
 from ckptd.writer.errors import StepAbandonedError
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,12 +42,6 @@ def _own(state: dict[str, torch.Tensor]) -> dict[str, Shard]:
     return {k: Shard(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in state.items()}
 
 
-def _wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _chunks_written(step_path: Path) -> bool:
@@ -66,7 +60,7 @@ def test_restarted_daemon_abandons_the_dead_daemons_step(start_daemon, tmp_path)
     before = tree_digest(str(root / "step_1"))
 
     handle = client.save(2, _state(2, big=True))
-    _wait_for(lambda: _chunks_written(root / "step_2"), 30, "the first chunks of step 2")
+    wait_for(lambda: _chunks_written(root / "step_2"), "the first chunks of step 2", 30)
     d0.kill()
     assert not (root / "step_2" / "_ckptd" / "COMMITTED").exists()
     journal = json.loads(Path(journal_path(d0.socket)).read_text())
@@ -121,9 +115,9 @@ def test_other_node_stops_waiting_when_a_restarted_daemon_abandons(killed, start
     chunks.mkdir(parents=True)
     os.mkfifo(chunks / "c.5")
     handles = {r: clients[r].save(2, _own(_state(2, r, big=r == killed))) for r in (0, 1)}
-    _wait_for(lambda: (root / "step_2" / "_ckptd" / "_parts" / f"node-{survivor}.json").exists(), 30,
-              "the surviving node's part")
-    _wait_for(lambda: any(p.is_file() for p in chunks.iterdir()), 30, "the killed node's first chunks")
+    wait_for(lambda: (root / "step_2" / "_ckptd" / "_parts" / f"node-{survivor}.json").exists(),
+             "the surviving node's part", 30)
+    wait_for(lambda: any(p.is_file() for p in chunks.iterdir()), "the killed node's first chunks", 30)
     daemons[killed].kill()
     assert not (root / "step_2" / "_ckptd" / "_parts" / f"node-{killed}.json").exists()
     before = tree_digest(str(root / "step_1"))

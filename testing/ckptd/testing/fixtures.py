@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 BUCKET = "ckpt"  # the bucket the ``s3`` and ``s3_auth`` fixtures create
@@ -69,3 +71,12 @@ def unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI is set: the setup must provide it)")
     pytest.skip(reason)
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll ``cond`` until it holds; ``AssertionError`` naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)

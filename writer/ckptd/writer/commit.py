@@ -291,7 +291,7 @@ class CheckpointWriter(CheckpointRoot):
 
 
 def _note_of(note: dict[str, object], attempt: str, since: float) -> bool:
-    """Whether a failure note is about the waiter's attempt (module :func:`CheckpointWriter.wait_committed`)."""
+    """Whether a failure note is about the waiter's attempt (the rule of :meth:`CheckpointWriter.wait_committed`)."""
     theirs = str(note.get("attempt", ""))
     if theirs and attempt:
         return theirs == attempt
