@@ -21,6 +21,7 @@ from ckptd.client import CheckpointClient, Placement, Shard, StepState
 from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreRequest
 from ckptd.client.reader import load
 from ckptd.testing.fixtures import wait_for
+from ckptd.testing.launch import run_ranks
 from ckptd.writer.errors import SaveTimeoutError, StepFailedError
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,3 +127,40 @@ def test_a_retry_by_the_same_ranks_is_the_next_attempt(start_daemon, tmp_path, m
         assert torch.equal(got[f"r{r}/w"], _state("C2", r)[f"r{r}/w"].data)
     for c in ranks.values():
         c.close()
+
+
+def _save_step_2(rank: int, world: int, sockets: list[str], run: str, saving: list[int]) -> str:
+    """A rank of a real gloo job (one rank a node): its save of step 2, if it saves in this run, and its
+    attempt's name as the client made it (the incarnation agreed through the process group's store)."""
+    client = CheckpointClient(sockets[rank], timeout_s=60)  # placement from torchrun's variables
+    try:
+        if rank not in saving:
+            return ""
+        handle = client.save(2, _state(run, rank))
+        if len(saving) < world:  # the others died: this rank's part lands, the step never commits
+            wait_for(handle.durable, "this node's part", 30)
+        else:
+            handle.wait(60)
+        return handle.attempt
+    finally:
+        client.close()
+
+
+def test_a_restarted_gloo_job_names_its_attempt_through_the_process_group(start_daemon, tmp_path):
+    """The same as the first test without ``CKPTD_INCARNATION``: two real gloo jobs, one after the other;
+    each agrees on its own incarnation through its process group's store."""
+    root = tmp_path / "ckpt"
+    n0 = start_daemon(str(root), "n0", "--stage-grace", "0", arena="64MiB")
+    n1 = start_daemon(str(root), "n1", "--stage-grace", "0", "--commit-timeout", "3", arena="64MiB")
+    sockets = [n0.socket, n1.socket]
+    env = {"CKPTD_INCARNATION": ""}
+    first = run_ranks(_save_step_2, 2, sockets, "A", [1], local_world_size=1, env=env)
+    stale = _part(root, 2, 1)["attempt"]
+    assert first[1] == stale and stale.endswith(".1") and len(stale) == 18, first  # 16 hex digits, ".1"
+    second = run_ranks(_save_step_2, 2, sockets, "B", [0, 1], local_world_size=1, env=env)
+    assert second[0] == second[1] != stale and second[0].endswith(".1"), (first, second)
+    commit = json.loads((root / "step_2" / "_ckptd" / "COMMITTED").read_text())
+    assert commit["attempts"] == [second[0], second[0]]
+    got = _loaded(root, 2, [0, 1])
+    for r in (0, 1):
+        assert torch.equal(got[f"r{r}/w"], _state("B", r)[f"r{r}/w"].data), f"rank {r}: not run B's bytes"
