@@ -92,11 +92,13 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     train_step(0)
     step = 0
     plans: dict[str, Any] = {}
+    attempts: dict[str, str] = {}
 
     def save_and_reload(tag: str) -> None:
         nonlocal step
         step += 1
         handle = save_checkpoint(client, step, model, optimizer, extra={"tag": tag})
+        attempts[tag] = handle.attempt
         at_save = _live(model, optimizer)
         staged = cached(optimizer)
         assert staged is not None
@@ -110,8 +112,9 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     train_step(1)  # values change in place: the plan holds
     save_and_reload("same")
     inner = optimizer.chained_optimizers[0].optimizer  # a re-homed state replaced by the user's own tensor:
-    state = inner.state[next(iter(inner.state))]  # caught by its address (the plan stages the flat tensor)
-    state["exp_avg"] = state["exp_avg"].clone() + 0.5
+    if rank == 0:  # caught by its address (the plan stages the flat tensor); on one rank: it alone replans,
+        state = inner.state[next(iter(inner.state))]  # within its save call, in the attempt its peer saves in
+        state["exp_avg"] = state["exp_avg"].clone() + 0.5
     save_and_reload("state_replaced")
     with torch.no_grad():  # a param replaced by another tensor (its old storage stays in the grad buffer)
         p = _param(model, "layers.0.self_attention.linear_proj.bias")
@@ -132,6 +135,7 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     out = {tag: (id(plan), pid, len(plan.metas)) for tag, (plan, pid) in plans.items()}
     out["old_plan_keys"] = sorted(m.key for m in old_plan.metas)
     out["new_plan_keys"] = sorted(m.key for m in plans["buckets"][0].metas)
+    out["attempts"] = attempts
     return out
 
 
@@ -139,12 +143,17 @@ def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Pat
     root = str(tmp_path / "root")
     results = spawn_with_daemon(_changes, 2, root, os.path.join(module_sockdir, "plan.sock"),
                                 log_path=str(tmp_path / "daemon.log"))
+    # each save is the first attempt at its step on both ranks, rank 0's replan included
+    assert results[0]["attempts"] == results[1]["attempts"], results
+    assert all(a.endswith(".1") for a in results[0]["attempts"].values()), results[0]["attempts"]
+    assert results[1]["state_replaced"] == results[1]["same"]  # rank 1's state was not replaced
     for r in results:
         # unchanged structure: the same plan object, registered once (same id)
         assert r["first"] == r["same"], r
         assert r["replaced"] == r["replaced_again"], r
         # every structure change planned (and registered) anew
-        ids = [r[t][1] for t in ("first", "state_replaced", "replaced", "dtype", "group", "buckets")]
+        changes = ("first", "state_replaced", "replaced", "dtype", "group", "buckets")
+        ids = [r[t][1] for t in changes if r is results[0] or t != "state_replaced"]
         assert len(set(ids)) == len(ids) and all(ids), ids
         assert r["old_plan_keys"] != r["new_plan_keys"]  # other bucket keys
         assert any("bucket1/" in k for k in r["new_plan_keys"])

@@ -22,6 +22,13 @@ from ckptd.writer.errors import ConfigError, SaveTimeoutError, StepCommittedErro
 def test_tokens_count_the_saves_of_each_step() -> None:
     a = Attempts({"CKPTD_INCARNATION": "run-7"})
     assert [a.next(5), a.next(6), a.next(5)] == ["run-7.1", "run-7.1", "run-7.2"]
+    with a.one_call(5):  # a call that tries again inside itself keeps its token; the next call takes a new one
+        assert [a.next(5), a.next(5)] == ["run-7.3", "run-7.3"]
+        assert a.next(6) == "run-7.2"  # another step's save inside it is a call of its own
+    assert a.next(5) == "run-7.4"
+    for step in range(100, 400):  # many other steps saved in between: step 5's count is still known
+        a.next(step)
+    assert a.next(5) == "run-7.5"
     assert Attempts({}).next(5) == ""  # no incarnation, no process group: unnamed, as before
     with pytest.raises(ConfigError, match="CKPTD_INCARNATION"):
         Attempts({"CKPTD_INCARNATION": "a b"})
@@ -77,6 +84,16 @@ def test_notes_and_parts_of_another_attempt_are_not_this_ones(tmp_path: Path) ->
             await w.mark_failed(2, StepFailedError("new"), attempt="B.1")
             with pytest.raises(StepFailedError, match="new"):
                 await w.wait_committed(2, timeout=0.3, attempt="B.1", node=1)
+            # a late note of the old attempt replaces the step's newest note, not the new attempt's own
+            await w.mark_failed(2, StepFailedError("old, late"), attempt="A.1")
+            with pytest.raises(StepFailedError, match="new"):
+                await w.wait_committed(2, timeout=0.3, attempt="B.1", node=1)
+            assert (await w.read_failed(2))["message"] == "old, late"  # what ls shows: the newest
+            await w.mark_failed(3, StepFailedError("ranks replaced"), attempt="B.1", superseded=True, node=1)
+            await w.mark_failed(3, StepFailedError("late"), attempt="A.1", superseded=True, node=1)
+            with pytest.raises(StepFailedError, match="node 1 gave it up"):
+                await w.wait_parts(3, 2, timeout=5.0, attempt="B.1")
+            await backend.delete_prefix(fmt.step_dir(3))
 
             # a node that gave this attempt up stops the coordinator; one that gave up another does not
             await w.write_part(_part(3, 0, "B.1"))

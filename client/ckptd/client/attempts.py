@@ -7,8 +7,12 @@ the new one, and a restarted rank could join its node's unfinished attempt of th
 (docs/format.md, "Attempts").
 
 The token is ``<incarnation>.<n>``. The incarnation is shared by every rank of one run of the trainer's
-processes; ``n`` counts this process's saves of the step (1 the first time, 2 for a retry), the same on
-every rank because every rank saves every step. The incarnation is, first found:
+processes; ``n`` counts this process's save calls of the step (1 the first time, 2 for a retry), the same
+on every rank because every rank makes every save call. A call that tries again inside itself (the Megatron
+save replans once when a state tensor changed under its plan, :func:`ckptd.client.megatron.save.save`)
+is one call: it keeps its token, since its peers, which did not try again, keep theirs. The counts are
+kept for the process's life (an int pair a saved step), so a token never repeats within an incarnation.
+The incarnation is, first found:
 
 - ``CKPTD_INCARNATION``, when the launcher sets it: the same on every rank of one run, another on each
   restart;
@@ -20,9 +24,10 @@ every rank because every rank saves every step. The incarnation is, first found:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch.distributed as dist
 
@@ -32,7 +37,6 @@ ENV = "CKPTD_INCARNATION"
 STORE_KEY = "ckptd/incarnation"
 MAX_LEN = 96  # the bound in VALID
 VALID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")
-_KEEP_STEPS = 64  # steps whose save counts are remembered (a retry comes soon after its failure)
 
 
 def valid_token(token: str) -> bool:
@@ -54,7 +58,7 @@ def _from_store() -> str:
 
 
 class Attempts:
-    """This process's attempt tokens: :meth:`next` once per save call."""
+    """This process's attempt tokens: :meth:`next` once per save call, the same again inside :meth:`one_call`."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         given = env.get(ENV, "")
@@ -62,7 +66,7 @@ class Attempts:
             raise ConfigError(f"{ENV}={given!r}: up to {MAX_LEN} of A-Z a-z 0-9 _ . : -")
         self._incarnation = given
         self._counts: dict[int, int] = {}
-
+        self._call: tuple[int, str | None] | None = None  # (step, its token once taken) inside one_call
     @property
     def incarnation(self) -> str:
         if not self._incarnation:  # asked again until a process group exists (a client made before it)
@@ -71,9 +75,20 @@ class Attempts:
 
     def next(self, step: int) -> str:
         """The token of a new save of ``step`` by this process."""
+        if self._call is not None and self._call[0] == step and self._call[1] is not None:
+            return self._call[1]  # tried again within one save call
         incarnation = self.incarnation
-        n = self._counts.pop(step, 0) + 1
-        self._counts[step] = n
-        if len(self._counts) > _KEEP_STEPS:
-            del self._counts[next(iter(self._counts))]
-        return f"{incarnation}.{n}" if incarnation else ""
+        n = self._counts[step] = self._counts.get(step, 0) + 1
+        token = f"{incarnation}.{n}" if incarnation else ""
+        if self._call is not None and self._call[0] == step:
+            self._call = (step, token)
+        return token
+
+    @contextlib.contextmanager
+    def one_call(self, step: int) -> Iterator[None]:
+        """Saves of ``step`` inside are one save call: the first takes the next token, the others reuse it."""
+        outer, self._call = self._call, (step, None)
+        try:
+            yield
+        finally:
+            self._call = outer

@@ -333,6 +333,11 @@ class CheckpointClient:
         return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0, fetched,
                                                                pipelined))
 
+    def one_save_call(self, step: int) -> contextlib.AbstractContextManager[None]:
+        """Saves of ``step`` inside are one save call, one attempt: a save that tries again inside itself
+        (its peers did not) keeps its attempt token (:mod:`ckptd.client.attempts`)."""
+        return self._attempts.one_call(step)
+
     def _register_plan(self, plan: StagePlan) -> int:
         reply = _expect(self._request(plan.register_message(self.placement.rank)), PlanRegistered)
         if self._welcome is not None:

@@ -209,15 +209,19 @@ class CheckpointWriter(CheckpointRoot):
 
     async def mark_failed(self, step: int, error: BaseException, *, attempt: str = "", **extra: object) -> None:
         """Tell the other nodes' daemons at once that this step's ``attempt`` will never commit (they stop
-        waiting); ``ckptd ls`` shows the note. ``extra`` fields go into the note as they are."""
-        doc = {**extra, "step": step, "code": type(error).__name__, "message": str(error), "at": time.time(),
-               "attempt": attempt}
-        await self.backend.put(failed_marker(step), encode_json(doc))
+        waiting); ``ckptd ls`` shows the note. ``extra`` fields go into the note as they are. A named
+        attempt's note is also kept under its own key: a late note of another attempt may replace the
+        step's newest one, never this one."""
+        doc = encode_json({**extra, "step": step, "code": type(error).__name__, "message": str(error),
+                           "at": time.time(), "attempt": attempt})
+        if attempt:
+            await self.backend.put(failed_marker(step, attempt=attempt), doc)
+        await self.backend.put(failed_marker(step), doc)
 
     async def _raise_if_given_up(self, step: int, attempt: str) -> None:
         """Raise the note's error when a node gave up this attempt: its daemon died (``abandoned``, written
         by its successor) or its ranks were replaced (``superseded``, written by the node itself)."""
-        failed = await self.read_failed(step)
+        failed = await self.read_failed(step, attempt)
         if failed is None or other_attempt(str(failed.get("attempt", "")), attempt):
             return
         if failed.get("abandoned"):
@@ -244,7 +248,7 @@ class CheckpointWriter(CheckpointRoot):
         """
         deadline = time.monotonic() + timeout
         while not await self.is_committed(step):
-            failed = await self.read_failed(step)
+            failed = await self.read_failed(step, attempt)
             if failed is not None and _note_of(failed, attempt, since):
                 cls = error_classes().get(str(failed.get("code")), StepFailedError)
                 raise cls(f"step {step} failed on the coordinator: {failed.get('message')}")

@@ -129,8 +129,10 @@ def commit_marker(step: int, version: int = FORMAT_VERSION) -> str:
     return _in(control_dir(step_dir(step), version), COMMIT_MARKER)
 
 
-def failed_marker(step: int, version: int = FORMAT_VERSION) -> str:
-    return _in(control_dir(step_dir(step), version), FAILED_MARKER)
+def failed_marker(step: int, version: int = FORMAT_VERSION, attempt: str = "") -> str:
+    """``step_N/_ckptd/FAILED``: the newest failure note; ``FAILED.<attempt>``: that named attempt's own."""
+    name = f"{FAILED_MARKER}.{attempt}" if attempt else FAILED_MARKER
+    return _in(control_dir(step_dir(step), version), name)
 
 
 def parts_dir(step: int, version: int = FORMAT_VERSION) -> str:

@@ -39,6 +39,7 @@ from ckptd.writer.format import (
     failed_marker,
     latest_key,
     merged_marker,
+    other_attempt,
     parse_step,
     parse_step_dir,
     parts_dir,
@@ -170,12 +171,19 @@ class CheckpointRoot:
             raise CorruptCheckpointError(f"sidecar {name} does not match its hash") from exc
         return text
 
-    async def read_failed(self, step: int) -> dict[str, Any] | None:
-        """The coordinator's failure note for ``step`` (``None`` if there is none).
+    async def read_failed(self, step: int, attempt: str = "") -> dict[str, Any] | None:
+        """The newest failure note for ``step`` (``None`` if there is none); for a named ``attempt``, when
+        the newest is another attempt's, that attempt's own note if it has one.
 
         A note that cannot be decoded (cut short on a full local disk) still says the step failed; its time
         is unknown (``at`` 0: waiters do not take it for a failure of their attempt)."""
-        data = await self.backend.get(failed_marker(step))
+        note = await self._read_note(failed_marker(step), step)
+        if attempt and note is not None and other_attempt(str(note.get("attempt", "")), attempt):
+            return await self._read_note(failed_marker(step, attempt=attempt), step) or note
+        return note
+
+    async def _read_note(self, key: str, step: int) -> dict[str, Any] | None:
+        data = await self.backend.get(key)
         if data is None:
             return None
         try:

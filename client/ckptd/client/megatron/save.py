@@ -187,13 +187,14 @@ def save_checkpoint(
         return _save_model_only(client, step, model_chunks, extra, rng)
     t0 = time.perf_counter()
     constant = client.assume_constant_structure if assume_constant_structure is None else assume_constant_structure
-    try:
-        with introspect.leaves_reused():  # a planning save walks the model's sharded_state_dict() once
-            return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
-    except StalePlanError:  # a state tensor changed under the plan in a way the structure check missed: replan once
-        forget(optimizer)
-        with introspect.leaves_reused():
-            return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
+    with client.one_save_call(step):  # the replan below is this call's attempt again, as on the other ranks
+        try:
+            with introspect.leaves_reused():  # a planning save walks the model's sharded_state_dict() once
+                return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
+        except StalePlanError:  # a state tensor changed under the plan in a way the structure check missed
+            forget(optimizer)
+            with introspect.leaves_reused():
+                return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
 
 
 def _save_once(
