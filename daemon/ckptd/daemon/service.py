@@ -171,16 +171,28 @@ class CheckpointService:
         check_replica_metas(req.replicas)
 
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
-        earlier = self.jobs.get(req.step)
-        if _another_in_flight(earlier, req) and not _waits_for_ranks(earlier):  # it may still commit: wait
-            with contextlib.suppress(TimeoutError):  # a while, outside the lock
-                await asyncio.wait_for(earlier.finished.wait(), SUPERSEDE_WAIT_S)
+        waited = False
+        while True:
+            earlier = self.jobs.get(req.step)
+            if not waited and _another_in_flight(earlier, req) and not _waits_for_ranks(earlier):
+                waited = True  # it may still commit: wait a while, outside the lock
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(earlier.finished.wait(), SUPERSEDE_WAIT_S)
+            job = await self._job_locked(req, since, waited)
+            if job is not None:
+                return job
+            waited = False  # the attempt in flight had all its ranks once the lock was ours: wait for it now
+
+    async def _job_locked(self, req: SaveRequest | PrepareStep, since: float, waited: bool) -> StepJob | None:
+        """:meth:`_job_for` under the lock; None: another attempt in flight, all its ranks saved, not waited for."""
         async with self._job_lock:
             job = self.jobs.get(req.step)
             if job is not None and job.state is StepState.COMMITTED:
                 raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
             if _another_in_flight(job, req):
                 if not _waits_for_ranks(job):
+                    if not waited:
+                        return None
                     raise self._busy(job, req)
                 await self._give_up(job, req)  # under the lock: the new attempt starts once its writes ended
             if (job is not None and job.state is StepState.FAILED and job.error is not None
