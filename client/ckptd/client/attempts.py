@@ -67,6 +67,7 @@ class Attempts:
         self._incarnation = given
         self._counts: dict[int, int] = {}
         self._call: tuple[int, str | None] | None = None  # (step, its token once taken) inside one_call
+
     @property
     def incarnation(self) -> str:
         if not self._incarnation:  # asked again until a process group exists (a client made before it)
