@@ -29,6 +29,10 @@ def test_tokens_count_the_saves_of_each_step() -> None:
     for step in range(100, 400):  # many other steps saved in between: step 5's count is still known
         a.next(step)
     assert a.next(5) == "run-7.5"
+    again = Attempts({"CKPTD_INCARNATION": "run-7"})  # a client made anew in the same process goes on counting
+    assert again.next(5) == "run-7.6" and Attempts({"CKPTD_INCARNATION": "run-7"}, rank=1).next(5) == "run-7.1"
+    with a.one_call(7), a.one_call(7):  # an outer retrying call around an inner one: one token
+        assert [a.next(7), a.next(7)] == ["run-7.1", "run-7.1"]
     assert Attempts({}).next(5) == ""  # no incarnation, no process group: unnamed, as before
     with pytest.raises(ConfigError, match="CKPTD_INCARNATION"):
         Attempts({"CKPTD_INCARNATION": "a b"})
@@ -89,6 +93,9 @@ def test_notes_and_parts_of_another_attempt_are_not_this_ones(tmp_path: Path) ->
             with pytest.raises(StepFailedError, match="new"):
                 await w.wait_committed(2, timeout=0.3, attempt="B.1", node=1)
             assert (await w.read_failed(2))["message"] == "old, late"  # what ls shows: the newest
+            await backend.delete(fmt.failed_marker(2))  # the newest never written (its put failed)
+            with pytest.raises(StepFailedError, match="new"):
+                await w.wait_committed(2, timeout=0.3, attempt="B.1", node=1)
             await w.mark_failed(3, StepFailedError("ranks replaced"), attempt="B.1", superseded=True, node=1)
             await w.mark_failed(3, StepFailedError("late"), attempt="A.1", superseded=True, node=1)
             with pytest.raises(StepFailedError, match="node 1 gave it up"):

@@ -11,7 +11,9 @@ processes; ``n`` counts this process's save calls of the step (1 the first time,
 on every rank because every rank makes every save call. A call that tries again inside itself (the Megatron
 save replans once when a state tensor changed under its plan, :func:`ckptd.client.megatron.save.save`)
 is one call: it keeps its token, since its peers, which did not try again, keep theirs. The counts are
-kept for the process's life (an int pair a saved step), so a token never repeats within an incarnation.
+the process's, by (incarnation, rank, step), kept for its life (a few ints a saved step): a client made anew
+in the same process (another root, a client per save) goes on counting, so a token never repeats within an
+incarnation.
 The incarnation is, first found:
 
 - ``CKPTD_INCARNATION``, when the launcher sets it: the same on every rank of one run, another on each
@@ -37,6 +39,7 @@ ENV = "CKPTD_INCARNATION"
 STORE_KEY = "ckptd/incarnation"
 MAX_LEN = 96  # the bound in VALID
 VALID = re.compile(r"[A-Za-z0-9_.:-]{1,96}")
+_COUNTS: dict[tuple[str, int, int], int] = {}  # (incarnation, rank, step): save calls made, by every client
 
 
 def valid_token(token: str) -> bool:
@@ -60,12 +63,12 @@ def _from_store() -> str:
 class Attempts:
     """This process's attempt tokens: :meth:`next` once per save call, the same again inside :meth:`one_call`."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], rank: int = 0) -> None:
         given = env.get(ENV, "")
         if not valid_token(given):
             raise ConfigError(f"{ENV}={given!r}: up to {MAX_LEN} of A-Z a-z 0-9 _ . : -")
         self._incarnation = given
-        self._counts: dict[int, int] = {}
+        self._rank = rank
         self._call: tuple[int, str | None] | None = None  # (step, its token once taken) inside one_call
 
     @property
@@ -79,15 +82,22 @@ class Attempts:
         if self._call is not None and self._call[0] == step and self._call[1] is not None:
             return self._call[1]  # tried again within one save call
         incarnation = self.incarnation
-        n = self._counts[step] = self._counts.get(step, 0) + 1
-        token = f"{incarnation}.{n}" if incarnation else ""
+        token = ""  # unnamed: nothing to count
+        if incarnation:
+            key = (incarnation, self._rank, step)
+            n = _COUNTS[key] = _COUNTS.get(key, 0) + 1
+            token = f"{incarnation}.{n}"
         if self._call is not None and self._call[0] == step:
             self._call = (step, token)
         return token
 
     @contextlib.contextmanager
     def one_call(self, step: int) -> Iterator[None]:
-        """Saves of ``step`` inside are one save call: the first takes the next token, the others reuse it."""
+        """Saves of ``step`` inside are one save call: the first takes the next token, the others reuse it
+        (inside an outer one for the same step: the outer call's)."""
+        if self._call is not None and self._call[0] == step:
+            yield
+            return
         outer, self._call = self._call, (step, None)
         try:
             yield

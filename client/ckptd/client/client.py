@@ -153,7 +153,7 @@ class CheckpointClient:
         self._repeats = RepeatedPlans()  # the plain save path's plan, reused while the structure holds
         self.assume_constant_structure = assume_constant_structure
         self._pipe = Pipeline()  # answers read later, the lease granted ahead (assume_constant_structure)
-        self._attempts = Attempts(env)
+        self._attempts = Attempts(env, self.placement.rank)
         self._attempt = ""  # the token of the save being made (:mod:`ckptd.client.attempts`)
         self._connect()
 

@@ -214,9 +214,12 @@ class CheckpointWriter(CheckpointRoot):
         step's newest one, never this one."""
         doc = encode_json({**extra, "step": step, "code": type(error).__name__, "message": str(error),
                            "at": time.time(), "attempt": attempt})
-        if attempt:
-            await self.backend.put(failed_marker(step, attempt=attempt), doc)
-        await self.backend.put(failed_marker(step), doc)
+        keys = [failed_marker(step, attempt=attempt)] if attempt else []
+        done = await asyncio.gather(*(self.backend.put(k, doc) for k in [*keys, failed_marker(step)]),
+                                    return_exceptions=True)  # each written even if the other failed
+        for exc in done:
+            if isinstance(exc, BaseException):
+                raise exc
 
     async def _raise_if_given_up(self, step: int, attempt: str) -> None:
         """Raise the note's error when a node gave up this attempt: its daemon died (``abandoned``, written

@@ -9,6 +9,7 @@ the truth. Nothing here writes: the commit sequence lives in :mod:`ckptd.writer.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,6 @@ from ckptd.writer.format import (
     failed_marker,
     latest_key,
     merged_marker,
-    other_attempt,
     parse_step,
     parse_step_dir,
     parts_dir,
@@ -172,15 +172,18 @@ class CheckpointRoot:
         return text
 
     async def read_failed(self, step: int, attempt: str = "") -> dict[str, Any] | None:
-        """The newest failure note for ``step`` (``None`` if there is none); for a named ``attempt``, when
-        the newest is another attempt's, that attempt's own note if it has one.
+        """The newest failure note for ``step`` (``None`` if there is none); for a named ``attempt``, that
+        attempt's own note when it has one (read beside the newest: a late note of another attempt may
+        have replaced the newest, or the newest was never written).
 
         A note that cannot be decoded (cut short on a full local disk) still says the step failed; its time
         is unknown (``at`` 0: waiters do not take it for a failure of their attempt)."""
-        note = await self._read_note(failed_marker(step), step)
-        if attempt and note is not None and other_attempt(str(note.get("attempt", "")), attempt):
-            return await self._read_note(failed_marker(step, attempt=attempt), step) or note
-        return note
+        if not attempt:
+            return await self._read_note(failed_marker(step), step)
+        own, newest = await asyncio.gather(
+            self._read_note(failed_marker(step, attempt=attempt), step), self._read_note(failed_marker(step), step)
+        )
+        return own if own is not None else newest
 
     async def _read_note(self, key: str, step: int) -> dict[str, Any] | None:
         data = await self.backend.get(key)
