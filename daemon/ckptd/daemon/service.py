@@ -172,16 +172,11 @@ class CheckpointService:
 
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
         waited = False
-        while True:
-            earlier = self.jobs.get(req.step)
-            if not waited and _another_in_flight(earlier, req) and not _waits_for_ranks(earlier):
-                waited = True  # it may still commit: wait a while, outside the lock
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(earlier.finished.wait(), SUPERSEDE_WAIT_S)
-            job = await self._job_locked(req, since, waited)
-            if job is not None:
-                return job
-            waited = False  # the attempt in flight had all its ranks once the lock was ours: wait for it now
+        while (job := await self._job_locked(req, since, waited)) is None:
+            waited = True  # another attempt, all its ranks saved, may still commit: wait a while, outside the lock
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.jobs[req.step].finished.wait(), SUPERSEDE_WAIT_S)
+        return job
 
     async def _job_locked(self, req: SaveRequest | PrepareStep, since: float, waited: bool) -> StepJob | None:
         """:meth:`_job_for` under the lock; None: another attempt in flight, all its ranks saved, not waited for."""
