@@ -56,7 +56,7 @@ def state_digests(model: list[Any], optimizer: Any) -> dict[str, str]:
     from megatron.core.utils import unwrap_model
 
     def digest(t: torch.Tensor) -> str:
-        t = t.detach().contiguous().reshape(-1)
+        t = t.detach().contiguous().reshape(-1).cpu()
         return f"{t.dtype}:{hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}"
 
     out = {}

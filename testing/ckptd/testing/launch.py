@@ -81,6 +81,7 @@ def launcher_env(launcher: Launcher, rank: int, world_size: int, local_world_siz
 def _child(
     rank: int, world_size: int, port: int, store: str, fn: Callable[..., Any], args: Sequence[Any],
     env: Mapping[str, str], conn: Connection, local_world_size: int, launcher: Launcher = "torchrun",
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(env)
     threads = os.environ.get("OMP_NUM_THREADS", "1")
@@ -93,7 +94,9 @@ def _child(
     try:
         # the rendezvous through a file: a TCP store's port, free when picked, can be taken by another
         # process before rank 0 listens on it (EADDRINUSE); MASTER_PORT stays set, as torchrun sets it
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"file://{store}")
+        if backend == "nccl":  # one GPU a rank, by its local rank
+            torch.cuda.set_device(rank % local_world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"file://{store}")
         result = fn(rank, world_size, *args)
         # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory file
         # descriptors, which the parent can no longer fetch once this process has exited
@@ -117,6 +120,7 @@ def run_ranks(
     may_exit: Sequence[int] = (),
     preload: Sequence[str] = (),
     launcher: Launcher = "torchrun",
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks and return their results in rank order.
 
@@ -125,10 +129,14 @@ def run_ranks(
     on purpose; their result is None). Any other failure raises :class:`RankFailedError` with the rank's
     traceback. ``preload`` adds modules for the forkserver to import, which takes effect only when this
     call starts the server (the first launch in this process). ``launcher`` picks the environment each rank
-    gets (:func:`launcher_env`): torchrun's, Ray's as verl sets it, or SLURM's.
+    gets (:func:`launcher_env`): torchrun's, Ray's as verl sets it, or SLURM's. ``backend`` is the process
+    group's (``"nccl"`` puts each rank on the GPU of its local rank).
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*_PRELOAD, *(m for m in preload if m not in _PRELOAD)])
+    if backend == "nccl":  # spawned: a preloaded module may have initialized CUDA in the forkserver
+        ctx: Any = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([*_PRELOAD, *(m for m in preload if m not in _PRELOAD)])
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ckptd-rdv-") as rendezvous:
         store = os.path.join(rendezvous, "store")
@@ -138,7 +146,7 @@ def run_ranks(
             p = ctx.Process(
                 target=_child,
                 args=(rank, world_size, port, store, fn, args, dict(env or {}), child, local_world_size or world_size,
-                      launcher),
+                      launcher, backend),
                 name=f"rank{rank}",
             )
             p.start()

@@ -83,7 +83,8 @@ def build_gpt(
     ``frozen`` names params (by substring of their names) that do not train (``requires_grad=False``): Megatron's
     DDP leaves them out of its buffers and the optimizer holds no state for them.
     """
-    if not torch.cuda.is_available():
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if device is None:
         from ckptd.testing.cpu_shim import install_cpu_shim
 
         install_cpu_shim()
@@ -164,6 +165,8 @@ def build_gpt(
         share_embeddings_and_output_weights=share_embeddings and not llama,
         **({"position_embedding_type": "rope"} if llama else {}),
     )
+    if device is not None:  # initialized on the CPU (bit-reproducible), trained on this rank's GPU
+        gpt.cuda(device)
     for name, param in gpt.named_parameters():
         if any(part in name for part in frozen):
             param.requires_grad_(False)
@@ -194,12 +197,12 @@ def build_gpt(
         config.grad_sync_func = chunk.start_grad_sync
 
     forward_backward = get_forward_backward_func()
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
-    positions = torch.arange(seq).unsqueeze(0).expand(micro_batch_size, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1).view(1, 1, seq, seq)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
 
     def batch(iteration: int, j: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(data_seed * 1_000_003 + iteration * 1_009 + j)
-        tokens = torch.randint(0, vocab, (micro_batch_size, seq + 1), generator=g)
+        tokens = torch.randint(0, vocab, (micro_batch_size, seq + 1), generator=g).to(device)
         return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -239,7 +242,7 @@ def build_gpt(
             dist.all_gather(gathered, local, group=dp_group)
             loss = torch.cat(gathered).double().sum() / global_microbatches
         else:
-            loss = torch.zeros((), dtype=torch.float64)
+            loss = torch.zeros((), dtype=torch.float64, device=device)
         if last_pp_rank is not None:
             dist.broadcast(loss, src=last_pp_rank, group=pp_group)
         return float(loss)
