@@ -17,7 +17,7 @@ from ckptd.client.protocol import (
     encode,
 )
 from ckptd.client.reuse import RepeatedPlans
-from ckptd.client.state import Shard, plan_state, replica_metas
+from ckptd.client.state import Plan, Shard, plan_state, replica_metas
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.job import RankSave
 from ckptd.daemon.plans import PlanRegistry
@@ -126,9 +126,10 @@ def test_plain_save_plan_is_rebuilt_when_its_replicas_change() -> None:
     main = [Shard("m", torch.zeros(2), (2,), (0,))]
     reps = [Shard("r", torch.zeros(3), (3,), (0,), 1)]
     plans = RepeatedPlans()
-    assert plans.plan_for(main, reps) is None
-    plan = plans.plan_for(main, reps)
+    assert plans.plan_for(Plan(main, replicas=reps)) is None
+    plan = plans.plan_for(Plan(main, replicas=reps))
     assert plan is not None and [r.key for r in plan.replicas] == ["r"]
-    assert plans.plan_for(main, reps) is plan
-    assert plans.plan_for(main, []) is None  # the replica went: a new structure, not the old plan
-    assert plans.plan_for(main, [Shard("q", torch.zeros(3), (3,), (0,), 1)]) is None  # another replica key
+    assert plans.plan_for(Plan(main, replicas=reps)) is plan
+    assert plans.plan_for(Plan(main)) is None  # the replica went: a new structure, not the old plan
+    other = [Shard("q", torch.zeros(3), (3,), (0,), 1)]
+    assert plans.plan_for(Plan(main, replicas=other)) is None  # another replica key

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptd.client.reuse import RepeatedPlans
 from ckptd.client.state import Shard, dtype_name, plan_state, torch_dtype
 from ckptd.writer.errors import (
     InvalidKeyError,
@@ -147,6 +148,33 @@ def test_unsupported_dtypes_are_rejected(dtype: torch.dtype) -> None:
 def test_bad_regions_are_rejected(shard: Shard, match: str) -> None:
     with pytest.raises(ShardLayoutError, match=match):
         plan_state({"w": shard}, rank=0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"w": torch.zeros(2, dtype=torch.complex64)}, {"a b": torch.ones(2)},
+     {"w": Shard("w", torch.ones(2), (8,), (1,))}],
+    ids=["dtype", "key", "region"],
+)
+def test_a_plain_save_checks_its_shards_unless_a_plan_of_checked_ones_matches(bad: dict[str, Any], monkeypatch) -> None:
+    """``save()`` plans without the per-shard checks and leaves them to the plan lookup: a state whose
+    structure matches a plan (built from checked shards) skips them; any other is checked, after a plan exists
+    too."""
+    import ckptd.client.state as state_mod
+
+    plans = RepeatedPlans()
+    good = {"w": torch.ones(2)}
+    for _ in range(2):  # the second save of a structure builds its plan
+        plans.plan_for(plan_state(good, rank=0, validate=False))
+    calls: list[str] = []
+    real = state_mod.validate_shard
+    monkeypatch.setattr(state_mod, "validate_shard", lambda s: (calls.append(s.key), real(s))[1])
+    assert plans.plan_for(plan_state({"w": torch.full((2,), 7.0)}, rank=0, validate=False)) is not None
+    assert calls == []  # matched the plan: not checked again
+    unchecked = plan_state(bad, rank=0, validate=False)
+    with pytest.raises((UnsupportedDtypeError, InvalidKeyError, ShardLayoutError)):
+        plans.plan_for(unchecked)
+    assert calls  # checked, and refused with the same typed error plan_state raises
 
 
 @st.composite

@@ -302,7 +302,7 @@ class CheckpointClient:
         and (policy ``"fail"``) :class:`BackpressureError` when the arena is still full.
         """
         t0 = time.perf_counter()
-        plan = plan_state(state, self.placement.rank)
+        plan = plan_state(state, self.placement.rank, validate=False)  # checked in _save unless a plan matches
         return self._save(step, plan, sidecars, t0)
 
     @paused
@@ -347,7 +347,7 @@ class CheckpointClient:
     def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
         """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked.
         A structure saved before goes through its registered plan (:mod:`ckptd.client.reuse`)."""
-        staged = self._repeats.plan_for(plan.shards, plan.replicas)
+        staged = self._repeats.plan_for(plan)
         if staged is not None:
             dynamic = [s.data for s in plan.shards]
             return self._guarded(

@@ -7,8 +7,11 @@ everything else. Every shard is a per-save (*dynamic*) source of the plan: its s
 with the daemon once and then named by id) and its prebuilt destination view are reused, and one batched
 ``_foreach_copy_`` stages them. The structure is compared at every save (key, dtype, shape, device, global
 shape and offset, chunk grid of every shard, in order); a plan is built only when a structure repeats, so
-a caller whose state differs each time pays nothing extra (no registration per save). Shards of a subclass
-that stages itself (:meth:`~ckptd.client.state.Shard.stage_into` overridden) keep the per-shard path.
+a caller whose state differs each time pays nothing extra (no registration per save). A plan is built from
+checked shards, and the structure compared holds everything those checks read, so a save whose structure
+matches one skips the per-shard checks (``save()`` plans with ``plan_state(validate=False)``; any other save
+is checked in :meth:`RepeatedPlans.plan_for`). Shards of a subclass that stages itself
+(:meth:`~ckptd.client.state.Shard.stage_into` overridden) keep the per-shard path.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptd.client.plan import PlanCache, StagePlan, build_stage_plan
-from ckptd.client.state import Shard
+from ckptd.client.state import Plan, Shard
 
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
@@ -40,7 +43,7 @@ def shards_fingerprint(shards: Sequence[Shard], replicas: Sequence[Shard] = ()) 
         return fp
     rs = [r.data for r in replicas]
     return (*fp, [r.key for r in replicas], list(map(_DTYPE, rs)), list(map(_SHAPE, rs)),
-            [(r.global_shape, r.global_offset) for r in replicas])
+            [(r.global_shape, r.global_offset, r.chunk_shape) for r in replicas])
 
 
 class RepeatedPlans:
@@ -51,19 +54,21 @@ class RepeatedPlans:
         self._cache = PlanCache()
         self._last: object = None  # the previous save's structure, while it has no plan
 
-    def plan_for(self, shards: Sequence[Shard], replicas: Sequence[Shard] = ()) -> StagePlan | None:
-        """The plan to stage ``shards`` (validated already) through, or None for the per-shard path;
-        ``replicas`` (the save's non-main replicas) are registered with the plan."""
+    def plan_for(self, plan: Plan) -> StagePlan | None:
+        """The plan to stage ``plan``'s shards through, or None for the per-shard path; its non-main
+        replicas are registered with the plan. A plan is built only from validated shards, so shards that
+        match one need no checks of their own; any others are validated here (:meth:`Plan.validate`)."""
+        shards, replicas = plan.shards, plan.replicas
         fp = shards_fingerprint(shards, replicas) if shards else None
+        if fp is not None and (staged := self._cache.get(_KEY, fp)) is not None:
+            return staged
+        plan.validate()
         if fp is None:
             return None
-        plan = self._cache.get(_KEY, fp)
-        if plan is not None:
-            return plan
         if fp != self._last:
             self._last = fp
             return None
-        plan = build_stage_plan([], shards, fp, replicas)
-        self._cache.put(_KEY, plan)
+        staged = build_stage_plan([], shards, fp, replicas)
+        self._cache.put(_KEY, staged)
         self._last = None
-        return plan
+        return staged

@@ -108,10 +108,18 @@ class Plan:
     shards: list[Shard] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)
     replicas: list[Shard] = field(default_factory=list)
+    validated: bool = True  # False: made by plan_state(validate=False); validate() before it is staged
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
+
+    def validate(self) -> None:
+        """Check every shard as :func:`plan_state` does (keys, dtypes, dims, chunk grid), once."""
+        if not self.validated:
+            for shard in (*self.shards, *self.replicas):
+                validate_shard(shard)
+            self.validated = True
 
 
 def replica_metas(replicas: Iterable[Shard]) -> list[ReplicaMeta]:
@@ -160,20 +168,23 @@ def validate_shard(shard: Shard) -> None:
     check_region(shard.key, shard.global_shape, shard.global_offset, tuple(shard.data.shape), shard.grid)
 
 
-def plan_state(state: Mapping[str, Any], rank: int) -> Plan:
+def plan_state(state: Mapping[str, Any], rank: int, *, validate: bool = True) -> Plan:
     """Split a state dict into the shards this rank writes and its plain-data leaves. Pure, no I/O.
 
     Raises typed errors for unsafe keys, unsupported dtypes, regions off the chunk grid and the same key
     staged twice by this rank. Non-main replicas are not written; they go to ``Plan.replicas``.
+    ``validate=False`` leaves the per-shard checks to :meth:`Plan.validate` (the same region twice is
+    still refused here): a save whose structure matches a plan made from checked shards skips them.
     """
-    plan = Plan()
+    plan = Plan(validated=validate)
     seen: dict[tuple[str, tuple[int, ...]], str] = {}
     for path, leaf in iter_leaves(state):
         shard = to_shard(path, leaf, rank)
         if shard is None:
             _set_path(plan.objects, path, leaf)
             continue
-        validate_shard(shard)
+        if validate:
+            validate_shard(shard)
         if not shard.is_main_replica:
             plan.replicas.append(shard)
             continue
