@@ -1,7 +1,8 @@
 """Start real training-rank processes joined by a gloo process group (for the demo, tests, benchmarks).
 
-Each rank is its own OS process (forkserver: torch is imported once, ranks fork from a clean server),
-gets torchrun-style environment variables, joins ``torch.distributed`` with gloo on 127.0.0.1 and runs
+Each rank is its own OS process (forkserver: torch is imported once, ranks fork from a clean server; NCCL
+ranks, one GPU each, are spawned instead), gets torchrun-style environment variables, joins
+``torch.distributed`` with gloo (or NCCL) on 127.0.0.1 and runs
 ``fn(rank, world_size, *args)``. Results and tracebacks come back over a pipe.
 
 This is the one launcher: :func:`ckptd.testing.toy_gpt.spawn_ranks` is a thin wrapper over

@@ -64,7 +64,8 @@ def build_gpt(
     """Build the toy GPT on an already-initialized (gloo) default process group.
 
     Calls ``parallel_state.initialize_model_parallel(tp, pp)`` (unless ``initialize_parallel`` is
-    False), installs the CPU shim when CUDA is unavailable, seeds every RNG from ``seed`` and returns
+    False), installs the CPU shim when CUDA is unavailable (with CUDA, the model is initialized on the CPU as
+    without it, then trained on the current GPU), seeds every RNG from ``seed`` and returns
     the model chunks, the optimizer exactly as ``get_megatron_optimizer`` returns it, and
     ``train_step(iteration) -> loss``. ``bucket_size`` (elements) only matters with
     ``overlap_grad_reduce=True``; a small one gives a buffer several buckets. ``data_seed`` (default
