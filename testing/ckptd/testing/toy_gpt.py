@@ -64,8 +64,8 @@ def build_gpt(
     """Build the toy GPT on an already-initialized (gloo) default process group.
 
     Calls ``parallel_state.initialize_model_parallel(tp, pp)`` (unless ``initialize_parallel`` is
-    False), installs the CPU shim when CUDA is unavailable (with CUDA, the model is initialized on the CPU as
-    without it, then trained on the current GPU), seeds every RNG from ``seed`` and returns
+    False), installs the CPU shim unless the process group is NCCL's on a machine with CUDA (then the model is
+    initialized on the CPU as without it, and trained on the current GPU), seeds every RNG from ``seed`` and returns
     the model chunks, the optimizer exactly as ``get_megatron_optimizer`` returns it, and
     ``train_step(iteration) -> loss``. ``bucket_size`` (elements) only matters with
     ``overlap_grad_reduce=True``; a small one gives a buffer several buckets. ``data_seed`` (default
@@ -84,7 +84,9 @@ def build_gpt(
     ``frozen`` names params (by substring of their names) that do not train (``requires_grad=False``): Megatron's
     DDP leaves them out of its buffers and the optimizer holds no state for them.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    # the GPU only for NCCL ranks: gloo ranks (the tests, the demo) run on the CPU through the shim, GPU or not
+    on_gpu = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
     if device is None:
         from ckptd.testing.cpu_shim import install_cpu_shim
 
