@@ -85,6 +85,23 @@ class _D2H:
         return time.perf_counter() - t0
 
 
+def _timed(base: _D2H, save: Any, repeats: int, step: int) -> tuple[list[float], list[float], list[float]]:
+    """``repeats`` saves of steps ``step + 1`` on, each waited on until committed and preceded by the two D2H
+    baselines: the stalls, the per-tensor copies, the contiguous copies."""
+    import torch
+
+    stall, per, flat = [], [], []
+    for i in range(repeats):
+        per.append(base.per_tensor())
+        flat.append(base.contiguous())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        handle = save(step + 1 + i)
+        stall.append(time.perf_counter() - t0)
+        handle.wait(600)
+    return stall, per, flat
+
+
 def _plain(client: Any, sizes: list[tuple[str, int, int, str]], repeats: int, step: int) -> tuple[list[dict], int]:
     import torch
 
@@ -94,16 +111,8 @@ def _plain(client: Any, sizes: list[tuple[str, int, int, str]], repeats: int, st
         base = _D2H(list(state.values()))
         step += 1
         client.save(step, state).wait(600)  # the first save plans
-        stall, per, flat = [], [], []
-        for _ in range(repeats):
-            per.append(base.per_tensor())
-            flat.append(base.contiguous())
-            torch.cuda.synchronize()
-            step += 1
-            t0 = time.perf_counter()
-            handle = client.save(step, state)
-            stall.append(time.perf_counter() - t0)
-            handle.wait(600)
+        stall, per, flat = _timed(base, lambda step, state=state: client.save(step, state), repeats, step)
+        step += repeats
         rows.append({"bench": "gpu_stall", "case": name, "tensors": count, "bytes": base.nbytes,
                      "ckptd_s": round(_med(stall), 5), "d2h_per_tensor_s": round(_med(per), 5),
                      "d2h_contiguous_s": round(_med(flat), 5),
@@ -144,17 +153,12 @@ def _megatron_stall(client: Any, workdir: str, cfg: dict[str, Any], repeats: int
             step += 1
             save_checkpoint(client, step, model, optimizer, extra={"iteration": step},
                             assume_constant_structure=True).wait(600)
-        stall, per, flat = [], [], []
-        for _ in range(repeats):
-            per.append(base.per_tensor())
-            flat.append(base.contiguous())
-            torch.cuda.synchronize()
-            step += 1
-            t0 = time.perf_counter()
-            handle = save_checkpoint(client, step, model, optimizer, extra={"iteration": step},
-                                     assume_constant_structure=constant)
-            stall.append(time.perf_counter() - t0)
-            handle.wait(600)
+        def save(step: int, model: Any = model, optimizer: Any = optimizer, constant: bool = constant) -> Any:
+            return save_checkpoint(client, step, model, optimizer, extra={"iteration": step},
+                                   assume_constant_structure=constant)
+
+        stall, per, flat = _timed(base, save, repeats, step)
+        step += repeats
         key = "constant" if constant else "checked"
         out[f"ckptd_{key}_s"] = round(_med(stall), 5)
         out[f"d2h_per_tensor_{key}_s"] = round(_med(per), 5)
