@@ -61,7 +61,7 @@ def build_gpt(
     etp: int | None = None,
     frozen: tuple[str, ...] = (),
 ) -> ToyGPT:
-    """Build the toy GPT on an already-initialized (gloo) default process group.
+    """Build the toy GPT on an already-initialized default process group (gloo; NCCL on a GPU).
 
     Calls ``parallel_state.initialize_model_parallel(tp, pp)`` (unless ``initialize_parallel`` is
     False), installs the CPU shim unless the process group is NCCL's on a machine with CUDA (then the model is
