@@ -62,8 +62,8 @@ def _write(root: str, t: torch.Tensor, chunk_rows: int) -> None:
             chunks = []
             for i in range(-(-rows // chunk_rows)):
                 block = t[i * chunk_rows : (i + 1) * chunk_rows]
-                crc = await sink.put(f"step_1/w/{fmt.chunk_key([i, 0], '.')}", block.numpy())
-                chunks.append(fmt.ChunkRecord([i, 0], block.numel() * block.element_size(), crc))
+                crc, pieces = await sink.put(f"step_1/w/{fmt.chunk_key([i, 0], '.')}", block.numpy())
+                chunks.append(fmt.ChunkRecord([i, 0], block.numel() * block.element_size(), crc, pieces))
             shard = fmt.ShardRecord(0, [0, 0], [rows, cols], chunks)
             rec = fmt.ArrayRecord("w", "float32", [rows, cols], [chunk_rows, cols], [shard], separator=".")
             await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], [rec], {}, 0, 0.0))

@@ -42,3 +42,23 @@ def test_large_numpy_views_and_a_flipped_bit() -> None:
     good = crc32c(block.data)
     block[1 << 20] ^= 0x10
     assert crc32c(block.data) != good
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.binary(max_size=3000), b=st.binary(max_size=3000))
+def test_combining_two_values_gives_the_value_of_the_joined_bytes(a: bytes, b: bytes) -> None:
+    assert checksum.crc32c_combine(crc32c(a), crc32c(b), len(b)) == reference.crc32c(a + b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=400), piece=st.integers(1, 64))
+def test_a_chunk_sum_is_the_whole_value_and_each_piece_s(data: bytes, piece: int) -> None:
+    old = checksum.PIECE_BYTES
+    checksum.PIECE_BYTES = piece
+    try:
+        got = checksum.chunk_sum(memoryview(data))
+    finally:
+        checksum.PIECE_BYTES = old
+    assert got.crc32c == reference.crc32c(data)
+    want = [reference.crc32c(data[a : a + piece]) for a in range(0, len(data), piece)]
+    assert got.pieces == (want if len(data) > piece else [])

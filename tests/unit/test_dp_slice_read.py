@@ -81,8 +81,8 @@ def _write(root: str, saved: MegatronLayout, data: Data = DATA) -> None:
                     done = []
                     for c in range(dp * s // CHUNK, (dp + 1) * s // CHUNK):
                         block = full[c * CHUNK : (c + 1) * CHUNK].numpy()
-                        crc = await sink.put(f"step_1/{name}/{fmt.chunk_key((c,), fmt.CHUNK_SEPARATOR)}", block)
-                        done.append(fmt.ChunkRecord([c], CHUNK * 4, crc))
+                        crc, pieces = await sink.put(f"step_1/{name}/{fmt.chunk_key((c,), fmt.CHUNK_SEPARATOR)}", block)
+                        done.append(fmt.ChunkRecord([c], CHUNK * 4, crc, pieces))
                     shards.append(fmt.ShardRecord(dp, [dp * s], [s], done))
                 records.append(fmt.ArrayRecord(name, "float32", [bucket.padded_numel], [CHUNK], shards,
                                                separator=fmt.CHUNK_SEPARATOR))

@@ -53,8 +53,8 @@ def _write(root: str, *, whole: bool, arrays: dict[str, tuple[torch.Tensor, tupl
                     block = data[fmt.chunk_selection_of(coords, grid, shape, [0] * len(shape))]
                     if whole:
                         block = full_chunk(block, grid)
-                    crc = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords, separator)}", block)
-                    chunks.append(fmt.ChunkRecord(list(coords), block.nbytes, crc))
+                    crc, pieces = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords, separator)}", block)
+                    chunks.append(fmt.ChunkRecord(list(coords), block.nbytes, crc, pieces))
                 shard = fmt.ShardRecord(0, [0] * len(shape), shape, chunks)
                 records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, list(grid), [shard],
                                                separator=separator))

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -62,8 +63,8 @@ def _write(root: str, options: dict[str, object] | None = None) -> None:
                     block = t[i * rows : (i + 1) * rows]
                     bits = block.view(torch.int16) if t.dtype == torch.bfloat16 else block
                     coords = [i] + [0] * (len(shape) - 1)
-                    crc = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords, '/')}", bits.numpy())
-                    chunks.append(fmt.ChunkRecord(coords, block.numel() * block.element_size(), crc))
+                    crc, pieces = await sink.put(f"step_1/{key}/{fmt.chunk_key(coords, '/')}", bits.numpy())
+                    chunks.append(fmt.ChunkRecord(coords, block.numel() * block.element_size(), crc, pieces))
                 shard = fmt.ShardRecord(0, [0] * len(shape), shape, chunks)
                 # chunk keys as formats 1-3 wrote them (c/<i>/<j>); the daemon-written steps of the integration tests
                 # have format 4's (c.<i>.<j>)
@@ -466,6 +467,59 @@ def test_gathered_regions_are_bit_exact_and_every_read_chunk_is_checked(
             Path(path).write_bytes(bytes(data[:pos] + bytes([data[pos] ^ 0x10]) + data[pos + 1 :]))
         else:
             _gather(copy, regions)
+
+
+@pytest.mark.parametrize("run_bytes", [8, 1 << 20], ids=["runs-into-place", "through-scratch"])
+def test_a_partial_read_checks_and_reads_only_the_pieces_it_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int
+) -> None:
+    """Chunks written with the crc32c of each 40-byte piece (``flat``: 100-byte chunks, pieces of elements
+    0-9, 10-19, 20-24): a gather of elements 0-4 and 21, 23 reads pieces 0 and 2 of chunk 0 and checks
+    each; damage in piece 1 goes unread, damage in piece 2 names it. ``ckptd verify`` checks every piece's
+    recorded value against the bytes."""
+    from ckptd.client import fastread
+    from ckptd.writer import checksum
+
+    monkeypatch.setattr(checksum, "PIECE_BYTES", 40)
+    monkeypatch.setattr(fastread, "_RUN", run_bytes)
+    root = str(tmp_path / "ckpt")
+    _write(root)
+    flat = ARRAYS["flat"][0]
+    commit = read_commit(root, 1)
+    chunk = next(r for r in commit.arrays if r.name == "flat").shards[0].chunks[0]
+    assert len(chunk.pieces) == 3 and chunk.crc32c == checksum.crc32c(flat[:25].numpy().tobytes())
+
+    def load() -> tuple[torch.Tensor, torch.Tensor]:
+        head, odd = torch.zeros(5), torch.zeros(2)
+        _gather(root, [("flat", head, Strided(0, (5,), (1,))), ("flat", odd, Strided(21, (2,), (2,)))])
+        return head, odd
+
+    path = Path(root, "step_1", "flat", "c", "0")
+    good = path.read_bytes()
+    for pos, piece in ((50, None), (85, 2), (3, 0)):
+        path.write_bytes(good[:pos] + bytes([good[pos] ^ 0x10]) + good[pos + 1 :])
+        if piece is None:  # a byte of piece 1, which holds no element either region needs
+            head, odd = load()
+            assert torch.equal(head, flat[:5]) and torch.equal(odd, flat[21:24:2])
+        else:
+            with pytest.raises(CorruptCheckpointError, match=rf"flat/c/0: bytes .* \(piece {piece}\)"):
+                load()
+    path.write_bytes(good)
+    head, odd = load()
+    assert torch.equal(head, flat[:5]) and torch.equal(odd, flat[21:24:2])
+
+    rec = next(r for r in commit.arrays if r.name == "flat")
+    shard = rec.shards[0]
+    wrong = msgspec.structs.replace(chunk, pieces=[chunk.pieces[0], chunk.pieces[1] ^ 1, chunk.pieces[2]])
+    tampered = msgspec.structs.replace(rec, shards=[msgspec.structs.replace(shard, chunks=[wrong, *shard.chunks[1:]])])
+
+    async def verify(record: fmt.ArrayRecord) -> int:
+        async with open_root(root, None, create=False) as ckpt:
+            return await verify_array(ckpt.store, fmt.step_dir(1), record)
+
+    assert asyncio.run(verify(rec)) == 400
+    with pytest.raises(CorruptCheckpointError, match=r"flat: chunk \[0\]: the manifest's crc32c of piece 1"):
+        asyncio.run(verify(tampered))
 
 
 def test_a_failed_read_stops_the_others_and_nothing_lands_after_the_error(

@@ -94,8 +94,8 @@ def _write(root: str, options: dict[str, object] | None = None) -> None:
                 for coords in itertools.product(*(range(n // c) for n, c in zip(shape, chunks, strict=True))):
                     block = t[tuple(slice(i * c, (i + 1) * c) for i, c in zip(coords, chunks, strict=True))]
                     key = f"step_1/{name}/{fmt.chunk_key(coords, fmt.CHUNK_SEPARATOR)}"
-                    crc = await sink.put(key, block.contiguous().numpy())
-                    done.append(fmt.ChunkRecord(list(coords), block.numel() * 4, crc))
+                    crc, pieces = await sink.put(key, block.contiguous().numpy())
+                    done.append(fmt.ChunkRecord(list(coords), block.numel() * 4, crc, pieces))
                 shard = fmt.ShardRecord(0, [0] * len(shape), list(shape), done)
                 records.append(fmt.ArrayRecord(name, "float32", list(shape), list(chunks), [shard],
                                                separator=fmt.CHUNK_SEPARATOR))

@@ -107,8 +107,8 @@ def _scenario(root: str, separator: str | None = None) -> dict[str, Any]:
                 path = f"{fmt.step_dir(1)}/{key}"
                 meta = await array_metadata("float32", shape, grid, separator=sep)
                 await write_metadata(backend.store, path, meta)
-                crc = await sink.put(f"{path}/{fmt.chunk_key((0,), sep)}", t.numpy())
-                chunk = fmt.ChunkRecord([0], t.numel() * 4, crc)
+                crc, pieces = await sink.put(f"{path}/{fmt.chunk_key((0,), sep)}", t.numpy())
+                chunk = fmt.ChunkRecord([0], t.numel() * 4, crc, pieces)
                 arrays.append(fmt.ArrayRecord(key, "float32", shape, grid, [fmt.ShardRecord(0, [0], shape, [chunk])],
                                               separator=sep))
             for key, grid in model_grid.items():  # model arrays: only their records matter to the merge

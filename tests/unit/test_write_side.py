@@ -89,7 +89,7 @@ def test_a_commit_makes_its_metadata_durable_before_the_marker(
         async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
             writer, sink = CheckpointWriter(backend), ChunkSink(backend)
             block = np.arange(4, dtype=np.float32)
-            crc = await sink.put(f"{fmt.step_dir(1)}/x/{fmt.chunk_key([0], fmt.CHUNK_SEPARATOR)}", block)
+            crc, _ = await sink.put(f"{fmt.step_dir(1)}/x/{fmt.chunk_key([0], fmt.CHUNK_SEPARATOR)}", block)
             rec = fmt.ArrayRecord("x", "float32", [4], [4],
                                   [fmt.ShardRecord(0, [0], [4], [fmt.ChunkRecord([0], 16, crc)])],
                                   separator=fmt.CHUNK_SEPARATOR)

@@ -47,8 +47,8 @@ def _write_step(root: str, step: int) -> None:
                     coords = [i] + [0] * (len(shape) - 1)
                     block = t[lo : lo + grid[0]].numpy()
                     path = f"{fmt.step_dir(step)}/{key}/{fmt.chunk_key(coords, fmt.CHUNK_SEPARATOR)}"
-                    crc = await sink.put(path, block)
-                    chunk = fmt.ChunkRecord(coords, block.nbytes, crc)
+                    crc, pieces = await sink.put(path, block)
+                    chunk = fmt.ChunkRecord(coords, block.nbytes, crc, pieces)
                     shards.append(fmt.ShardRecord(i, [lo] + [0] * (len(shape) - 1), [grid[0], *shape[1:]], [chunk]))
                 records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, grid, shards,
                                                separator=fmt.CHUNK_SEPARATOR))

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckptd.client.gather import Strided, scatter
+from ckptd.client.gather import Strided, blocks, scatter
+from ckptd.writer import checksum
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CorruptCheckpointError
 from ckptd.writer.format import ChunkRecord
@@ -103,7 +104,9 @@ def read_local(path: str, job: Job) -> None:
         trailer = bytearray(CRC_BYTES)
         _preadv_all(fd, [memoryview(trailer)], path, job.chunk.nbytes)
         if job.gather is not None:
-            _check_crc(job, _read_gather(fd, path, job), bytes(trailer))
+            crc = _read_gather(fd, path, job)
+            # None: read and checked piece by piece; the stored trailer must still be the manifest's
+            _check_crc(job, job.chunk.crc32c if crc is None else crc, bytes(trailer))
             return
         scratch = job.direct if job.direct is not None else np.empty(job.chunk.nbytes, dtype=np.uint8)
         body = scratch.data
@@ -124,19 +127,34 @@ def read_local(path: str, job: Job) -> None:
 _local = threading.local()  # each worker thread's scratch piece, kept: its pages stay touched and cached
 
 
-def _read_gather(fd: int, path: str, job: Job) -> int:
+def _read_gather(fd: int, path: str, job: Job) -> int | None:
     """Read a gather job's chunk piece by piece — its long runs straight into place, the rest into this
     thread's scratch piece — checksum each piece's parts in order and copy the other regions' elements out
     of the scratch; returns the chunk's crc32c. The destinations are written before the chunk's checksum
-    is compared (as a direct read's are): a mismatch fails the whole load."""
+    is compared (as a direct read's are): a mismatch fails the whole load.
+
+    A chunk whose manifest record has the crc32c of each of its pieces (``pieces``) is read in those
+    pieces: a piece holding no element the job needs is not read, each piece read is checked against its
+    own crc32c (:class:`CorruptCheckpointError` names it), and None is returned."""
+    pieces = job.chunk.pieces
+    size = checksum.PIECE_BYTES if pieces else PIECE
+    nbytes = job.chunk.nbytes
+    if pieces and len(pieces) != -(-nbytes // size):
+        raise CorruptCheckpointError(
+            f"{job.path}: the manifest records {len(pieces)} piece checksums for {nbytes} bytes "
+            f"({-(-nbytes // size)} pieces of {size})"
+        )
     scratch: np.ndarray | None = getattr(_local, "piece", None)
-    if scratch is None or len(scratch) < PIECE:
-        scratch = _local.piece = np.empty(PIECE, dtype=np.uint8)
+    if scratch is None or len(scratch) < size:
+        scratch = _local.piece = np.empty(size, dtype=np.uint8)
     dtype = f"u{job.item}" if job.item > 1 else "u1"
-    crc, pos, nbytes = 0, 0, job.chunk.nbytes
+    crc, pos = 0, 0
     runs, r = job.runs, 0
     while pos < nbytes:
-        end = min(pos + PIECE, nbytes)
+        end = min(pos + size, nbytes)
+        if pieces and not _needed(job, pos, end):
+            pos = end
+            continue
         parts, at = [], pos
         while at < end:  # the piece's bytes in order: runs into place, gaps into the scratch at their offset
             while r < len(runs) and runs[r][1] <= at:
@@ -150,12 +168,28 @@ def _read_gather(fd: int, path: str, job: Job) -> int:
                 parts.append(scratch[at - pos : stop - pos].data)
             at = stop
         _preadv_all(fd, list(parts), path, pos)
+        if pieces:
+            crc = 0
         for part in parts:
             crc = crc32c(part, crc)
+        if pieces and crc != pieces[pos // size]:
+            raise CorruptCheckpointError(
+                f"{job.path}: bytes [{pos}, {end}) (piece {pos // size}) have crc32c {crc:#010x}; the "
+                f"manifest recorded {pieces[pos // size]:#010x}"
+            )
         if job.scattered:
             scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
         pos = end
-    return int(crc)
+    return None if pieces else int(crc)
+
+
+def _needed(job: Job, a: int, b: int) -> bool:
+    """Whether bytes ``[a, b)`` of a gather job's chunk hold any element one of its regions needs."""
+    if any(lo < b and hi > a for lo, hi, _dst in job.runs):
+        return True
+    ea, eb = job.start + a // job.item, job.start + -(-b // job.item)
+    return any(region.offset < eb and region.stop > ea and next(blocks(region, ea, eb), None) is not None
+               for region, _dst in job.scattered)
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> None:

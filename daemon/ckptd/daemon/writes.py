@@ -137,10 +137,10 @@ class ShardWriter:
         items = [(f"{step_dir(job.step)}/{meta.key}/{chunk_key(coords, CHUNK_SEPARATOR)}", data, chunks)
                  for (meta, data, chunks), coords in zip(batch, where, strict=True)]
         async with self._chunk_slots:
-            crcs = await self._sink.put_local_unsynced(items)
+            sums = await self._sink.put_local_unsynced(items)
         job.unsynced = True
-        for (meta, data, chunks), coords, (key, _, _), crc in zip(batch, where, items, crcs, strict=True):
-            chunk = ChunkRecord(coords, math.prod(chunks) * data.itemsize, crc)
+        for (meta, data, chunks), coords, (key, _, _), crc in zip(batch, where, items, sums, strict=True):
+            chunk = ChunkRecord(coords, math.prod(chunks) * data.itemsize, *crc)
             save.records.append((meta, ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape),
                                                    [chunk])))
             job.written_keys.append(key)
@@ -192,13 +192,13 @@ class ShardWriter:
                 if arr is None:  # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
                     nbytes = math.prod(chunks) * block.itemsize
                     own = nbytes >= FSYNC_EACH_BYTES or not self._sink.fsync_each  # (S3: nothing to sync)
-                    crc = await self._sink.put(key, block, chunks, fsync=own)
+                    crc, pieces = await self._sink.put(key, block, chunks, fsync=own)
                     job.unsynced |= not own
-                else:
-                    crc = await checksum(block)
+                else:  # compressed: read whole, so checksummed whole
+                    crc, pieces = await checksum(block), []
                     await arr.setitem(chunk_selection(coords, chunks, meta.global_shape), block)
                     nbytes = block.nbytes
-            records[i] = ChunkRecord(list(coords), nbytes, crc)
+            records[i] = ChunkRecord(list(coords), nbytes, crc, pieces)
             job.written_keys.append(key)
 
         async with asyncio.TaskGroup() as tg:

@@ -179,9 +179,9 @@ class BackendConformance:
         records = []
         for row in range(2):
             block = data[row * 3 : (row + 1) * 3]
-            crc = await sink.put(f"step_1/w/{chunk_key((row, 0), separator)}", block)
+            crc, pieces = await sink.put(f"step_1/w/{chunk_key((row, 0), separator)}", block)
             assert crc == await checksum(block)
-            records.append(ChunkRecord([row, 0], block.nbytes, crc))
+            records.append(ChunkRecord([row, 0], block.nbytes, crc, pieces))
         if backend.capabilities.needs_fsync:
             await backend.sync([f"step_1/w/{chunk_key((r, 0), separator)}" for r in range(2)], files=False)
         await write_metadata(backend.store, "step_1/w", meta)

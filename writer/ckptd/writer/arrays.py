@@ -9,6 +9,7 @@ so any zarr v3 reader verifies it on decode.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import sys
@@ -26,7 +27,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import MemoryStore, StorePath
 
 from ckptd.writer.backends import Backend
-from ckptd.writer.checksum import crc32c
+from ckptd.writer.checksum import ChunkSum, chunk_sum, crc32c
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
 from ckptd.writer.fanout import in_thread_settled
 from ckptd.writer.format import (
@@ -84,6 +85,14 @@ async def checksum(data: np.ndarray) -> int:
     return int(crc32c(view))
 
 
+async def checksums(data: np.ndarray) -> ChunkSum:
+    """:func:`chunk_sum` of an array's raw bytes: the whole chunk's crc32c and its pieces'."""
+    view = np.ascontiguousarray(data).data.cast("B")
+    if view.nbytes >= _CRC_THREAD_MIN:
+        return await asyncio.to_thread(chunk_sum, view)
+    return chunk_sum(view)
+
+
 class ChunkSink:
     """Writes encoded chunks of the ``raw`` codec (zarr v3 ``bytes`` little-endian + ``crc32c``).
 
@@ -103,11 +112,12 @@ class ChunkSink:
 
     async def put(
         self, key: str, block: np.ndarray, chunks: Sequence[int] | None = None, *, fsync: bool = True
-    ) -> int:
-        """Write one chunk; returns the crc32c of its (decoded) bytes. With ``chunks`` (the array's chunk
-        shape) an edge chunk — ``block`` cut by the array's end — is stored whole (:func:`full_chunk`):
-        its stored size is then ``prod(chunks)`` elements. ``fsync=False`` leaves this chunk's durability to
-        the caller (:meth:`Backend.sync_all`), as ``fsync_each=False`` does for every chunk.
+    ) -> ChunkSum:
+        """Write one chunk; returns the checksums of its (decoded) bytes, whole and by piece
+        (:func:`chunk_sum`). With ``chunks`` (the array's chunk shape) an edge chunk — ``block`` cut by the
+        array's end — is stored whole (:func:`full_chunk`): its stored size is then ``prod(chunks)`` elements.
+        ``fsync=False`` leaves this chunk's durability to the caller (:meth:`Backend.sync_all`), as
+        ``fsync_each=False`` does for every chunk.
 
         Padding, checksumming and copying run in worker threads, never in the event loop that serves the
         ranks. A cancelled write returns once its thread is done with ``block`` (an arena slot the caller
@@ -116,14 +126,14 @@ class ChunkSink:
         if self.local_root is not None:
             path = os.path.join(self.local_root, key)
             return await in_thread_settled(_put_local, path, block, self.fsync_each and fsync, chunks)
-        body, crc = await in_thread_settled(_encode, block, chunks)
+        body, sums = await in_thread_settled(_encode, block, chunks)
         await self.backend.put_body(key, body)
-        return crc
+        return sums
 
-    async def put_local_unsynced(self, items: Sequence[tuple[str, np.ndarray, Sequence[int]]]) -> list[int]:
+    async def put_local_unsynced(self, items: Sequence[tuple[str, np.ndarray, Sequence[int]]]) -> list[ChunkSum]:
         """Write many small chunks (``key, block, chunks`` as :meth:`put` takes them) on a local root in one
         worker-thread call, none of them fsynced (the caller makes them durable with
-        :meth:`Backend.sync_all`); their crc32cs in order. One hand-off to a thread instead of one per
+        :meth:`Backend.sync_all`); their checksums in order. One hand-off to a thread instead of one per
         chunk: a chunk of a few KiB costs ~40 µs to write and more than that to hand over."""
         root = self.local_root
         if root is None:
@@ -140,14 +150,14 @@ def _little_endian(block: np.ndarray) -> np.ndarray:
     return block
 
 
-def _encode(block: np.ndarray, chunks: Sequence[int] | None = None) -> tuple[bytearray, int]:
+def _encode(block: np.ndarray, chunks: Sequence[int] | None = None) -> tuple[bytearray, ChunkSum]:
     """The chunk object: the one copy out of the arena (an edge chunk padded to ``chunks``), with the crc32c
     appended."""
     view = _stored_bytes(block, chunks)
-    crc = int(crc32c(view))
+    sums = chunk_sum(view)
     body = bytearray(view)
-    body.extend(crc.to_bytes(4, "little"))
-    return body, crc
+    body.extend(sums.crc32c.to_bytes(4, "little"))
+    return body, sums
 
 
 def _stored_bytes(block: np.ndarray, chunks: Sequence[int] | None) -> memoryview:
@@ -155,9 +165,10 @@ def _stored_bytes(block: np.ndarray, chunks: Sequence[int] | None) -> memoryview
     return _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
 
 
-def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence[int] | None = None) -> int:
+def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence[int] | None = None) -> ChunkSum:
     view = _stored_bytes(block, chunks)
-    crc = int(crc32c(view))
+    sums = chunk_sum(view)
+    crc = sums.crc32c
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -173,7 +184,7 @@ def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence
             os.fsync(fd)
     finally:
         os.close(fd)
-    return crc
+    return sums
 
 
 def full_chunk(block: np.ndarray, chunks: Sequence[int]) -> np.ndarray:
@@ -264,11 +275,17 @@ async def read_chunk_checked(
     sel = chunk_selection(ch.coords, rec.chunks, rec.shape)
     data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
     stored = full_chunk(data, rec.chunks) if data.nbytes != ch.nbytes and ch.nbytes == full else data  # format 3
-    crc = await checksum(stored)
+    crc, pieces = await checksums(stored) if ch.pieces else (await checksum(stored), [])
     if crc != ch.crc32c or stored.nbytes != ch.nbytes:
         raise CorruptCheckpointError(
             f"{rec.name}: chunk {ch.coords} holds {stored.nbytes} bytes with crc32c {crc:#010x}; the "
             f"manifest recorded {ch.nbytes} bytes with crc32c {ch.crc32c:#010x}"
+        )
+    if pieces != ch.pieces:  # what a partial read checks against must match the bytes too
+        bad = next(i for i, (a, b) in enumerate(itertools.zip_longest(pieces, ch.pieces)) if a != b)
+        raise CorruptCheckpointError(
+            f"{rec.name}: chunk {ch.coords}: the manifest's crc32c of piece {bad} (of {len(ch.pieces)}) does not "
+            f"match its bytes"
         )
     return data
 

@@ -227,10 +227,14 @@ def supported_dtypes() -> list[str]:
 
 
 # --- manifests ------------------------------------------------------------------------------------
-class ChunkRecord(msgspec.Struct, frozen=True):
+class ChunkRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     coords: list[int]
     nbytes: int
     crc32c: int
+    # crc32c of each PIECE_BYTES (1 MiB) of a raw chunk's bytes, the last piece shorter, when it has more than
+    # one (ckptd.writer.checksum.chunk_sum): a partial read checks just the pieces it read. Absent otherwise,
+    # and in chunks written before (readers then check the whole chunk)
+    pieces: list[int] = []
 
 
 class ShardRecord(msgspec.Struct, frozen=True):

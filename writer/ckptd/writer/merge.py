@@ -367,8 +367,8 @@ async def _merge_task(
                 sel = chunk_selection_of(coords, merged.chunks, merged.shape, pl.piece.global_offset)
                 # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
                 key = f"{prefix}/{pl.array}/{chunk_key(coords, plan.separator)}"
-                crc = await sink.put(key, piece[sel], merged.chunks)
-                chunks.append(ChunkRecord(list(coords), math.prod(merged.chunks) * piece.itemsize, crc))
+                crc, pieces = await sink.put(key, piece[sel], merged.chunks)
+                chunks.append(ChunkRecord(list(coords), math.prod(merged.chunks) * piece.itemsize, crc, pieces))
             out.setdefault(pl.array, []).append(
                 ShardRecord(-1, list(pl.piece.global_offset), list(piece.shape), chunks)
             )
