@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -305,13 +306,13 @@ def test_a_failed_ranged_load_raises_once_no_check_still_writes(root: str, tmp_p
 
     flat_checking = threading.Event()
 
-    def slow_verify(job: Job, body: memoryview, trailer: bytes) -> None:
+    def slow_verify(job: Job, body: memoryview, trailer: bytes, pieces: list[int] | None = None) -> None:
         if "flat" in job.path:
             flat_checking.set()
             time.sleep(0.3)  # the crc of a large chunk on a busy host
         elif job.path.endswith("c/1/0"):
             assert flat_checking.wait(10)  # the damaged chunk fails while the other one is being checked
-        chunkio.verify(job, body, trailer)
+        chunkio.verify(job, body, trailer, pieces)
 
     monkeypatch.setattr(ranged, "verify", slow_verify)
     dst = torch.full((10,), -1.0)
@@ -469,47 +470,52 @@ def test_gathered_regions_are_bit_exact_and_every_read_chunk_is_checked(
             _gather(copy, regions)
 
 
+def _partial_read_case(url: str, options: dict[str, object] | None, get: Callable[[], bytes],
+                       put: Callable[[bytes], None]) -> None:
+    """Chunks written with the crc32c of each 40-byte piece (``flat``: 100-byte chunks, pieces of elements
+    0-9, 10-19, 20-24; ``get`` and ``put`` read and replace chunk 0's stored object): a gather of elements
+    0-4 and 21, 23 reads pieces 0 and 2 of chunk 0 and checks each; damage in piece 1 goes unread, damage
+    in piece 2 or 0 names the piece, a trailer that is not the manifest's crc32c names the chunk."""
+    _write(url, options)
+    flat = ARRAYS["flat"][0]
+
+    def load() -> tuple[torch.Tensor, torch.Tensor]:
+        head, odd = torch.zeros(5), torch.zeros(2)
+        _gather(url, [("flat", head, Strided(0, (5,), (1,))), ("flat", odd, Strided(21, (2,), (2,)))], options)
+        return head, odd
+
+    good = get()
+    for pos, piece in ((50, None), (85, "piece 2"), (3, "piece 0"), (101, "trailer says")):
+        put(good[:pos] + bytes([good[pos] ^ 0x10]) + good[pos + 1 :])
+        if piece is None:  # a byte of piece 1, which holds no element either region needs
+            head, odd = load()
+            assert torch.equal(head, flat[:5]) and torch.equal(odd, flat[21:24:2])
+        else:
+            with pytest.raises(CorruptCheckpointError, match=rf"flat/c/0: .*{piece}"):
+                load()
+    put(good)
+    head, odd = load()
+    assert torch.equal(head, flat[:5]) and torch.equal(odd, flat[21:24:2])
+
+
 @pytest.mark.parametrize("run_bytes", [8, 1 << 20], ids=["runs-into-place", "through-scratch"])
 def test_a_partial_read_checks_and_reads_only_the_pieces_it_needs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int
 ) -> None:
-    """Chunks written with the crc32c of each 40-byte piece (``flat``: 100-byte chunks, pieces of elements
-    0-9, 10-19, 20-24): a gather of elements 0-4 and 21, 23 reads pieces 0 and 2 of chunk 0 and checks
-    each; damage in piece 1 goes unread, damage in piece 2 names it. ``ckptd verify`` checks every piece's
-    recorded value against the bytes."""
+    """Local reads (:func:`_partial_read_case`); ``ckptd verify`` checks every piece's recorded value
+    against the bytes."""
     from ckptd.client import fastread
     from ckptd.writer import checksum
 
     monkeypatch.setattr(checksum, "PIECE_BYTES", 40)
     monkeypatch.setattr(fastread, "_RUN", run_bytes)
     root = str(tmp_path / "ckpt")
-    _write(root)
-    flat = ARRAYS["flat"][0]
-    commit = read_commit(root, 1)
-    chunk = next(r for r in commit.arrays if r.name == "flat").shards[0].chunks[0]
-    assert len(chunk.pieces) == 3 and chunk.crc32c == checksum.crc32c(flat[:25].numpy().tobytes())
-
-    def load() -> tuple[torch.Tensor, torch.Tensor]:
-        head, odd = torch.zeros(5), torch.zeros(2)
-        _gather(root, [("flat", head, Strided(0, (5,), (1,))), ("flat", odd, Strided(21, (2,), (2,)))])
-        return head, odd
-
     path = Path(root, "step_1", "flat", "c", "0")
-    good = path.read_bytes()
-    for pos, piece in ((50, None), (85, 2), (3, 0)):
-        path.write_bytes(good[:pos] + bytes([good[pos] ^ 0x10]) + good[pos + 1 :])
-        if piece is None:  # a byte of piece 1, which holds no element either region needs
-            head, odd = load()
-            assert torch.equal(head, flat[:5]) and torch.equal(odd, flat[21:24:2])
-        else:
-            with pytest.raises(CorruptCheckpointError, match=rf"flat/c/0: bytes .* \(piece {piece}\)"):
-                load()
-    path.write_bytes(good)
-    head, odd = load()
-    assert torch.equal(head, flat[:5]) and torch.equal(odd, flat[21:24:2])
+    _partial_read_case(root, None, path.read_bytes, path.write_bytes)
 
-    rec = next(r for r in commit.arrays if r.name == "flat")
-    shard = rec.shards[0]
+    rec = next(r for r in read_commit(root, 1).arrays if r.name == "flat")
+    shard, chunk = rec.shards[0], rec.shards[0].chunks[0]
+    assert len(chunk.pieces) == 3 and chunk.crc32c == checksum.crc32c(ARRAYS["flat"][0][:25].numpy().tobytes())
     wrong = msgspec.structs.replace(chunk, pieces=[chunk.pieces[0], chunk.pieces[1] ^ 1, chunk.pieces[2]])
     tampered = msgspec.structs.replace(rec, shards=[msgspec.structs.replace(shard, chunks=[wrong, *shard.chunks[1:]])])
 
@@ -520,6 +526,33 @@ def test_a_partial_read_checks_and_reads_only_the_pieces_it_needs(
     assert asyncio.run(verify(rec)) == 400
     with pytest.raises(CorruptCheckpointError, match=r"flat: chunk \[0\]: the manifest's crc32c of piece 1"):
         asyncio.run(verify(tampered))
+
+
+@pytest.mark.s3
+def test_s3_partial_reads_get_only_the_pieces_they_need(
+    s3_options: dict[str, object], s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranged GETs (:func:`_partial_read_case`): chunk 0 of ``flat`` is fetched as pieces 0 and 2 with its
+    trailer, never piece 1."""
+    from ckptd.writer import checksum
+    from ckptd.writer.backends.s3 import S3Backend
+
+    monkeypatch.setattr(checksum, "PIECE_BYTES", 40)
+    url = f"s3://{BUCKET}/fastread-pieces"
+    client, key = s3.client(), url.split("/", 3)[3] + "/step_1/flat/c/0"
+    fetched: list[tuple[int, int]] = []
+    read_into = S3Backend.read_into
+
+    async def recording(self: S3Backend, path: str, start: int, bufs: Sequence[memoryview]) -> tuple[int, int | None]:
+        if path.endswith("flat/c/0"):
+            fetched.append((start, start + sum(b.nbytes for b in bufs)))
+        return await read_into(self, path, start, bufs)
+
+    monkeypatch.setattr(S3Backend, "read_into", recording)
+    _partial_read_case(url, s3_options, lambda: client.get_object(Bucket=BUCKET, Key=key)["Body"].read(),
+                       lambda body: client.put_object(Bucket=BUCKET, Key=key, Body=body))
+    assert fetched and set(fetched) == {(0, 7), (7, 14), (14, 21), (21, 28), (28, 35), (35, 40), (80, 87),
+                                        (87, 94), (94, 101), (101, 104)}
 
 
 def test_a_failed_read_stops_the_others_and_nothing_lands_after_the_error(

@@ -205,10 +205,35 @@ def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> Non
             bufs[0] = bufs[0][n:]
 
 
-def verify(job: Job, body: memoryview, trailer: bytes) -> None:
+def needed_pieces(job: Job) -> list[int] | None:
+    """The pieces of a gather job's chunk that hold elements it needs, when its manifest record has their
+    checksums (``pieces``); None otherwise (the chunk is read and checked whole)."""
+    pieces = job.chunk.pieces
+    if job.gather is None or not pieces:
+        return None
+    size, nbytes = checksum.PIECE_BYTES, job.chunk.nbytes
+    if len(pieces) != -(-nbytes // size):
+        return None  # inconsistent with the size: the whole chunk is read, and its checks say what is wrong
+    return [i for i in range(len(pieces)) if _needed(job, i * size, min((i + 1) * size, nbytes))]
+
+
+def verify(job: Job, body: memoryview, trailer: bytes, pieces: list[int] | None = None) -> None:
     """Check a chunk read from an object store (``body`` and its ``trailer``), then copy its elements into
-    place unless it was read there."""
-    _check(job, body, trailer)
+    place unless it was read there. ``pieces``: only these pieces of the body were read
+    (:func:`needed_pieces`): each is checked against its own crc32c, the trailer against the manifest's."""
+    if pieces is None:
+        _check(job, body, trailer)
+    else:
+        size = checksum.PIECE_BYTES
+        for i in pieces:
+            a, b = i * size, min((i + 1) * size, job.chunk.nbytes)
+            crc = int(crc32c(body[a:b]))
+            if crc != job.chunk.pieces[i]:
+                raise CorruptCheckpointError(
+                    f"{job.path}: bytes [{a}, {b}) (piece {i}) have crc32c {crc:#010x}; the manifest recorded "
+                    f"{job.chunk.pieces[i]:#010x}"
+                )
+        _check_crc(job, job.chunk.crc32c, trailer)
     if job.direct is None:
         _scatter_chunk(job, body)
 

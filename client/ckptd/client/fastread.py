@@ -194,10 +194,12 @@ class ChunkReader:
         elements ``region`` locates in the 1-D array ``key``.
 
         Every stored chunk holding any of them is read once for all the regions added before :meth:`run`
-        (and checksummed whole); a chunk that one contiguous region fills entirely is read straight into the
-        destination, any other piece by piece through a scratch buffer of :data:`~ckptd.client.chunkio.PIECE`
-        bytes that stays in the CPU cache, from which :func:`~ckptd.client.gather.scatter` copies each
-        region's elements into place. Chunks holding none are not read."""
+        (and checksummed: whole, or where the manifest has the crc32c of each of its 1 MiB pieces, just
+        the pieces holding elements of a region, each against its own); a chunk that one contiguous region
+        fills entirely is read straight into the destination, any other piece by piece through a scratch
+        buffer of :data:`~ckptd.client.chunkio.PIECE` bytes that stays in the CPU cache, from which
+        :func:`~ckptd.client.gather.scatter` copies each region's elements into place. Chunks holding none
+        are not read."""
         rec = self.arrays[key]
         if len(rec.shape) != 1 or region.offset < 0 or region.stop > rec.shape[0]:
             raise StateMismatchError(f"{key}: elements [{region.offset}, {region.stop}) lie outside {tuple(rec.shape)}")

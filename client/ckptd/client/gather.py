@@ -4,9 +4,10 @@ A load at another TP reads, from a saved bucket (1-D, params back to back), each
 dimension: a contiguous run for a column-parallel param, every row's half for a row-parallel one. Such a
 region is ``offset + sum(i_k * strides[k])`` over ``sizes``: a :class:`Strided`. The reader
 (:meth:`~ckptd.client.fastread.ChunkReader.add_gather`) reads each stored chunk that holds any element of
-a region once, piece by piece into a small scratch buffer that stays in the CPU cache (so every byte is
-checksummed), and :func:`scatter` copies the piece's elements of each region straight into the
-destination: a few strided numpy copies per piece, whatever the number of rows.
+a region once, piece by piece into a small scratch buffer that stays in the CPU cache (every piece it reads
+is checksummed; a chunk whose manifest record has its pieces' checksums is read only in the pieces that
+hold elements of a region), and :func:`scatter` copies the piece's elements of each region straight into
+the destination: a few strided numpy copies per piece, whatever the number of rows.
 
 :func:`blocks` does the index arithmetic: the elements of a region that fall in a range ``[a, b)`` of the
 array are, in C order, a head of partial rows, a block of whole rows and a tail, so at most

@@ -260,7 +260,8 @@ def plan_dp_slices(
     :meth:`~ckptd.client.fastread.ChunkReader.add_gather` straight into the param's place in this rank's
     slice of its own bucket. One reader for all states (and the model's tensors too, see
     :func:`~ckptd.client.megatron.load.load_checkpoint`): each stored chunk holding any needed element is
-    read once and checksummed whole; chunks holding none are skipped. Works for any TP/PP/DP and bucket
+    read once, in the pieces holding a needed element where the manifest has each piece's checksum, else
+    whole, and every piece read is checksummed; chunks holding none are skipped. Works for any TP/PP/DP and bucket
     layout; the merged layout (:func:`merged_optimizer_slices`) gives the same result.
 
     ``dest`` (optional) holds the slices to fill, by key (:mod:`~ckptd.client.megatron.targets`: often the
@@ -308,8 +309,9 @@ def plan_dp_slices(
             slices[key] = given if given is not None else torch.zeros(buf.slice_numel(bucket), dtype=torch_dtype(dtype))
 
     # 2. every state of every param at once: each stored chunk that holds any element this rank needs is read
-    # once and checksummed whole, and the needed elements go straight into the param's place in this rank's
-    # slice (a TP half of a row-parallel param: every row's half, a strided region); nothing else is allocated
+    # once (only its pieces holding one, where they have checksums of their own) and checksummed, and the
+    # needed elements go straight into the param's place in this rank's slice (a TP half of a row-parallel
+    # param: every row's half, a strided region); nothing else is allocated
     # The reads are the same for every state but for the arrays' names and the slices they land in: worked
     # out once, in integers (:func:`_param_read_specs`), and added for all states at once
     # (:meth:`~ckptd.client.fastread.ChunkReader.add_gathers`).
