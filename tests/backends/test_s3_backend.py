@@ -89,7 +89,7 @@ async def _committed_step(url: str, options: Mapping[str, Any]) -> None:
 
     async with await open_backend(url, options) as backend:
         data = np.arange(16, dtype=np.float32)
-        crc = await ChunkSink(backend).put(f"step_2/w/{chunk_key((0,), CHUNK_SEPARATOR)}", data)
+        crc, _ = await ChunkSink(backend).put(f"step_2/w/{chunk_key((0,), CHUNK_SEPARATOR)}", data)
         shard = ShardRecord(0, [0], [16], [ChunkRecord([0], 64, crc)])
         rec = ArrayRecord("w", "float32", [16], [16], [shard], separator=CHUNK_SEPARATOR)
         writer = CheckpointWriter(backend)

@@ -504,7 +504,7 @@ def test_a_partial_read_checks_and_reads_only_the_pieces_it_needs(
 ) -> None:
     """Local reads (:func:`_partial_read_case`); ``ckptd verify`` checks every piece's recorded value
     against the bytes."""
-    from ckptd.client import fastread
+    from ckptd.client import chunkio, fastread
     from ckptd.writer import checksum
 
     monkeypatch.setattr(checksum, "PIECE_BYTES", 40)
@@ -526,6 +526,23 @@ def test_a_partial_read_checks_and_reads_only_the_pieces_it_needs(
     assert asyncio.run(verify(rec)) == 400
     with pytest.raises(CorruptCheckpointError, match=r"flat: chunk \[0\]: the manifest's crc32c of piece 1"):
         asyncio.run(verify(tampered))
+
+    # piece checksums of another count (another piece size): the chunk is read and checked whole
+    path = Path(root, "step_1", "flat", "c", "0")
+    good = path.read_bytes()
+    path.write_bytes(good[:50] + bytes([good[50] ^ 0x10]) + good[51:])
+    head = torch.zeros(5)
+    region, dst = Strided(0, (5,), (1,)), head.view(torch.int32).numpy()
+    for pieces, check in ((chunk.pieces[:2], "stored bytes have crc32c"), (chunk.pieces, None)):
+        record = msgspec.structs.replace(chunk, pieces=pieces)
+        job = Job("step_1/flat/c/0", record, None, item=4, gather=[(region, dst)], scattered=[(region, dst)])
+        assert (chunkio.needed_pieces(job) is None) == (check is not None)
+        if check is None:
+            chunkio.read_local(str(path), job)  # piece 1 holds no element of the region: not read
+            assert torch.equal(head, ARRAYS["flat"][0][:5])
+        else:
+            with pytest.raises(CorruptCheckpointError, match=check):
+                chunkio.read_local(str(path), job)
 
 
 @pytest.mark.s3

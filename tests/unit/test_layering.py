@@ -73,7 +73,7 @@ def test_offline_ls_and_verify_import_no_torch(tmp_path: pathlib.Path) -> None:
     async def make() -> None:
         async with await open_backend(root) as backend:
             data = np.arange(16, dtype=np.float32)
-            crc = await ChunkSink(backend).put(f"step_2/w/{fmt.chunk_key((0,), fmt.CHUNK_SEPARATOR)}", data)
+            crc, _ = await ChunkSink(backend).put(f"step_2/w/{fmt.chunk_key((0,), fmt.CHUNK_SEPARATOR)}", data)
             shard = fmt.ShardRecord(0, [0], [16], [fmt.ChunkRecord([0], 64, crc)])
             rec = fmt.ArrayRecord("w", "float32", [16], [16], [shard], separator=fmt.CHUNK_SEPARATOR)
             writer = CheckpointWriter(backend)

@@ -136,14 +136,9 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
     A chunk whose manifest record has the crc32c of each of its pieces (``pieces``) is read in those
     pieces: a piece holding no element the job needs is not read, each piece read is checked against its
     own crc32c (:class:`CorruptCheckpointError` names it), and None is returned."""
-    pieces = job.chunk.pieces
-    size = checksum.PIECE_BYTES if pieces else PIECE
     nbytes = job.chunk.nbytes
-    if pieces and len(pieces) != -(-nbytes // size):
-        raise CorruptCheckpointError(
-            f"{job.path}: the manifest records {len(pieces)} piece checksums for {nbytes} bytes "
-            f"({-(-nbytes // size)} pieces of {size})"
-        )
+    pieces = job.chunk.pieces if _pieces_fit(job) else []  # else: read and checked whole
+    size = checksum.PIECE_BYTES if pieces else PIECE
     scratch: np.ndarray | None = getattr(_local, "piece", None)
     if scratch is None or len(scratch) < size:
         scratch = _local.piece = np.empty(size, dtype=np.uint8)
@@ -208,13 +203,17 @@ def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> Non
 def needed_pieces(job: Job) -> list[int] | None:
     """The pieces of a gather job's chunk that hold elements it needs, when its manifest record has their
     checksums (``pieces``); None otherwise (the chunk is read and checked whole)."""
-    pieces = job.chunk.pieces
-    if job.gather is None or not pieces:
+    if job.gather is None or not _pieces_fit(job):
         return None
     size, nbytes = checksum.PIECE_BYTES, job.chunk.nbytes
-    if len(pieces) != -(-nbytes // size):
-        return None  # inconsistent with the size: the whole chunk is read, and its checks say what is wrong
-    return [i for i in range(len(pieces)) if _needed(job, i * size, min((i + 1) * size, nbytes))]
+    return [i for i in range(len(job.chunk.pieces)) if _needed(job, i * size, min((i + 1) * size, nbytes))]
+
+
+def _pieces_fit(job: Job) -> bool:
+    """The chunk's record has piece checksums, as many as it has pieces of :data:`PIECE_BYTES` (another
+    count: pieces of another size, which this reader does not know; the chunk is then checked whole)."""
+    pieces = job.chunk.pieces
+    return bool(pieces) and len(pieces) == -(-job.chunk.nbytes // checksum.PIECE_BYTES)
 
 
 def verify(job: Job, body: memoryview, trailer: bytes, pieces: list[int] | None = None) -> None:
