@@ -88,6 +88,16 @@ def _check_crc(job: Job, crc: int, trailer: bytes) -> None:
         )
 
 
+def _check_trailer(job: Job, trailer: bytes) -> None:
+    """A chunk read in pieces (each checked against its own crc32c): its stored trailer must be the
+    manifest's crc32c of the whole chunk (a chunk another save wrote in its place has another)."""
+    stored = int.from_bytes(trailer, "little")
+    if stored != job.chunk.crc32c:
+        raise CorruptCheckpointError(
+            f"{job.path}: the chunk's trailer says crc32c {stored:#010x}, the manifest {job.chunk.crc32c:#010x}"
+        )
+
+
 def read_local(path: str, job: Job) -> None:
     """Read the chunk at ``path`` (a local file) into ``job``'s destinations and check it: its size, then its
     crc32c against the stored trailer and the manifest (:class:`CorruptCheckpointError` names it)."""
@@ -105,8 +115,10 @@ def read_local(path: str, job: Job) -> None:
         _preadv_all(fd, [memoryview(trailer)], path, job.chunk.nbytes)
         if job.gather is not None:
             crc = _read_gather(fd, path, job)
-            # None: read and checked piece by piece; the stored trailer must still be the manifest's
-            _check_crc(job, job.chunk.crc32c if crc is None else crc, bytes(trailer))
+            if crc is None:  # read and checked piece by piece
+                _check_trailer(job, bytes(trailer))
+            else:
+                _check_crc(job, crc, bytes(trailer))
             return
         scratch = job.direct if job.direct is not None else np.empty(job.chunk.nbytes, dtype=np.uint8)
         body = scratch.data
@@ -232,7 +244,7 @@ def verify(job: Job, body: memoryview, trailer: bytes, pieces: list[int] | None 
                     f"{job.path}: bytes [{a}, {b}) (piece {i}) have crc32c {crc:#010x}; the manifest recorded "
                     f"{job.chunk.pieces[i]:#010x}"
                 )
-        _check_crc(job, job.chunk.crc32c, trailer)
+        _check_trailer(job, trailer)
     if job.direct is None:
         _scatter_chunk(job, body)
 
