@@ -88,6 +88,17 @@ def _check_crc(job: Job, crc: int, trailer: bytes) -> None:
         )
 
 
+def _check_piece(job: Job, i: int, crc: int) -> None:
+    """Piece ``i`` of the chunk read has crc32c ``crc``: it must be the manifest's value of that piece."""
+    if crc != job.chunk.pieces[i]:
+        a = i * checksum.PIECE_BYTES
+        b = min(a + checksum.PIECE_BYTES, job.chunk.nbytes)
+        raise CorruptCheckpointError(
+            f"{job.path}: bytes [{a}, {b}) (piece {i}) have crc32c {crc:#010x}; the manifest recorded "
+            f"{job.chunk.pieces[i]:#010x}"
+        )
+
+
 def _check_trailer(job: Job, trailer: bytes) -> None:
     """A chunk read in pieces (each checked against its own crc32c): its stored trailer must be the
     manifest's crc32c of the whole chunk (a chunk another save wrote in its place has another)."""
@@ -179,11 +190,8 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
             crc = 0
         for part in parts:
             crc = crc32c(part, crc)
-        if pieces and crc != pieces[pos // size]:
-            raise CorruptCheckpointError(
-                f"{job.path}: bytes [{pos}, {end}) (piece {pos // size}) have crc32c {crc:#010x}; the "
-                f"manifest recorded {pieces[pos // size]:#010x}"
-            )
+        if pieces:
+            _check_piece(job, pos // size, crc)
         if job.scattered:
             scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
         pos = end
@@ -237,13 +245,7 @@ def verify(job: Job, body: memoryview, trailer: bytes, pieces: list[int] | None 
     else:
         size = checksum.PIECE_BYTES
         for i in pieces:
-            a, b = i * size, min((i + 1) * size, job.chunk.nbytes)
-            crc = int(crc32c(body[a:b]))
-            if crc != job.chunk.pieces[i]:
-                raise CorruptCheckpointError(
-                    f"{job.path}: bytes [{a}, {b}) (piece {i}) have crc32c {crc:#010x}; the manifest recorded "
-                    f"{job.chunk.pieces[i]:#010x}"
-                )
+            _check_piece(job, i, crc32c(body[i * size : (i + 1) * size]))
         _check_trailer(job, trailer)
     if job.direct is None:
         _scatter_chunk(job, body)
