@@ -230,10 +230,8 @@ def needed_pieces(job: Job) -> list[int] | None:
 
 
 def _pieces_fit(job: Job) -> bool:
-    """The chunk's record has piece checksums, as many as it has pieces of :data:`PIECE_BYTES` (another
-    count: pieces of another size, which this reader does not know; the chunk is then checked whole)."""
-    pieces = job.chunk.pieces
-    return bool(pieces) and len(pieces) == -(-job.chunk.nbytes // checksum.PIECE_BYTES)
+    """The chunk's record has piece checksums this reader can use (else the chunk is checked whole)."""
+    return checksum.pieces_fit(job.chunk.pieces, job.chunk.nbytes)
 
 
 def verify(job: Job, body: memoryview, trailer: bytes, pieces: list[int] | None = None) -> None:

@@ -139,8 +139,8 @@ class ShardWriter:
         async with self._chunk_slots:
             sums = await self._sink.put_local_unsynced(items)
         job.unsynced = True
-        for (meta, data, chunks), coords, (key, _, _), crc in zip(batch, where, items, sums, strict=True):
-            chunk = ChunkRecord(coords, math.prod(chunks) * data.itemsize, *crc)
+        for (meta, data, chunks), coords, (key, _, _), one in zip(batch, where, items, sums, strict=True):
+            chunk = ChunkRecord(coords, math.prod(chunks) * data.itemsize, one.crc32c, one.pieces)
             save.records.append((meta, ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape),
                                                    [chunk])))
             job.written_keys.append(key)

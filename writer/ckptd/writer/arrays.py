@@ -27,7 +27,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import MemoryStore, StorePath
 
 from ckptd.writer.backends import Backend
-from ckptd.writer.checksum import ChunkSum, chunk_sum, crc32c
+from ckptd.writer.checksum import ChunkSum, chunk_sum, crc32c, pieces_fit
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
 from ckptd.writer.fanout import in_thread_settled
 from ckptd.writer.format import (
@@ -275,7 +275,9 @@ async def read_chunk_checked(
     sel = chunk_selection(ch.coords, rec.chunks, rec.shape)
     data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
     stored = full_chunk(data, rec.chunks) if data.nbytes != ch.nbytes and ch.nbytes == full else data  # format 3
-    crc, pieces = await checksums(stored) if ch.pieces else (await checksum(stored), [])
+    # piece values are compared where they fit this version's pieces (as a partial read uses them)
+    fits = pieces_fit(ch.pieces, ch.nbytes)
+    crc, pieces = await checksums(stored) if fits else (await checksum(stored), ch.pieces)
     if crc != ch.crc32c or stored.nbytes != ch.nbytes:
         raise CorruptCheckpointError(
             f"{rec.name}: chunk {ch.coords} holds {stored.nbytes} bytes with crc32c {crc:#010x}; the "

@@ -90,6 +90,12 @@ class ChunkSum(NamedTuple):
     pieces: list[int]
 
 
+def pieces_fit(pieces: list[int], nbytes: int) -> bool:
+    """Whether a chunk record's ``pieces`` are one value for each :data:`PIECE_BYTES` of its ``nbytes``
+    (another count: pieces of another size, which this version does not know how to use)."""
+    return bool(pieces) and len(pieces) == -(-nbytes // PIECE_BYTES)
+
+
 def chunk_sum(data: memoryview) -> ChunkSum:
     """:class:`ChunkSum` of ``data`` (contiguous bytes): each piece checksummed once, the whole folded."""
     size = PIECE_BYTES
