@@ -61,4 +61,5 @@ def test_a_chunk_sum_is_the_whole_value_and_each_piece_s(data: bytes, piece: int
         checksum.PIECE_BYTES = old
     assert got.crc32c == reference.crc32c(data)
     want = [reference.crc32c(data[a : a + piece]) for a in range(0, len(data), piece)]
-    assert got.pieces == (want if len(data) > piece else [])
+    assert got.pieces == (checksum.pack_pieces(want) if len(data) > piece else b"")
+    assert [checksum.piece_value(got.pieces, i) for i in range(len(got.pieces) // 4)] == (want if got.pieces else [])

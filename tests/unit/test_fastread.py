@@ -516,8 +516,9 @@ def test_a_partial_read_checks_and_reads_only_the_pieces_it_needs(
 
     rec = next(r for r in read_commit(root, 1).arrays if r.name == "flat")
     shard, chunk = rec.shards[0], rec.shards[0].chunks[0]
-    assert len(chunk.pieces) == 3 and chunk.crc32c == checksum.crc32c(ARRAYS["flat"][0][:25].numpy().tobytes())
-    wrong = msgspec.structs.replace(chunk, pieces=[chunk.pieces[0], chunk.pieces[1] ^ 1, chunk.pieces[2]])
+    assert len(chunk.pieces) == 3 * 4 and chunk.crc32c == checksum.crc32c(ARRAYS["flat"][0][:25].numpy().tobytes())
+    values = [checksum.piece_value(chunk.pieces, i) for i in range(3)]
+    wrong = msgspec.structs.replace(chunk, pieces=checksum.pack_pieces([values[0], values[1] ^ 1, values[2]]))
     tampered = msgspec.structs.replace(rec, shards=[msgspec.structs.replace(shard, chunks=[wrong, *shard.chunks[1:]])])
 
     async def verify(record: fmt.ArrayRecord) -> int:
@@ -534,7 +535,7 @@ def test_a_partial_read_checks_and_reads_only_the_pieces_it_needs(
     path.write_bytes(good[:50] + bytes([good[50] ^ 0x10]) + good[51:])
     head = torch.zeros(5)
     region, dst = Strided(0, (5,), (1,)), head.view(torch.int32).numpy()
-    for pieces, check in ((chunk.pieces[:2], "stored bytes have crc32c"), (chunk.pieces, None)):
+    for pieces, check in ((chunk.pieces[:8], "stored bytes have crc32c"), (chunk.pieces, None)):
         record = msgspec.structs.replace(chunk, pieces=pieces)
         job = Job("step_1/flat/c/0", record, None, item=4, gather=[(region, dst)], scattered=[(region, dst)])
         assert (chunkio.needed_pieces(job) is None) == (check is not None)

@@ -90,12 +90,12 @@ def _check_crc(job: Job, crc: int, trailer: bytes) -> None:
 
 def _check_piece(job: Job, i: int, crc: int) -> None:
     """Piece ``i`` of the chunk read has crc32c ``crc``: it must be the manifest's value of that piece."""
-    if crc != job.chunk.pieces[i]:
+    want = checksum.piece_value(job.chunk.pieces, i)
+    if crc != want:
         a = i * checksum.PIECE_BYTES
         b = min(a + checksum.PIECE_BYTES, job.chunk.nbytes)
         raise CorruptCheckpointError(
-            f"{job.path}: bytes [{a}, {b}) (piece {i}) have crc32c {crc:#010x}; the manifest recorded "
-            f"{job.chunk.pieces[i]:#010x}"
+            f"{job.path}: bytes [{a}, {b}) (piece {i}) have crc32c {crc:#010x}; the manifest recorded {want:#010x}"
         )
 
 
@@ -160,8 +160,8 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
     pieces: a piece holding no element the job needs is not read, each piece read is checked against its
     own crc32c (:class:`CorruptCheckpointError` names it), and None is returned."""
     nbytes = job.chunk.nbytes
-    pieces = job.chunk.pieces if _pieces_fit(job) else []  # else: read and checked whole
-    size = checksum.PIECE_BYTES if pieces else PIECE
+    by_piece = _pieces_fit(job)  # else: read and checked whole
+    size = checksum.PIECE_BYTES if by_piece else PIECE
     scratch: np.ndarray | None = getattr(_local, "piece", None)
     if scratch is None or len(scratch) < size:
         scratch = _local.piece = np.empty(size, dtype=np.uint8)
@@ -170,7 +170,7 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
     runs, r = job.runs, 0
     while pos < nbytes:
         end = min(pos + size, nbytes)
-        if pieces and not _needed(job, pos, end):
+        if by_piece and not _needed(job, pos, end):
             pos = end
             continue
         parts, at = [], pos
@@ -186,16 +186,16 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
                 parts.append(scratch[at - pos : stop - pos].data)
             at = stop
         _preadv_all(fd, list(parts), path, pos)
-        if pieces:
+        if by_piece:
             crc = 0
         for part in parts:
             crc = crc32c(part, crc)
-        if pieces:
+        if by_piece:
             _check_piece(job, pos // size, crc)
         if job.scattered:
             scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
         pos = end
-    return None if pieces else int(crc)
+    return None if by_piece else int(crc)
 
 
 def _needed(job: Job, a: int, b: int) -> bool:
@@ -226,7 +226,7 @@ def needed_pieces(job: Job) -> list[int] | None:
     if job.gather is None or not _pieces_fit(job):
         return None
     size, nbytes = checksum.PIECE_BYTES, job.chunk.nbytes
-    return [i for i in range(len(job.chunk.pieces)) if _needed(job, i * size, min((i + 1) * size, nbytes))]
+    return [i for i in range(len(job.chunk.pieces) // 4) if _needed(job, i * size, min((i + 1) * size, nbytes))]
 
 
 def _pieces_fit(job: Job) -> bool:

@@ -195,7 +195,7 @@ class ShardWriter:
                     crc, pieces = await self._sink.put(key, block, chunks, fsync=own)
                     job.unsynced |= not own
                 else:  # compressed: read whole, so checksummed whole
-                    crc, pieces = await checksum(block), []
+                    crc, pieces = await checksum(block), b""
                     await arr.setitem(chunk_selection(coords, chunks, meta.global_shape), block)
                     nbytes = block.nbytes
             records[i] = ChunkRecord(list(coords), nbytes, crc, pieces)

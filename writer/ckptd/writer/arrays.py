@@ -9,7 +9,6 @@ so any zarr v3 reader verifies it on decode.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import os
 import sys
@@ -27,7 +26,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import MemoryStore, StorePath
 
 from ckptd.writer.backends import Backend
-from ckptd.writer.checksum import ChunkSum, chunk_sum, crc32c, pieces_fit
+from ckptd.writer.checksum import ChunkSum, chunk_sum, crc32c, piece_value, pieces_fit
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
 from ckptd.writer.fanout import in_thread_settled
 from ckptd.writer.format import (
@@ -284,10 +283,10 @@ async def read_chunk_checked(
             f"manifest recorded {ch.nbytes} bytes with crc32c {ch.crc32c:#010x}"
         )
     if pieces != ch.pieces:  # what a partial read checks against must match the bytes too
-        bad = next(i for i, (a, b) in enumerate(itertools.zip_longest(pieces, ch.pieces)) if a != b)
+        bad = next(i for i in range(len(pieces) // 4) if piece_value(pieces, i) != piece_value(ch.pieces, i))
         raise CorruptCheckpointError(
-            f"{rec.name}: chunk {ch.coords}: the manifest's crc32c of piece {bad} (of {len(ch.pieces)}) does not "
-            f"match its bytes"
+            f"{rec.name}: chunk {ch.coords}: the manifest's crc32c of piece {bad} (of {len(ch.pieces) // 4}) does "
+            f"not match its bytes"
         )
     return data
 

@@ -17,6 +17,7 @@ whole chunk's value is folded from the pieces' (:func:`crc32c_combine`), so the 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import crc32c as _crc32c
@@ -83,26 +84,36 @@ def crc32c_combine(first: int, second: int, second_nbytes: int) -> int:
 
 
 class ChunkSum(NamedTuple):
-    """A stored chunk's checksums: the crc32c of all its bytes, and of each :data:`PIECE_BYTES` of them
-    (empty when the chunk is one piece)."""
+    """A stored chunk's checksums: the crc32c of all its bytes, and of each :data:`PIECE_BYTES` of them,
+    packed (:func:`pack_pieces`; empty when the chunk is one piece)."""
 
     crc32c: int
-    pieces: list[int]
+    pieces: bytes
 
 
-def pieces_fit(pieces: list[int], nbytes: int) -> bool:
-    """Whether a chunk record's ``pieces`` are one value for each :data:`PIECE_BYTES` of its ``nbytes``
-    (another count: pieces of another size, which this version does not know how to use)."""
-    return bool(pieces) and len(pieces) == -(-nbytes // PIECE_BYTES)
+def pack_pieces(values: Sequence[int]) -> bytes:
+    """Piece checksums as a manifest records them: 4 bytes each, little-endian (base64 in its JSON)."""
+    return b"".join(v.to_bytes(4, "little") for v in values)
+
+
+def piece_value(pieces: bytes, i: int) -> int:
+    """The crc32c of piece ``i`` in packed ``pieces``."""
+    return int.from_bytes(pieces[4 * i : 4 * i + 4], "little")
+
+
+def pieces_fit(pieces: bytes, nbytes: int) -> bool:
+    """Whether a chunk record's packed ``pieces`` hold one value for each :data:`PIECE_BYTES` of its
+    ``nbytes`` (another count: pieces of another size, which this version does not know how to use)."""
+    return bool(pieces) and len(pieces) == 4 * -(-nbytes // PIECE_BYTES)
 
 
 def chunk_sum(data: memoryview) -> ChunkSum:
     """:class:`ChunkSum` of ``data`` (contiguous bytes): each piece checksummed once, the whole folded."""
     size = PIECE_BYTES
     if data.nbytes <= size:
-        return ChunkSum(crc32c(data), [])
+        return ChunkSum(crc32c(data), b"")
     pieces = [crc32c(data[a : a + size]) for a in range(0, data.nbytes, size)]
     whole = pieces[0]
     for i, crc in enumerate(pieces[1:], 1):
         whole = crc32c_combine(whole, crc, min(size, data.nbytes - i * size))
-    return ChunkSum(whole, pieces)
+    return ChunkSum(whole, pack_pieces(pieces))

@@ -232,9 +232,9 @@ class ChunkRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     nbytes: int
     crc32c: int
     # crc32c of each PIECE_BYTES (1 MiB) of a raw chunk's bytes, the last piece shorter, when it has more than
-    # one (ckptd.writer.checksum.chunk_sum): a partial read checks just the pieces it read. Absent otherwise,
-    # and in chunks written before (readers then check the whole chunk)
-    pieces: list[int] = []
+    # one (ckptd.writer.checksum.chunk_sum), 4 bytes each, little-endian (base64 in JSON): a partial read
+    # checks just the pieces it read. Absent otherwise, and in chunks written before (checked whole)
+    pieces: bytes = b""
 
 
 class ShardRecord(msgspec.Struct, frozen=True):
