@@ -43,6 +43,9 @@ class Job:
     # ... of which (local reads) the long runs read straight into place: (first byte, end, destination bytes)
     runs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
     scattered: list[tuple[Strided, np.ndarray]] = field(default_factory=list)  # ... and the rest
+    # ... and, where the chunk's record has piece checksums, the pieces holding any of those (the only ones
+    # read: :func:`needed_pieces`, set when the job is planned); None: the chunk is read and checked whole
+    pieces: list[int] | None = None
 
 
 def copy_crc(dst: np.ndarray, src: np.ndarray, start: int, stop: int) -> int:
@@ -156,11 +159,11 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
     of the scratch; returns the chunk's crc32c. The destinations are written before the chunk's checksum
     is compared (as a direct read's are): a mismatch fails the whole load.
 
-    A chunk whose manifest record has the crc32c of each of its pieces (``pieces``) is read in those
-    pieces: a piece holding no element the job needs is not read, each piece read is checked against its
-    own crc32c (:class:`CorruptCheckpointError` names it), and None is returned."""
+    A job with ``pieces`` (its chunk's record has the crc32c of each piece) reads only those pieces, each
+    checked against its own crc32c (:class:`CorruptCheckpointError` names it), and returns None."""
     nbytes = job.chunk.nbytes
-    by_piece = _pieces_fit(job)  # else: read and checked whole
+    wanted = None if job.pieces is None else set(job.pieces)  # None: read and checked whole
+    by_piece = wanted is not None
     size = checksum.PIECE_BYTES if by_piece else PIECE
     scratch: np.ndarray | None = getattr(_local, "piece", None)
     if scratch is None or len(scratch) < size:
@@ -170,7 +173,7 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
     runs, r = job.runs, 0
     while pos < nbytes:
         end = min(pos + size, nbytes)
-        if by_piece and not _needed(job, pos, end):
+        if wanted is not None and pos // size not in wanted:
             pos = end
             continue
         parts, at = [], pos
@@ -221,17 +224,21 @@ def _preadv_all(fd: int, bufs: list[memoryview], path: str, pos: int = 0) -> Non
 
 
 def needed_pieces(job: Job) -> list[int] | None:
-    """The pieces of a gather job's chunk that hold elements it needs, when its manifest record has their
-    checksums (``pieces``); None otherwise (the chunk is read and checked whole)."""
-    if job.gather is None or not _pieces_fit(job):
+    """The pieces of a gather job's chunk that hold elements it needs (its ``runs`` and ``scattered``
+    regions), when its manifest record has their checksums in a form this reader uses
+    (:func:`~ckptd.writer.checksum.pieces_fit`); None otherwise (the chunk is read and checked whole)."""
+    if job.gather is None or not checksum.pieces_fit(job.chunk.pieces, job.chunk.nbytes):
         return None
     size, nbytes = checksum.PIECE_BYTES, job.chunk.nbytes
     return [i for i in range(len(job.chunk.pieces) // 4) if _needed(job, i * size, min((i + 1) * size, nbytes))]
 
 
-def _pieces_fit(job: Job) -> bool:
-    """The chunk's record has piece checksums this reader can use (else the chunk is checked whole)."""
-    return checksum.pieces_fit(job.chunk.pieces, job.chunk.nbytes)
+def read_bytes(job: Job) -> int:
+    """The bytes of the chunk ``job`` reads: all of them, or those of its ``pieces``."""
+    if job.pieces is None:
+        return job.chunk.nbytes
+    size = checksum.PIECE_BYTES
+    return sum(min(size, job.chunk.nbytes - i * size) for i in job.pieces)
 
 
 def verify(job: Job, body: memoryview, trailer: bytes, pieces: list[int] | None = None) -> None:

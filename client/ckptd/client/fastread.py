@@ -37,7 +37,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from ckptd.client.chunkio import Job, contiguous_run, read_local
+from ckptd.client.chunkio import Job, contiguous_run, needed_pieces, read_bytes, read_local
 from ckptd.client.gather import Strided, merge_dims, normalize
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.ranged import read_ranged
@@ -313,6 +313,7 @@ class ChunkReader:
                     break
                 job.runs.append(((lo - job.start) * job.item, (hi - job.start) * job.item, run))
             job.runs.sort(key=lambda r: r[0])
+            job.pieces = needed_pieces(job)
             jobs.append(job)
         self.gathers, self._gather_by_chunk, self._bases = {}, {}, {}
         return jobs
@@ -414,7 +415,7 @@ class ChunkReader:
         self._carve_staged()
         self._gets = asyncio.Semaphore(self.concurrency)
         gathered = self._gather_jobs()  # first: it takes over the direct reads of chunks it reads anyway
-        self.progress.expect(sum(job.chunk.nbytes for job in (*self.jobs, *gathered)))
+        self.progress.expect(sum(map(read_bytes, (*self.jobs, *gathered))))
         if self.local_root is not None:
             await self._read_local_all(self.jobs + gathered)
         else:
@@ -455,7 +456,7 @@ class ChunkReader:
                 except BaseException:
                     stop.set()
                     raise
-                self.progress.advance(job.chunk.nbytes)
+                self.progress.advance(read_bytes(job))
 
         try:
             done = await asyncio.gather(*(in_thread(drain) for _ in range(min(self.concurrency, len(jobs)))),
@@ -471,7 +472,7 @@ class ChunkReader:
         if self._gets is None:
             self._gets = asyncio.Semaphore(self.concurrency)
         await read_ranged(self.ckpt.backend, job, self.part_bytes, self._gets, self._settled)
-        self.progress.advance(job.chunk.nbytes)
+        self.progress.advance(read_bytes(job))
 
     @staticmethod
     async def _settled(fn: Callable[..., R], /, *args: object) -> R:

@@ -1,8 +1,8 @@
 """One chunk of a load from an object store (:class:`~ckptd.client.fastread.ChunkReader` on S3): the chunk and
 its crc32c trailer in ranged GETs of at most ``part_bytes``, each body read straight into the destination run
 (or a scratch chunk), then the checks and the copy into place (:func:`~ckptd.client.chunkio.verify`) in a
-read-pool thread. A gather job whose chunk has piece checksums GETs only the pieces holding elements it
-needs (:func:`~ckptd.client.chunkio.needed_pieces`), and the trailer."""
+read-pool thread. A gather job with ``pieces`` (:func:`~ckptd.client.chunkio.needed_pieces`) GETs only those
+pieces, and the trailer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.client.chunkio import CRC_BYTES, Job, needed_pieces, verify
+from ckptd.client.chunkio import CRC_BYTES, Job, verify
 from ckptd.writer import checksum
 from ckptd.writer.backends import Backend
 from ckptd.writer.errors import CorruptCheckpointError, StorageNotFoundError
@@ -43,7 +43,7 @@ async def read_ranged(
                 raise CorruptCheckpointError(f"{job.path}: chunk missing") from None
         return total if got == hi - lo else -1
 
-    pieces = needed_pieces(job)
+    pieces = job.pieces
     spans = [(0, size)] if pieces is None else _piece_spans(pieces, nbytes, size)
     parts = [(lo, min(lo + part_bytes, hi)) for a, hi in spans for lo in range(a, hi, part_bytes)]
     sizes = await bounded_map(part, parts, limit=len(parts))  # the bound is ``gets``; first error cancels
