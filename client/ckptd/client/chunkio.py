@@ -163,8 +163,7 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
     checked against its own crc32c (:class:`CorruptCheckpointError` names it), and returns None."""
     nbytes = job.chunk.nbytes
     wanted = None if job.pieces is None else set(job.pieces)  # None: read and checked whole
-    by_piece = wanted is not None
-    size = checksum.PIECE_BYTES if by_piece else PIECE
+    size = PIECE if wanted is None else checksum.PIECE_BYTES
     scratch: np.ndarray | None = getattr(_local, "piece", None)
     if scratch is None or len(scratch) < size:
         scratch = _local.piece = np.empty(size, dtype=np.uint8)
@@ -189,16 +188,16 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
                 parts.append(scratch[at - pos : stop - pos].data)
             at = stop
         _preadv_all(fd, list(parts), path, pos)
-        if by_piece:
+        if wanted is not None:
             crc = 0
         for part in parts:
             crc = crc32c(part, crc)
-        if by_piece:
+        if wanted is not None:
             _check_piece(job, pos // size, crc)
         if job.scattered:
             scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
         pos = end
-    return None if by_piece else int(crc)
+    return int(crc) if wanted is None else None
 
 
 def _needed(job: Job, a: int, b: int) -> bool:

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zarr
@@ -41,6 +41,7 @@ from ckptd.writer.format import (
 
 CODECS = ("raw", "zstd")
 _meta_cache: dict[tuple[Any, ...], ArrayV3Metadata] = {}
+T = TypeVar("T")
 _CRC_THREAD_MIN = 4 << 20
 
 
@@ -78,18 +79,20 @@ def open_for_write(store: Store, path: str, meta: ArrayV3Metadata) -> AsyncArray
 
 async def checksum(data: np.ndarray) -> int:
     """crc32c of an array's raw bytes (the decoded chunk, as the manifest records it)."""
-    view = np.ascontiguousarray(data).data.cast("B")
-    if view.nbytes >= _CRC_THREAD_MIN:
-        return await asyncio.to_thread(crc32c, view)
-    return int(crc32c(view))
+    return int(await _over_bytes(crc32c, data))
 
 
 async def checksums(data: np.ndarray) -> ChunkSum:
     """:func:`chunk_sum` of an array's raw bytes: the whole chunk's crc32c and its pieces'."""
+    return await _over_bytes(chunk_sum, data)
+
+
+async def _over_bytes(fn: Callable[[memoryview], T], data: np.ndarray) -> T:
+    """``fn`` of an array's raw bytes, in a worker thread when they are many (never blocking the loop long)."""
     view = np.ascontiguousarray(data).data.cast("B")
     if view.nbytes >= _CRC_THREAD_MIN:
-        return await asyncio.to_thread(chunk_sum, view)
-    return chunk_sum(view)
+        return await asyncio.to_thread(fn, view)
+    return fn(view)
 
 
 class ChunkSink:
