@@ -7,7 +7,9 @@ replaced by another tensor, a param cast to
 another dtype, a new param group in the optimizer, another model whose buckets are sized differently —
 and after every save the live state is scrambled and the step loaded back into it: every model tensor,
 main param, optimizer state and param group must equal the state at save time, bit for bit. A stale plan
-would save the old tensor's bytes (or the old dtype) and fail the comparison.
+would save the old tensor's bytes (or the old dtype) and fail the comparison. Each save after the first
+starts copying the old plan's static sources before its checks (:mod:`ckptd.client.early`): the changes
+throw that copy away, and the test checks they did.
 """
 
 from __future__ import annotations
@@ -94,11 +96,16 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     plans: dict[str, Any] = {}
     attempts: dict[str, str] = {}
 
+    early: dict[str, str] = {}
+
     def save_and_reload(tag: str) -> None:
         nonlocal step
         step += 1
+        before = dict(client._pipe.early)
         handle = save_checkpoint(client, step, model, optimizer, extra={"tag": tag})
         attempts[tag] = handle.attempt
+        # whether the plan's static copies started ahead of the checks were kept ("used") or thrown away
+        early[tag] = ",".join(sorted(k for k, n in client._pipe.early.items() if n != before.get(k, 0)))
         at_save = _live(model, optimizer)
         staged = cached(optimizer)
         assert staged is not None
@@ -125,7 +132,9 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
         for q in _params(model, "mlp.linear_fc2.bias"):
             q.data = q.data.double() + 0.125
     save_and_reload("dtype")
-    inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5, "weight_decay": 0.0})
+    device = next(model[0].parameters()).device
+    inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))], "lr": 0.5,
+                           "weight_decay": 0.0})
     save_and_reload("group")
     old_plan = plans["group"][0]
     model, optimizer, train_step = build_gpt(overlap_grad_reduce=True, bucket_size=3000)  # resized buckets
@@ -136,6 +145,7 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     out["old_plan_keys"] = sorted(m.key for m in old_plan.metas)
     out["new_plan_keys"] = sorted(m.key for m in plans["buckets"][0].metas)
     out["attempts"] = attempts
+    out["early"] = early
     return out
 
 
@@ -147,6 +157,14 @@ def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Pat
     assert results[0]["attempts"] == results[1]["attempts"], results
     assert all(a.endswith(".1") for a in results[0]["attempts"].values()), results[0]["attempts"]
     assert results[1]["state_replaced"] == results[1]["same"]  # rank 1's state was not replaced
+    # the plan's static sources are copied ahead of the checks into the lease granted with the previous save;
+    # a structure change (or a state the lookup no longer finds at its address) throws that copy away, gives the
+    # lease back and saves through a new plan: the bit-exact reloads above are of those saves
+    for r, replaced in zip(results, ("abandoned", "used"), strict=True):
+        assert r["early"] == {
+            "first": "", "same": "used", "state_replaced": replaced, "replaced": "abandoned",
+            "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "buckets": "",
+        }, r["early"]
     for r in results:
         # unchanged structure: the same plan object, registered once (same id)
         assert r["first"] == r["same"], r
@@ -157,3 +175,19 @@ def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Pat
         assert len(set(ids)) == len(ids) and all(ids), ids
         assert r["old_plan_keys"] != r["new_plan_keys"]  # other bucket keys
         assert any("bucket1/" in k for k in r["new_plan_keys"])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_copies_queued_ahead_are_thrown_away_on_a_change(start_daemon: Any, tmp_path: Path) -> None:
+    """The same sequence on one NCCL rank with the model and optimizer on the GPU: there the static copies are
+    D2H transfers queued before the checks and still moving while they run; a change waits for them and gives
+    the lease back, and every save reloads bit-exact."""
+    from ckptd.testing.launch import run_ranks
+
+    assert torch.cuda.is_available()
+    d = start_daemon(str(tmp_path / "root"), arena="256MiB")
+    [r] = run_ranks(_changes, 1, d.socket, d.root, timeout_s=300, backend="nccl")
+    assert r["early"] == {
+        "first": "", "same": "used", "state_replaced": "abandoned", "replaced": "abandoned",
+        "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "buckets": "",
+    }, r["early"]

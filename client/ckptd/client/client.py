@@ -22,6 +22,7 @@ import torch
 from ckptd.client.attempts import Attempts
 from ckptd.client.collector import paused
 from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
+from ckptd.client.early import EarlyCopy
 from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
@@ -79,13 +80,11 @@ Policy = Literal["wait", "fail", "skip"]
 # lists. Values are typed ``object`` because what a leaf may be is checked at run time by plan_state.
 StateDict = Mapping[str, object]
 _R = TypeVar("_R", bound=_Msg)
-_ERRORS = error_classes()
-_POLL_S = 0.5
+_ERRORS, _POLL_S = error_classes(), 0.5
 
 
 def _raise_reply(reply: ErrorReply) -> None:
-    cls = _ERRORS.get(reply.code, CkptdError)
-    raise cls(reply.message)
+    raise _ERRORS.get(reply.code, CkptdError)(reply.message)
 
 
 def _expect(reply: Reply, kind: type[_R]) -> _R:
@@ -322,16 +321,18 @@ class CheckpointClient:
         t0: float | None = None,
         fetched: Sequence[torch.Tensor] | None = None,
         pipelined: bool | None = None,
+        early: EarlyCopy | None = None,
     ) -> SaveHandle:
         """Like :meth:`save_plan` for a compiled :class:`~ckptd.client.plan.StagePlan`: registered with the
         daemon once (again after it restarted), then per save one span lease, the plan's batched copies
         (``dynamic``: its per-save tensors, in order) and a request that names the plan. Raises
         :class:`~ckptd.client.plan.StalePlanError` before leasing when a looked-up source changed.
         ``fetched``: the plan's looked-up sources as the caller holds them (:meth:`StagePlan.fetch`);
-        ``pipelined``: wait for no answer (:mod:`ckptd.client.pipeline`; default: ``assume_constant_structure``)."""
+        ``pipelined``: wait for no answer (:mod:`ckptd.client.pipeline`; default: ``assume_constant_structure``);
+        ``early``: the plan's static sources copied ahead (:mod:`ckptd.client.early`), whose lease it takes over."""
         t0 = time.perf_counter() if t0 is None else t0
-        return self._guarded(step, t0, lambda: self._save_span(step, plan, dynamic, objects, sidecars, t0, fetched,
-                                                               pipelined))
+        args = (step, plan, dynamic, objects, sidecars, t0, fetched, pipelined, early)
+        return self._guarded(step, t0, lambda: self._save_span(*args))
 
     def one_save_call(self, step: int) -> contextlib.AbstractContextManager[None]:
         """Saves of ``step`` inside are one save call, one attempt: a save that tries again inside itself
@@ -415,24 +416,24 @@ class CheckpointClient:
     def _save_span(
         self, step: int, plan: StagePlan, dynamic: Sequence[torch.Tensor], objects: dict[str, Any],
         sidecars: Sequence[str], t0: float, fetched: Sequence[torch.Tensor] | None = None,
-        pipelined: bool | None = None,
+        pipelined: bool | None = None, early: EarlyCopy | None = None,
     ) -> SaveHandle:
         """One save through a registered plan: one span lease, the plan's batched copies, a request naming it."""
         docs = self._unsent(sidecars)
         encode_objects(objects)
         sources = plan.sources(dynamic, fetched)
+        plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)  # once per connection
+        ahead = early.take(plan) if early is not None else None  # its static sources are in it already
         if self.assume_constant_structure if pipelined is None else pipelined:
-            return save_span(self, step, plan, sources, objects, docs, t0)
-        plan_id = plan.plan_id(self._welcome) or self._register_plan(plan)
-        self._pipe.drain(self)  # the lease asked for with the previous save, if its answer is still unread
-        grant: LeaseGranted | SaveHandle | None = self._pipe.take(self, plan.span)
-        if grant is None:
-            grant = self._lease(step, [plan.span], t0)
+            return save_span(self, step, plan, sources, objects, docs, t0, plan_id, ahead)
+        if ahead is None:
+            self._pipe.drain(self)  # the lease asked for with the previous save, if its answer is still unread
+        grant = ahead or self._pipe.take(self, plan.span) or self._lease(step, [plan.span], t0)
         if isinstance(grant, SaveHandle):
             return grant
         try:
             prepared = send_prepare(self, step)  # the daemon starts the step while the plan copies
-            self._staging.stage_plan(plan, grant.offsets[0], sources)
+            self._staging.stage_plan(plan, grant.offsets[0], sources, static=ahead is None)
             check_prepared(self, prepared)
             req = self._save_request(step, grant, [], objects, docs, plan_id, t0)
             try:  # the next save's lease asked for with this one: one round trip a save, not two

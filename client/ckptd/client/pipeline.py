@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,7 @@ class Pipeline:
     def __init__(self) -> None:
         self.owed: list[_Owed] = []
         self.held: _Held | None = None
+        self.early: Counter[str] = Counter()  # static copies started ahead of a save: "used", "abandoned"
 
     def reset(self) -> None:
         """The connection ended: what it owed is gone with it (a handle learns its step's fate by status), and
@@ -195,24 +197,27 @@ def lease_ahead(step: int, rank: int, size: int) -> LeaseRequest:
 
 def save_span(
     client: CheckpointClient, step: int, plan: StagePlan, sources: list[torch.Tensor], objects: dict[str, Any],
-    docs: dict[str, str], t0: float,
+    docs: dict[str, str], t0: float, plan_id: int, ahead: LeaseGranted | None = None,
 ) -> SaveHandle:
-    """One save through a registered plan without waiting for the daemon: copy into the lease granted ahead
-    (or one leased now), send the save and the next save's lease request, return."""
+    """One save through a registered plan (as ``plan_id``) without waiting for the daemon: copy into the lease
+    granted ahead (``ahead``: its static sources copied already, :mod:`ckptd.client.early`; else the one
+    granted ahead and not taken yet, or one leased now), send the save and the next save's lease request,
+    return."""
     pipe = client._pipe
-    pipe.drain(client)
-    grant = pipe.take(client, plan.span)
-    plan_id = plan.plan_id(client._welcome) or client._register_plan(plan)  # once per connection
+    grant = ahead
+    if grant is None:
+        pipe.drain(client)
+        grant = pipe.take(client, plan.span)
     if grant is None:
         leased = client._lease(step, [plan.span], t0)
         if isinstance(leased, SaveHandle):
             return leased
         grant = leased
     try:
-        client._staging.stage_plan(plan, grant.offsets[0], sources)
+        client._staging.stage_plan(plan, grant.offsets[0], sources, static=ahead is None)
         req = client._save_request(step, grant, [], objects, docs, plan_id, t0)
         rank = client.placement.rank
-        ahead = lease_ahead(step, rank, plan.span)
+        next_lease = lease_ahead(step, rank, plan.span)
         # earlier saves' states are asked for here too, so the next save learns of a background failure
         # without a round trip of its own (the client's check of earlier saves skips polled handles)
         polls = [h for h in client._handles if not h.state.final]
@@ -220,7 +225,7 @@ def save_span(
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {client.socket_path}")
         try:
-            sock.sendall(b"".join([encode(req), encode(ahead)] + [
+            sock.sendall(b"".join([encode(req), encode(next_lease)] + [
                 encode(StatusRequest(v=PROTOCOL_VERSION, step=h.step, wait_s=0.0, attempt=h.attempt)) for h in polls
             ]))
         except OSError as exc:

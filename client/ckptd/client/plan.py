@@ -151,6 +151,11 @@ class StagePlan:
         return sum(self.sizes)
 
     @property
+    def has_static(self) -> bool:
+        """Whether it copies static sources (what :meth:`stage_static` copies ahead of a save's checks)."""
+        return bool(self._static)
+
+    @property
     def copies(self) -> int:
         """Copies one save makes (merged runs and concatenated runs count once), zero fills included."""
         cats = len(self._static_cat) + len(self._looked_cat)
@@ -293,36 +298,55 @@ class StagePlan:
                 self._views.popitem(last=False)
         return views
 
-    def stage(self, arena: torch.Tensor, base: int, sources: list[torch.Tensor]) -> None:
-        """Copy everything into the span at byte ``base`` of ``arena`` (uint8): batched, then one sync."""
-        static_dst, looked_dst, zero_dst, static_cat_dst, looked_cat_dst = self._dst_views(arena, base)
-        # the plan's device, not a walk over this save's sources: a looked-up source that moved to the GPU
-        # since is copied blocking (non_blocking=False), which is correct, only slower
-        cuda = self.cuda
+    def stage(self, arena: torch.Tensor, base: int, sources: list[torch.Tensor], static: bool = True) -> None:
+        """Copy everything into the span at byte ``base`` of ``arena`` (uint8): batched, then one sync.
+        ``static=False``: the static sources were copied already (:meth:`stage_static`, same span)."""
+        views = self._dst_views(arena, base)
         try:
             with torch.no_grad():  # sources may require grad (a plain save of params); torch.cat(out=) refuses those
-                for (srcs, _), dst in zip(self._static_cat, static_cat_dst, strict=True):
-                    torch.cat(srcs, out=dst)
-                if static_dst:
-                    torch._foreach_copy_(
-                        static_dst, [self._static[i][0] for i in self._static_rest], non_blocking=cuda
-                    )
-                try:
-                    # the element counts were checked (sources()), so a concatenation never outgrows its run
-                    ext = sources + self._gap_zeros if self._gap_zeros else sources
-                    for (idx, _), dst in zip(self._looked_cat, looked_cat_dst, strict=True):
-                        torch.cat(list(map(ext.__getitem__, idx)), out=dst)
-                    if looked_dst:
-                        every = len(looked_dst) == len(sources)
-                        rest = sources if every else list(map(sources.__getitem__, self._looked_rest))
-                        torch._foreach_copy_(looked_dst, rest, non_blocking=cuda)
-                except RuntimeError as exc:  # the planned element count in another shape: copy_ and cat refuse it
-                    raise StalePlanError(f"a looked-up source no longer fits its slot: {exc}") from exc
-                if zero_dst:
-                    torch._foreach_zero_(zero_dst)
+                if static:
+                    self._copy_static(views)
+                self._copy_looked(views, sources)
         finally:  # on a failure too: a span given back must not receive a queued device copy afterwards
-            if cuda:
+            if self.cuda:
                 torch.cuda.current_stream().synchronize()
+        if views[2]:  # after every copy landed (on a GPU too): a static run may cross a gap that is zeroed
+            torch._foreach_zero_(views[2])
+
+    def stage_static(self, arena: torch.Tensor, base: int) -> None:
+        """Copy the static sources (memory the plan holds) into the span at ``base``, ahead of a save's checks;
+        on a GPU the copies are queued and not waited for (the :meth:`stage` that follows with
+        ``static=False`` waits, and so must whoever gives the span up instead: :mod:`ckptd.client.early`)."""
+        try:
+            with torch.no_grad():
+                self._copy_static(self._dst_views(arena, base))
+        except BaseException:
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+            raise
+
+    def _copy_static(self, views: tuple[list[torch.Tensor], ...]) -> None:
+        static_dst, _, _, static_cat_dst, _ = views
+        for (srcs, _), dst in zip(self._static_cat, static_cat_dst, strict=True):
+            torch.cat(srcs, out=dst)
+        if static_dst:
+            torch._foreach_copy_(static_dst, [self._static[i][0] for i in self._static_rest], non_blocking=self.cuda)
+
+    def _copy_looked(self, views: tuple[list[torch.Tensor], ...], sources: list[torch.Tensor]) -> None:
+        # the plan's device, not a walk over this save's sources: a looked-up source that moved to the GPU
+        # since is copied blocking (non_blocking=False), which is correct, only slower
+        _, looked_dst, _, _, looked_cat_dst = views
+        try:
+            # the element counts were checked (sources()), so a concatenation never outgrows its run
+            ext = sources + self._gap_zeros if self._gap_zeros else sources
+            for (idx, _), dst in zip(self._looked_cat, looked_cat_dst, strict=True):
+                torch.cat(list(map(ext.__getitem__, idx)), out=dst)
+            if looked_dst:
+                every = len(looked_dst) == len(sources)
+                rest = sources if every else list(map(sources.__getitem__, self._looked_rest))
+                torch._foreach_copy_(looked_dst, rest, non_blocking=self.cuda)
+        except RuntimeError as exc:  # the planned element count in another shape: copy_ and cat refuse it
+            raise StalePlanError(f"a looked-up source no longer fits its slot: {exc}") from exc
 
 
 def pieces_of(shard: Shard) -> list[Piece]:

@@ -31,6 +31,7 @@ class StagingArena:
         self.mm: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self.pinned = False
+        self._queued: torch.cuda.Stream | None = None  # a stream with device copies into the arena not waited for
 
     def map(self, path: str, nbytes: int) -> None:
         """Map the arena file at ``path`` (dropping an earlier mapping) and fault its pages in."""
@@ -46,6 +47,7 @@ class StagingArena:
         self.pinned = False
 
     def close(self) -> None:
+        self.settle()  # no queued device copy may land in memory that is unmapped (or mapped anew)
         self._tensor = None
         if self.mm is not None:
             with contextlib.suppress(BufferError):  # a view still exported: the GC unmaps it later
@@ -72,6 +74,24 @@ class StagingArena:
             if cuda:
                 torch.cuda.current_stream().synchronize()
 
-    def stage_plan(self, plan: StagePlan, base: int, sources: list[torch.Tensor]) -> None:
-        """Copy a registered plan's sources into its span at ``base``."""
-        plan.stage(self._bytes(plan.cuda), base, sources)
+    def stage_plan(self, plan: StagePlan, base: int, sources: list[torch.Tensor], static: bool = True) -> None:
+        """Copy a registered plan's sources into its span at ``base`` (``static=False``: its static sources
+        were copied there already by :meth:`stage_static`)."""
+        try:
+            plan.stage(self._bytes(plan.cuda), base, sources, static)
+        finally:
+            self._queued = None  # stage() synchronized the stream
+
+    def stage_static(self, plan: StagePlan, base: int) -> None:
+        """Start copying a plan's static sources into its span at ``base``; on a GPU not waited for: the
+        :meth:`stage_plan` that follows waits, or :meth:`settle`."""
+        arena = self._bytes(plan.cuda)
+        plan.stage_static(arena, base)
+        if plan.cuda:
+            self._queued = torch.cuda.current_stream()
+
+    def settle(self) -> None:
+        """Wait for the device copies :meth:`stage_static` queued (before their span is given back)."""
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            queued.synchronize()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptd.client.collector import paused
+from ckptd.client.early import EarlyCopy, begin
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.constant import capture
 from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_modules, extra_states
@@ -207,10 +208,34 @@ def _save_once(
     t0: float,
     constant: bool = False,
 ) -> SaveHandle:
+    chunk_ids = tuple(id(c) for c in model_chunks)
+    staged = cached(optimizer)
+    # the plan's static sources (nearly all the bytes) are copied into the lease granted ahead while the
+    # checks below run (on a GPU, as queued transfers): abandoned, and the lease given back, on any other way out
+    early = begin(client, staged.plan) if staged is not None and staged.chunk_ids == chunk_ids else None
+    del staged  # a replan frees the old plan before it allocates (the early copy lets go of it when abandoned)
+    try:
+        return _save_checked(client, step, model_chunks, optimizer, extra, rng, t0, constant, early)
+    finally:
+        if early is not None:
+            early.abandon()  # a no-op once the save took the lease over
+
+
+def _save_checked(
+    client: CheckpointClient,
+    step: int,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: object,
+    extra: Mapping[str, object] | None,
+    rng: bool,
+    t0: float,
+    constant: bool,
+    early: EarlyCopy | None,
+) -> SaveHandle:
     p = client.placement
+    staged = cached(optimizer)
     layout = get_layout(model_chunks, optimizer)
     binding = bind(optimizer, layout)
-    staged = cached(optimizer)
     rng_shards: list[Shard] = []
     objects: dict[str, Any] = {}
     if rng:
@@ -229,6 +254,9 @@ def _save_once(
             or staged.chunk_ids != chunk_ids
             or not staged.structure.holds(binding, states, rng_keys)
         ):
+            if early is not None:  # the copy made ahead was of the old plan: wait for it, give its lease back
+                early.abandon()
+                early = None
             # what the old plan holds (captured tensors, re-homed states) goes before re-homing allocates:
             # the cache's reference, and the pipelined saves' (kept for a resend until their answers are read)
             staged = frozen = None
@@ -246,7 +274,7 @@ def _save_once(
         objects[EXTRA] = dict(extra)
     return client.save_staged(
         step, staged.plan, [s.data for s in rng_shards], objects, sidecars=[staged.layout_json], t0=t0,
-        fetched=fetched, pipelined=constant,
+        fetched=fetched, pipelined=constant, early=early,
     )
 
 

@@ -1,0 +1,89 @@
+"""A plan save's static copies, started before its checks.
+
+Most of what a Megatron save with thousands of tensors spends beyond the copy is its checks: the structure
+(:class:`~ckptd.client.megatron.staged.Structure`), the optimizer-state lookups, the plain data. They read
+Python objects only. Nearly all of the bytes are the plan's **static** sources — runs of the params' buffers
+and the re-homed optimizer states, memory the plan itself holds — so their copy can run meanwhile: when the
+lease granted with the previous save is there (:meth:`~ckptd.client.pipeline.Pipeline.take`), :func:`begin`
+copies them into it first. On a GPU those D2H transfers are queued (``non_blocking``) and the checks run on
+the CPU while they move; the save then copies only its looked-up sources, waits once, and goes on as usual.
+On a CPU the copy is the same memcpy, made before the checks instead of after.
+
+Why this cannot save wrong bytes:
+
+- the sources copied are the plan's own references (memory that cannot have been freed) into the plan's own
+  lease, and nothing is sent to the daemon before the checks passed;
+- a check that fails (the save plans again), a looked-up source that no longer matches, or any error before
+  the save took the lease over ends in :meth:`EarlyCopy.abandon`: it waits for the queued transfers, then
+  gives the lease back, so no transfer lands in a span the daemon may grant again;
+- the lease belongs to the connection it was granted on: when that connection is gone by the time the save
+  uses it, the transfers are waited for and the save leases anew (a reconnect maps the arena again, and
+  the mapping waits for queued transfers before it is dropped: :meth:`~ckptd.client.staging.StagingArena.close`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptd.client.protocol import LeaseGranted
+
+if TYPE_CHECKING:
+    from ckptd.client.client import CheckpointClient
+    from ckptd.client.plan import StagePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EarlyCopy:
+    """A plan's static sources copied (or, on a GPU, being copied) into a lease, ahead of the save."""
+
+    client: CheckpointClient
+    plan: StagePlan | None  # let go of once done (a save that plans again frees the old plan first)
+    grant: LeaseGranted
+    sock: Any  # the connection the lease was granted on
+    done: bool = False  # taken over by the save, or abandoned
+
+    def take(self, plan: StagePlan) -> LeaseGranted | None:
+        """The lease, for the save of ``plan`` that now owns it (its static sources are in it); None when
+        it cannot be used (another plan, another connection): abandoned, and the save copies everything."""
+        if self.done:
+            return None
+        if plan is not self.plan or self.client._sock is not self.sock:
+            self.abandon()
+            return None
+        self.done, self.plan = True, None
+        self.client._pipe.early["used"] += 1
+        return self.grant
+
+    def abandon(self) -> None:
+        """Wait for the queued transfers, then give the lease back (once; a no-op once taken over)."""
+        if self.done:
+            return
+        self.done, self.plan = True, None
+        client = self.client
+        client._staging.settle()
+        client._pipe.early["abandoned"] += 1
+        if client._sock is self.sock:  # else the daemon freed it with the connection
+            client._release(self.grant)
+
+
+def begin(client: CheckpointClient, plan: StagePlan) -> EarlyCopy | None:
+    """Copy ``plan``'s static sources into the lease granted ahead for this save, if there is one (the caller
+    passes the result to the save, and :meth:`~EarlyCopy.abandon`\\ s it on any other way out); else None."""
+    if not plan.has_static or client._sock is None:
+        return None
+    pipe = client._pipe
+    pipe.drain(client)  # the lease's answer, and those before it, in order
+    grant = pipe.take(client, plan.span)
+    if grant is None:
+        return None
+    early = EarlyCopy(client, plan, grant, client._sock)
+    try:
+        client._staging.stage_static(plan, grant.offsets[0])
+    except BaseException:
+        early.abandon()
+        raise
+    return early
