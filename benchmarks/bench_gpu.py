@@ -9,9 +9,11 @@ process, one after the other:
   ``d2h_per_tensor`` (the same tensors copied into one page-locked host buffer, one ``non_blocking`` copy each,
   one synchronize) and ``d2h_contiguous`` (one copy of a GPU buffer of the same byte count into it). Each save
   is waited on until committed before the next copy; the modes take turns; medians.
-- ``gpu_megatron_stall``: ``save_checkpoint`` of the toy GPT trained on the GPU, checked and under
-  ``assume_constant_structure``, at 117.6M params (8 x 1024), ~1,350 shards (96 x 256, 1 GB) and ~9,800 shards
-  (700 x 128, 1.8 GB), against the same two D2H copies of the bytes it stages, and Megatron's async
+- ``gpu_megatron_stall``: ``save_checkpoint`` of the toy GPT trained on the GPU — checked (the default), checked
+  with the static copies started after the checks instead of before them (``late``: the save as it was before
+  :mod:`ckptd.client.early`; ``early_gain_checked`` is late over checked) and under ``assume_constant_structure``
+  — at 117.6M params (8 x 1024), ~1,350 shards (96 x 256, 1 GB), ~2,800 shards (200 x 192, 1.2 GB) and ~9,800
+  shards (700 x 128, 1.8 GB), against the same two D2H copies of the bytes it stages, and Megatron's async
   ``dp_reshardable`` save of the same state (one save above 5,000 shards: it takes seconds).
 - ``gpu_load``: after a save of the 117.6M model and one more training step, ``load_checkpoint`` into the GPU
   model and optimizer, from storage (page cache warm) and from the daemon's memory, checked bit-exact against
@@ -19,7 +21,9 @@ process, one after the other:
   ckptd's reads use, then one H2D copy of it) and Megatron's ``dist_checkpointing.load`` + ``load_state_dict``
   of its own checkpoint.
 
-Without CUDA it prints one line that says so.
+Without CUDA it prints one line that says so. ``CKPTD_BENCH_GPU_PARTS`` (default
+``plain,gpt,deep,wide,load,deeper``) picks parts, for a short run on a lent machine;
+``CKPTD_BENCH_GPU_MEGATRON=0`` leaves Megatron's own save out.
 """
 
 from __future__ import annotations
@@ -45,7 +49,10 @@ PLAIN_SMOKE = [("large", 2, 1 << 20, "float32"), ("many", 64, 4 << 10, "float32"
 GPT = {"hidden": 1024, "layers": 8, "heads": 16, "vocab": 32768, "seq": 64, "micro_batch_size": 1}
 DEEP = {"hidden": 256, "layers": 96, "heads": 4, "vocab": 1024, "seq": 64, "micro_batch_size": 1}  # ~1,350 shards
 DEEPER = {"hidden": 128, "layers": 700, "heads": 4, "vocab": 1024, "seq": 64, "micro_batch_size": 1}  # ~9,800
+WIDE = {"hidden": 192, "layers": 200, "heads": 4, "vocab": 1024, "seq": 64, "micro_batch_size": 1}  # ~2,800
 GPT_SMOKE = {"hidden": 64, "layers": 2, "heads": 4, "vocab": 128, "seq": 16}
+_PARTS = set(os.environ.get("CKPTD_BENCH_GPU_PARTS", "plain,gpt,deep,wide,load,deeper").split(","))
+_MEGATRON = os.environ.get("CKPTD_BENCH_GPU_MEGATRON", "1") != "0"
 
 
 def _med(xs: list[float]) -> float:
@@ -129,6 +136,7 @@ def _megatron_stall(client: Any, workdir: str, cfg: dict[str, Any], repeats: int
     import torch
     from bench_megatron import _megatron_save
 
+    from ckptd.client.megatron import save as save_module
     from ckptd.client.megatron import save_checkpoint
     from ckptd.client.megatron.save import save_plan
     from ckptd.client.megatron.staged import cached
@@ -148,7 +156,8 @@ def _megatron_stall(client: Any, workdir: str, cfg: dict[str, Any], repeats: int
                            "shards": len(staged.plan.metas), "copies": staged.plan.copies,
                            "bytes": staged.plan.nbytes,
                            "first_save_s": round(first, 4)}
-    for constant in (False, True):
+    for key in ("checked", "late", "constant"):
+        constant = key == "constant"
         if constant:  # the first save under the promise checks and captures
             step += 1
             save_checkpoint(client, step, model, optimizer, extra={"iteration": step},
@@ -157,18 +166,26 @@ def _megatron_stall(client: Any, workdir: str, cfg: dict[str, Any], repeats: int
             return save_checkpoint(client, step, model, optimizer, extra={"iteration": step},
                                    assume_constant_structure=constant)
 
-        stall, per, flat = _timed(base, save, repeats, step)
+        # "late": the checked save as it was before the static copies started ahead of the checks
+        begin = save_module.begin
+        if key == "late":
+            save_module.begin = lambda client, plan: None
+        try:
+            stall, per, flat = _timed(base, save, repeats, step)
+        finally:
+            save_module.begin = begin
         step += repeats
-        key = "constant" if constant else "checked"
         out[f"ckptd_{key}_s"] = round(_med(stall), 5)
         out[f"d2h_per_tensor_{key}_s"] = round(_med(per), 5)
         out[f"{key}_ratio_vs_d2h_per_tensor"] = round(_med(stall) / _med(per), 3)
         out[f"d2h_contiguous_{key}_s"] = round(_med(flat), 5)
         out[f"{key}_ratio_vs_d2h_contiguous"] = round(_med(stall) / _med(flat), 3)
-    mega = _megatron_save(0, model, optimizer, os.path.join(workdir, f"mega-{cfg['layers']}"), "dp_reshardable",
-                          1 if len(staged.plan.metas) > 5000 else max(1, repeats - 2))
-    out["megatron_dp_reshardable_s"] = round(_med(mega["stall"]), 4)
-    out["ratio_megatron_over_ckptd_checked"] = round(_med(mega["stall"]) / out["ckptd_checked_s"], 1)
+    out["early_gain_checked"] = round(out["ckptd_late_s"] / out["ckptd_checked_s"], 3)
+    if _MEGATRON:
+        mega = _megatron_save(0, model, optimizer, os.path.join(workdir, f"mega-{cfg['layers']}"), "dp_reshardable",
+                              1 if len(staged.plan.metas) > 5000 else max(1, repeats - 2))
+        out["megatron_dp_reshardable_s"] = round(_med(mega["stall"]), 4)
+        out["ratio_megatron_over_ckptd_checked"] = round(_med(mega["stall"]) / out["ckptd_checked_s"], 1)
     del model, optimizer, train_step, base
     torch.cuda.empty_cache()
     return out, step
@@ -280,11 +297,14 @@ def _rank(rank: int, world: int, socket_path: str, root: str, workdir: str, smok
             rows.append({**row, "part_s": round(time.perf_counter() - t0, 1)})
             print("# part done:", json.dumps(rows[-1]), file=sys.stderr, flush=True)  # kept if a later part hangs
 
-    attempt("gpu_stall", _plain, PLAIN_SMOKE if smoke else PLAIN, repeats)
-    for cfg in [GPT_SMOKE] if smoke else [GPT, DEEP]:
-        attempt("gpu_megatron_stall", _megatron_stall, workdir, cfg, repeats)
-    attempt("gpu_load", _load, root, workdir, GPT_SMOKE if smoke else GPT, max(1, repeats - 2))
-    if not smoke:  # the longest part last
+    if "plain" in _PARTS:
+        attempt("gpu_stall", _plain, PLAIN_SMOKE if smoke else PLAIN, repeats)
+    for name, cfg in [("gpt", GPT_SMOKE)] if smoke else [("gpt", GPT), ("deep", DEEP), ("wide", WIDE)]:
+        if name in _PARTS:
+            attempt("gpu_megatron_stall", _megatron_stall, workdir, cfg, repeats)
+    if "load" in _PARTS:
+        attempt("gpu_load", _load, root, workdir, GPT_SMOKE if smoke else GPT, max(1, repeats - 2))
+    if not smoke and "deeper" in _PARTS:  # the longest part last
         attempt("gpu_megatron_stall", _megatron_stall, workdir, DEEPER, repeats)
     client.close()
     return rows
