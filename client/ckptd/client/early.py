@@ -23,7 +23,9 @@ Why this cannot save wrong bytes:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,3 +89,17 @@ def begin(client: CheckpointClient, plan: StagePlan) -> EarlyCopy | None:
         early.abandon()
         raise
     return early
+
+
+@contextlib.contextmanager
+def copied_ahead(client: CheckpointClient, plan: StagePlan | None) -> Iterator[EarlyCopy | None]:
+    """:func:`begin` for ``plan`` (None: nothing to copy ahead), abandoned on the way out unless a save took it
+    over. Holds no reference to ``plan`` meanwhile: a save that plans again frees the old plan first."""
+    early = begin(client, plan) if plan is not None else None
+    del plan
+    try:
+        yield early
+    finally:
+        if early is not None:
+            early.abandon()
+

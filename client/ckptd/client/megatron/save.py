@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptd.client.collector import paused
-from ckptd.client.early import EarlyCopy, begin
+from ckptd.client.early import EarlyCopy, copied_ahead
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.constant import capture
 from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_modules, extra_states
@@ -30,7 +30,7 @@ from ckptd.client.megatron.staged import (
     owned_by_optimizer,
     remember,
 )
-from ckptd.client.plan import StalePlanError, build_stage_plan
+from ckptd.client.plan import StagePlan, StalePlanError, build_stage_plan
 from ckptd.client.state import Plan, Shard, plan_state
 from ckptd.writer.format import (
     EXTRA,
@@ -190,12 +190,20 @@ def save_checkpoint(
     constant = client.assume_constant_structure if assume_constant_structure is None else assume_constant_structure
     with client.one_save_call(step):  # the replan below is this call's attempt again, as on the other ranks
         try:
-            with introspect.leaves_reused():  # a planning save walks the model's sharded_state_dict() once
-                return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
+            # the plan's static sources (nearly all the bytes) are copied into the lease granted ahead while the
+            # checks run (on a GPU, as queued transfers); abandoned, the lease given back, on any other way out
+            with introspect.leaves_reused(), copied_ahead(client, _reused_plan(optimizer, model_chunks)) as early:
+                return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant, early)
         except StalePlanError:  # a state tensor changed under the plan in a way the structure check missed
             forget(optimizer)
             with introspect.leaves_reused():
                 return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant)
+
+
+def _reused_plan(optimizer: object, model_chunks: Sequence[torch.nn.Module]) -> StagePlan | None:
+    """The plan a save of these (model chunks, optimizer) will reuse if their structure holds."""
+    staged = cached(optimizer)
+    return staged.plan if staged is not None and staged.chunk_ids == tuple(map(id, model_chunks)) else None
 
 
 def _save_once(
@@ -207,30 +215,7 @@ def _save_once(
     rng: bool,
     t0: float,
     constant: bool = False,
-) -> SaveHandle:
-    chunk_ids = tuple(id(c) for c in model_chunks)
-    staged = cached(optimizer)
-    # the plan's static sources (nearly all the bytes) are copied into the lease granted ahead while the
-    # checks below run (on a GPU, as queued transfers): abandoned, and the lease given back, on any other way out
-    early = begin(client, staged.plan) if staged is not None and staged.chunk_ids == chunk_ids else None
-    del staged  # a replan frees the old plan before it allocates (the early copy lets go of it when abandoned)
-    try:
-        return _save_checked(client, step, model_chunks, optimizer, extra, rng, t0, constant, early)
-    finally:
-        if early is not None:
-            early.abandon()  # a no-op once the save took the lease over
-
-
-def _save_checked(
-    client: CheckpointClient,
-    step: int,
-    model_chunks: Sequence[torch.nn.Module],
-    optimizer: object,
-    extra: Mapping[str, object] | None,
-    rng: bool,
-    t0: float,
-    constant: bool,
-    early: EarlyCopy | None,
+    early: EarlyCopy | None = None,
 ) -> SaveHandle:
     p = client.placement
     staged = cached(optimizer)
