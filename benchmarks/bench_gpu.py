@@ -136,7 +136,7 @@ def _megatron_stall(client: Any, workdir: str, cfg: dict[str, Any], repeats: int
     import torch
     from bench_megatron import _megatron_save
 
-    from ckptd.client.megatron import save as save_module
+    from ckptd.client import early
     from ckptd.client.megatron import save_checkpoint
     from ckptd.client.megatron.save import save_plan
     from ckptd.client.megatron.staged import cached
@@ -167,13 +167,13 @@ def _megatron_stall(client: Any, workdir: str, cfg: dict[str, Any], repeats: int
                                    assume_constant_structure=constant)
 
         # "late": the checked save as it was before the static copies started ahead of the checks
-        begin = save_module.begin
+        begin = early.begin
         if key == "late":
-            save_module.begin = lambda client, plan: None
+            early.begin = lambda client, plan: None
         try:
             stall, per, flat = _timed(base, save, repeats, step)
         finally:
-            save_module.begin = begin
+            early.begin = begin
         step += repeats
         out[f"ckptd_{key}_s"] = round(_med(stall), 5)
         out[f"d2h_per_tensor_{key}_s"] = round(_med(per), 5)
