@@ -264,3 +264,35 @@ def test_invalid_plans_are_refused_at_registration() -> None:
     off_grid = msgspec.structs.replace(good, shards=[msgspec.structs.replace(good.shards[0], global_offset=[3])])
     with pytest.raises(ShardLayoutError):
         validate_plan(off_grid)
+
+
+def test_static_copies_made_ahead_then_the_rest_stage_the_same_bytes_with_the_padding_zeroed() -> None:
+    # two params in one buffer with 20 elements of padding between them that hold other bytes (a run crosses
+    # it: one copy), one from another buffer right after them, then an optimizer state looked up at each save
+    buf = torch.arange(1, 401, dtype=torch.float32)
+    p = torch.nn.Parameter(torch.randn(6))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.randn(6)
+    opt.step()
+    other = torch.arange(-50, 0, dtype=torch.float32)  # another buffer, its slot right after the run's
+    param = _Sliced("param", torch.empty(350), (350,), (0,))
+    object.__setattr__(param, "pieces", [Piece(0, src=buf[0:100]), Piece(400, nbytes=80),
+                                         Piece(480, src=buf[120:300]), Piece(1200, src=other)])
+    state = _Sliced("exp_avg", torch.empty(6), (6,), (0,))
+    object.__setattr__(state, "pieces", [Piece(0, fetch=Fetch(opt, p, "exp_avg"))])
+    plan = build_stage_plan([param, state])
+    assert plan.has_static
+    want_param = torch.cat([buf[0:100], torch.zeros(20), buf[120:300], other])
+    whole = torch.full((plan.span,), 9, dtype=torch.uint8)
+    plan.stage(whole, 0, plan.sources([]))
+    assert torch.equal(_slot(whole, 0, plan, 0), want_param)  # the padding stored as zeros, not the buffer's bytes
+    assert torch.equal(_slot(whole, 0, plan, 1), opt.state[p]["exp_avg"])
+    ahead = torch.full((plan.span,), 9, dtype=torch.uint8)
+    plan.stage_static(ahead, 0)  # before a save's checks
+    buf.add_(0)  # nothing changes between: the same bytes
+    plan.stage(ahead, 0, plan.sources([]), static=False)
+    assert torch.equal(ahead, whole)
+    rest_only = torch.full((plan.span,), 9, dtype=torch.uint8)  # static=False copies no static source
+    plan.stage(rest_only, 0, plan.sources([]), static=False)
+    assert torch.equal(_slot(rest_only, 0, plan, 1), opt.state[p]["exp_avg"])
+    assert bool((_slot(rest_only, 0, plan, 0)[:100].view(torch.uint8) == 9).all())

@@ -24,18 +24,16 @@ Why this cannot save wrong bytes:
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from ckptd.client.protocol import LeaseGranted
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import socket
+
     from ckptd.client.client import CheckpointClient
     from ckptd.client.plan import StagePlan
-
-log = logging.getLogger(__name__)
+    from ckptd.client.protocol import LeaseGranted
 
 
 @dataclass
@@ -45,7 +43,7 @@ class EarlyCopy:
     client: CheckpointClient
     plan: StagePlan | None  # let go of once done (a save that plans again frees the old plan first)
     grant: LeaseGranted
-    sock: Any  # the connection the lease was granted on
+    sock: socket.socket  # the connection the lease was granted on
     done: bool = False  # taken over by the save, or abandoned
 
     def take(self, plan: StagePlan) -> LeaseGranted | None:
@@ -102,4 +100,3 @@ def copied_ahead(client: CheckpointClient, plan: StagePlan | None) -> Iterator[E
     finally:
         if early is not None:
             early.abandon()
-

@@ -184,7 +184,12 @@ class StagePlan:
                     x = len(looked) + len(self._gap_zeros) - 1
                 idx.append(x)
             self._looked_cat.append((idx, d))
-        self._zeros = uncovered(self._zeros, [d for _, d in self._static_cat] + [d for _, d in self._looked_cat])
+        # a concatenation writes the padding between its pieces, but not padding inside a byte run it copies (a
+        # run of one buffer crosses the gaps between its params: those bytes come from the buffer), so those
+        # zero fills stay, made after every copy
+        free = set(uncovered(self._zeros, [d for _, d in self._static_cat] + [d for _, d in self._looked_cat]))
+        outside = set(uncovered(self._zeros, static_dst))
+        self._zeros = [z for z in self._zeros if z in free or z not in outside]
 
     def register_message(self, rank: int) -> RegisterPlan:
         return RegisterPlan(
