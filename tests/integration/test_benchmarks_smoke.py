@@ -49,3 +49,25 @@ def test_benchmarks_run_at_smoke_size(tmp_path, tmp_path_factory):
                   "ckptd, assume_constant_structure=True", "bare copy of the same bytes (memcpy)"):
         assert label in drawing, label
     assert "4 series" in plotted.stderr, plotted.stderr
+
+
+def test_the_gpu_rows_plot_with_every_series(tmp_path):
+    """The GPU bench's Megatron rows (docs/benchmarks.md's second plot) draw each series they hold; a part that
+    failed (an error row) is left out."""
+    def row(shards: int, scale: float) -> dict:
+        return {"bench": "gpu_megatron_stall", "shards": shards, "bytes": shards * 10**5,
+                "megatron_dp_reshardable_s": 3.0 * scale, "ckptd_late_s": 0.03 * scale,
+                "ckptd_checked_s": 0.02 * scale, "ckptd_constant_s": 0.019 * scale,
+                "d2h_contiguous_checked_s": 0.018 * scale}
+    lines = [json.dumps(row(1356, 1.0)), json.dumps(row(9812, 2.0)),
+             json.dumps({"bench": "gpu_megatron_stall", "error": "RuntimeError: a part failed"})]
+    svg = tmp_path / "gpu.svg"
+    plotted = subprocess.run([sys.executable, str(PLOT), "-", "--bench", "gpu_megatron_stall", "--out", str(svg)],
+                             input="\n".join(lines), capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr[-4000:]
+    assert "2 sizes, 5 series" in plotted.stderr, plotted.stderr
+    drawing = svg.read_text()
+    for label in ("Megatron async dp_reshardable save", "ckptd checked, copies after the checks (before)",
+                  "ckptd checked, copies queued before the checks (the default)",
+                  "one contiguous D2H copy of the same bytes"):
+        assert label in drawing, label
