@@ -80,6 +80,16 @@ class _Column(NamedTuple):
     ptrs: list[int] | None = None  # held (checked at these addresses, not copied: a static source stages them)
 
 
+class _Views(NamedTuple):
+    """A span's destination views, in the copy program's order (:meth:`StagePlan._dst_views`)."""
+
+    static: list[torch.Tensor]
+    looked: list[torch.Tensor]
+    zeros: list[torch.Tensor]
+    static_cat: list[torch.Tensor]
+    looked_cat: list[torch.Tensor]
+
+
 # per optimizer: the params whose state is looked up, one column per state name, and where their states sit
 _Groups = list[tuple[torch.optim.Optimizer, list[torch.Tensor], list[_Column], StateIndex]]
 
@@ -132,7 +142,7 @@ class StagePlan:
     _held: list[tuple[Fetch, torch.Tensor]] = field(default_factory=list)  # (lookup, tensor as planned)
     _dynamic: list[tuple[_Dst, _Dst]] = field(default_factory=list)  # (source as planned, slot)
     _zeros: list[_Dst] = field(default_factory=list)
-    _views: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=OrderedDict)
+    _views: OrderedDict[tuple[int, int], _Views] = field(default_factory=OrderedDict)
     _groups: _Groups | None = None
     # the copy program (compile_copies): runs of 1-D sources whose slots lie back to back (or apart by padding
     # that is zeroed anyway), each one torch.cat (static: the source tensors and zeros; looked up: indices into
@@ -282,7 +292,7 @@ class StagePlan:
         self._fetched = fetched
         self._groups = groups
 
-    def _dst_views(self, arena: torch.Tensor, base: int) -> tuple[list[torch.Tensor], ...]:
+    def _dst_views(self, arena: torch.Tensor, base: int) -> _Views:
         key = (arena.data_ptr(), base)
         views = self._views.get(key)
         if views is None:
@@ -291,7 +301,7 @@ class StagePlan:
                 return arena[base + d.rel : base + d.rel + n].view(d.dtype).view(d.shape)
 
             looked = [d for _, _, d in self._fetched] + [d for _, d in self._dynamic]
-            views = (
+            views = _Views(
                 [view(self._static[i][1]) for i in self._static_rest],
                 [view(looked[i]) for i in self._looked_rest],
                 [view(d) for d in self._zeros],
@@ -315,8 +325,8 @@ class StagePlan:
         finally:  # on a failure too: a span given back must not receive a queued device copy afterwards
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
-        if views[2]:  # after every copy landed (on a GPU too): a static run may cross a gap that is zeroed
-            torch._foreach_zero_(views[2])
+        if views.zeros:  # after every copy landed (on a GPU too): a static run may cross a gap that is zeroed
+            torch._foreach_zero_(views.zeros)
 
     def stage_static(self, arena: torch.Tensor, base: int) -> None:
         """Copy the static sources (memory the plan holds) into the span at ``base``, ahead of a save's checks;
@@ -330,17 +340,16 @@ class StagePlan:
                 torch.cuda.current_stream().synchronize()
             raise
 
-    def _copy_static(self, views: tuple[list[torch.Tensor], ...]) -> None:
-        static_dst, _, _, static_cat_dst, _ = views
-        for (srcs, _), dst in zip(self._static_cat, static_cat_dst, strict=True):
+    def _copy_static(self, views: _Views) -> None:
+        for (srcs, _), dst in zip(self._static_cat, views.static_cat, strict=True):
             torch.cat(srcs, out=dst)
-        if static_dst:
-            torch._foreach_copy_(static_dst, [self._static[i][0] for i in self._static_rest], non_blocking=self.cuda)
+        if views.static:
+            torch._foreach_copy_(views.static, [self._static[i][0] for i in self._static_rest], non_blocking=self.cuda)
 
-    def _copy_looked(self, views: tuple[list[torch.Tensor], ...], sources: list[torch.Tensor]) -> None:
+    def _copy_looked(self, views: _Views, sources: list[torch.Tensor]) -> None:
         # the plan's device, not a walk over this save's sources: a looked-up source that moved to the GPU
         # since is copied blocking (non_blocking=False), which is correct, only slower
-        _, looked_dst, _, _, looked_cat_dst = views
+        looked_dst, looked_cat_dst = views.looked, views.looked_cat
         try:
             # the element counts were checked (sources()), so a concatenation never outgrows its run
             ext = sources + self._gap_zeros if self._gap_zeros else sources
