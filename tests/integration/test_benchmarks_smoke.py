@@ -25,11 +25,12 @@ def test_benchmarks_run_at_smoke_size(tmp_path, tmp_path_factory):
                ("megatron_stall", "ratio_vs_memcpy"), ("merge", "throughput_ratio_vs_copy"),
                ("s3_drain", "ratio_vs_raw_put"), ("stall_scale", "ratio_vs_memcpy"),
                ("load", "ratio_ckptd_vs_raw_warm"), ("load", "ratio_ckptd_vs_raw_plain_warm"),
-               ("staged_load", "ratio_fresh_over_pool")]
+               ("staged_load", "ratio_fresh_over_pool"), ("s3_load", "ratio_tp2_vs_same")]
     for bench, figure in figures:
         assert bench in by_bench, f"{bench} missing: {sorted(by_bench)}\n{out.stderr[-2000:]}"
         assert by_bench[bench].get(figure, 0) > 0, by_bench[bench]
     assert by_bench["machine"]["smoke"] is True
+    assert by_bench["s3_load"]["tp2_equal_whole"] is True  # by piece and by whole chunk: the same state
     staged = by_bench["staged_load"]  # every round in the pool's one buffer; the baseline a tensor per region
     assert staged["pool_allocations"] == 1 and staged["fresh_allocations"] == staged["rounds"] > 1, staged
     # the repeated figures: the key holds the median of `runs` runs (one at smoke size), bracketed by min/max
