@@ -26,6 +26,7 @@ pytest.importorskip("megatron.core")
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.client.megatron.staged import cached
+from ckptd.writer.errors import StepCommittedError
 from ckptd.testing.toy_gpt import build_gpt, spawn_with_daemon
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
@@ -136,6 +137,12 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))], "lr": 0.5,
                            "weight_decay": 0.0})
     save_and_reload("group")
+    # the step announced to the daemon with the copy made ahead, and refused there (committed already): the
+    # save raises the typed error and gives the lease back; the next save leases as usual
+    before = dict(client._pipe.early)
+    with pytest.raises(StepCommittedError):
+        save_checkpoint(client, step, model, optimizer)
+    early["committed_again"] = ",".join(sorted(k for k, n in client._pipe.early.items() if n != before.get(k, 0)))
     old_plan = plans["group"][0]
     model, optimizer, train_step = build_gpt(overlap_grad_reduce=True, bucket_size=3000)  # resized buckets
     train_step(0)
@@ -163,7 +170,8 @@ def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Pat
     for r, replaced in zip(results, ("abandoned", "used"), strict=True):
         assert r["early"] == {
             "first": "", "same": "used", "state_replaced": replaced, "replaced": "abandoned",
-            "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "buckets": "",
+            "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "committed_again": "used",
+            "buckets": "",
         }, r["early"]
     for r in results:
         # unchanged structure: the same plan object, registered once (same id)
@@ -189,5 +197,6 @@ def test_on_a_gpu_the_copies_queued_ahead_are_thrown_away_on_a_change(start_daem
     [r] = run_ranks(_changes, 1, d.socket, d.root, timeout_s=300, backend="nccl")
     assert r["early"] == {
         "first": "", "same": "used", "state_replaced": "abandoned", "replaced": "abandoned",
-        "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "buckets": "",
+        "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "committed_again": "used",
+        "buckets": "",
     }, r["early"]

@@ -432,7 +432,7 @@ class CheckpointClient:
         if isinstance(grant, SaveHandle):
             return grant
         try:
-            prepared = send_prepare(self, step)  # the daemon starts the step while the plan copies
+            prepared = early.prepared if early is not None and ahead is not None else send_prepare(self, step)
             self._staging.stage_plan(plan, grant.offsets[0], sources, static=ahead is None)
             check_prepared(self, prepared)
             req = self._save_request(step, grant, [], objects, docs, plan_id, t0)

@@ -28,10 +28,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckptd.client.pipeline import send_prepare
+
 if TYPE_CHECKING:
     import socket
 
     from ckptd.client.client import CheckpointClient
+    from ckptd.client.pipeline import _Owed
     from ckptd.client.plan import StagePlan
     from ckptd.client.protocol import LeaseGranted
 
@@ -44,6 +47,7 @@ class EarlyCopy:
     plan: StagePlan | None  # let go of once done (a save that plans again frees the old plan first)
     grant: LeaseGranted
     sock: socket.socket  # the connection the lease was granted on
+    prepared: _Owed | None = None  # the step's PrepareStep sent ahead too: its answer, read after the copy
     done: bool = False  # taken over by the save, or abandoned
 
     def take(self, plan: StagePlan) -> LeaseGranted | None:
@@ -70,19 +74,26 @@ class EarlyCopy:
             client._release(self.grant)
 
 
-def begin(client: CheckpointClient, plan: StagePlan) -> EarlyCopy | None:
-    """Copy ``plan``'s static sources into the lease granted ahead for this save, if there is one (the caller
-    passes the result to the save, and :meth:`~EarlyCopy.abandon`\\ s it on any other way out); else None."""
+def begin(client: CheckpointClient, plan: StagePlan, step: int, prepare: bool) -> EarlyCopy | None:
+    """Copy ``plan``'s static sources into the lease granted ahead for this save of ``step``, if there is one
+    (the caller passes the result to the save, and :meth:`~EarlyCopy.abandon`\\ s it on any other way out); else
+    None. ``prepare`` (a save that waits for its answer): announce the step now too (``PrepareStep``), so the
+    daemon's storage checks of the step run while this rank copies and checks. Call it inside the save call
+    (``CheckpointClient.one_save_call``): the announcement carries the call's attempt token. (An earlier save's
+    failure is raised by the save after this; a step announced and then not saved fails on the daemon by
+    ``--part-timeout``, as any rank's that never saves.)"""
     if not plan.has_static or client._sock is None:
         return None
-    pipe = client._pipe
-    pipe.drain(client)  # the lease's answer, and those before it, in order
-    grant = pipe.take(client, plan.span)
+    client._drop_if_dead()  # as the save itself does first: the lease's answer, and those before it, read
+    grant = client._pipe.take(client, plan.span)
     if grant is None:
         return None
     early = EarlyCopy(client, plan, grant, client._sock)
     try:
         client._staging.stage_static(plan, grant.offsets[0])
+        if prepare:
+            client._attempt = client._attempts.next(step)  # the save's own token (one save call: the same)
+            early.prepared = send_prepare(client, step)
     except BaseException:
         early.abandon()
         raise
@@ -90,10 +101,12 @@ def begin(client: CheckpointClient, plan: StagePlan) -> EarlyCopy | None:
 
 
 @contextlib.contextmanager
-def copied_ahead(client: CheckpointClient, plan: StagePlan | None) -> Iterator[EarlyCopy | None]:
+def copied_ahead(
+    client: CheckpointClient, plan: StagePlan | None, step: int, prepare: bool
+) -> Iterator[EarlyCopy | None]:
     """:func:`begin` for ``plan`` (None: nothing to copy ahead), abandoned on the way out unless a save took it
     over. Holds no reference to ``plan`` meanwhile: a save that plans again frees the old plan first."""
-    early = begin(client, plan) if plan is not None else None
+    early = begin(client, plan, step, prepare) if plan is not None else None
     del plan
     try:
         yield early

@@ -192,7 +192,8 @@ def save_checkpoint(
         try:
             # the plan's static sources (nearly all the bytes) are copied into the lease granted ahead while the
             # checks run (on a GPU, as queued transfers); abandoned, the lease given back, on any other way out
-            with introspect.leaves_reused(), copied_ahead(client, _reused_plan(optimizer, model_chunks)) as early:
+            ahead = copied_ahead(client, _reused_plan(optimizer, model_chunks), step, prepare=not constant)
+            with introspect.leaves_reused(), ahead as early:
                 return _save_once(client, step, model_chunks, optimizer, extra, rng, t0, constant, early)
         except StalePlanError:  # a state tensor changed under the plan in a way the structure check missed
             forget(optimizer)
