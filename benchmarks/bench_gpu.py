@@ -169,7 +169,7 @@ def _megatron_stall(client: Any, workdir: str, cfg: dict[str, Any], repeats: int
         # "late": the checked save as it was before the static copies started ahead of the checks
         begin = early.begin
         if key == "late":
-            early.begin = lambda client, plan: None
+            early.begin = lambda *args: None
         try:
             stall, per, flat = _timed(base, save, repeats, step)
         finally:

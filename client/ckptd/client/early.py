@@ -12,7 +12,8 @@ On a CPU the copy is the same memcpy, made before the checks instead of after.
 Why this cannot save wrong bytes:
 
 - the sources copied are the plan's own references (memory that cannot have been freed) into the plan's own
-  lease, and nothing is sent to the daemon before the checks passed;
+  lease, and the save's request (what the daemon commits) is sent only after the checks passed (before them
+  at most the step's announcement, ``PrepareStep``, which carries no data);
 - a check that fails (the save plans again), a looked-up source that no longer matches, or any error before
   the save took the lease over ends in :meth:`EarlyCopy.abandon`: it waits for the queued transfers, then
   gives the lease back, so no transfer lands in a span the daemon may grant again;
