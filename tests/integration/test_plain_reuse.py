@@ -180,3 +180,57 @@ def test_a_waiting_save_gets_the_space_kept_for_its_step_once_written(start_daem
     them woke no waiter: the save waited until it timed out, though with the restore off it went through."""
     d = start_daemon(str(tmp_path / "ckpt"), "d0", "--stage-grace", "0.3", arena="6MiB")
     _two_ranks_save_and_reload(d.socket, d.root, steps=3)
+
+
+def _nested(step: int, rows: int = 5) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(rows, 3, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16)},
+        "meta": {"step": step, "name": f"s{step}", "lrs": [0.1 * step]},
+        "opt": {"exp_avg": torch.randn(rows * 3, generator=g), "count": step * 10},
+    }
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {f"{k}/{n}": t for k, sub in state.items() for n, t in sub.items() if isinstance(t, torch.Tensor)}
+
+
+def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_values(
+    start_daemon, tmp_path, monkeypatch
+):
+    """Once a structure has a plan, a dict of the same shape is staged through it without being planned shard by
+    shard (``plan_state`` is not called), with this save's tensors and plain values; a dict of another shape is
+    planned again. Two ranks: rank 1's plain tensors are non-main replicas, staged by nobody: it has no plan,
+    and plans every save."""
+    from ckptd.client import reuse
+
+    calls = {0: 0, 1: 0}
+    real = reuse.plan_state
+    monkeypatch.setattr(reuse, "plan_state", lambda state, rank, **kw: calls.__setitem__(rank, calls[rank] + 1) or
+                        real(state, rank, **kw))
+    d = start_daemon(str(tmp_path / "ckpt"), "d0")
+    clients = [CheckpointClient(d.socket, placement=Placement(r, 2, 2, 0)) for r in (0, 1)]
+    planned = []
+    rows = {1: 5, 2: 5, 3: 5, 4: 5, 5: 7, 6: 7, 7: 7}  # step 5 resizes: planned twice more, then skipped again
+    for step, n in rows.items():
+        before = dict(calls)
+        states = [_nested(step, n), _nested(step, n)]
+        saved = [{k: v.clone() for k, v in _tensors(s).items()} for s in states]
+        handles = [c.save(step, s) for c, s in zip(clients, states, strict=True)]
+        for s in states:
+            for t in _tensors(s).values():
+                t.fill_(0)  # the caller may overwrite its tensors as soon as save() returns
+        for h in handles:
+            h.wait(60)
+        planned.append(tuple(calls[r] - before[r] for r in (0, 1)))
+        template = _nested(0, n)
+        for t in _tensors(template).values():
+            t.fill_(7)
+        got = load(d.root, step, template)
+        for k, t in _tensors(got).items():
+            assert torch.equal(_bits(t), _bits(saved[0][k])), (step, k)
+        assert got["meta"] == {"step": step, "name": f"s{step}", "lrs": [0.1 * step]}, step
+        assert got["opt"]["count"] == step * 10
+    assert planned == [(1, 1), (1, 1), (0, 1), (0, 1), (1, 1), (1, 1), (0, 1)]
+    for c in clients:
+        c.close()

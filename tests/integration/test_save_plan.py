@@ -26,8 +26,8 @@ pytest.importorskip("megatron.core")
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.client.megatron.staged import cached
-from ckptd.writer.errors import StepCommittedError
 from ckptd.testing.toy_gpt import build_gpt, spawn_with_daemon
+from ckptd.writer.errors import StepCommittedError
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 

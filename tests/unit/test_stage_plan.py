@@ -9,8 +9,9 @@ import msgspec
 import pytest
 import torch
 
-from ckptd.client.plan import Fetch, Piece, PlanCache, StalePlanError, build_stage_plan
+from ckptd.client.plan import Fetch, Piece, StalePlanError, build_stage_plan
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, SaveRequest, decode_request, encode
+from ckptd.client.reuse import PlanCache
 from ckptd.client.state import Shard
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.plans import PlanRegistry, validate_plan

@@ -54,9 +54,9 @@ from ckptd.client.protocol import (
     frame_length,
     recv_exactly,
 )
-from ckptd.client.reuse import RepeatedPlans
+from ckptd.client.reuse import RepeatedPlans, Route
 from ckptd.client.staging import StagingArena
-from ckptd.client.state import Plan, Shard, plan_state, replica_metas
+from ckptd.client.state import Plan, Shard, replica_metas
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
@@ -301,13 +301,13 @@ class CheckpointClient:
         and (policy ``"fail"``) :class:`BackpressureError` when the arena is still full.
         """
         t0 = time.perf_counter()
-        plan = plan_state(state, self.placement.rank, validate=False)  # checked in _save unless a plan matches
-        return self._save(step, plan, sidecars, t0)
+        return self._save(step, self._repeats.route(state, self.placement.rank), sidecars, t0)
 
     @paused
     def save_plan(self, step: int, plan: Plan, *, sidecars: Sequence[str] = ()) -> SaveHandle:
         """Like :meth:`save` for an already planned state (callers that cache their plan)."""
-        return self._save(step, plan, sidecars, time.perf_counter())
+        t0 = time.perf_counter()
+        return self._save(step, self._repeats.route_plan(plan), sidecars, t0)
 
     @paused
     def save_staged(
@@ -345,16 +345,12 @@ class CheckpointClient:
             plan.registered = (self._welcome, reply.plan_id)
         return reply.plan_id
 
-    def _save(self, step: int, plan: Plan, sidecars: Sequence[str], t0: float) -> SaveHandle:
+    def _save(self, step: int, route: Route, sidecars: Sequence[str], t0: float) -> SaveHandle:
         """``t0`` is when the caller's save began: ``SaveHandle.stall_s`` is all the time it was blocked.
         A structure saved before goes through its registered plan (:mod:`ckptd.client.reuse`)."""
-        staged = self._repeats.plan_for(plan)
-        if staged is not None:
-            dynamic = [s.data for s in plan.shards]
-            return self._guarded(
-                step, t0, lambda: self._save_span(step, staged, dynamic, plan.objects, sidecars, t0)
-            )
-        return self._guarded(step, t0, lambda: self._save_shards(step, plan, sidecars, t0))
+        if isinstance(route, Plan):
+            return self._guarded(step, t0, lambda: self._save_shards(step, route, sidecars, t0))
+        return self._guarded(step, t0, lambda: self._save_span(step, *route, sidecars, t0))
 
     def _guarded(self, step: int, t0: float, attempt: Callable[[], SaveHandle]) -> SaveHandle:
         """Run one save attempt under the daemon-loss policy: a lost daemon fails the save's handle (with a

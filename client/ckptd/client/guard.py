@@ -7,6 +7,8 @@ over C callables across all tensors (no Python call per tensor, no ``torch.Size`
 - :class:`TensorGuard`: a list of tensors is still the same objects, each with the same dtype, address,
   shape and strides. A param whose ``.data`` was replaced, cast, reshaped, transposed or resized, or
   ``set_`` to other memory, fails it;
+- :class:`ShapeGuard`: a list of tensors, whatever objects they are, still has the same dtypes, shapes and
+  devices (a plain save's state dict, :mod:`ckptd.client.skeleton`);
 - :class:`ModuleWatch`: a module tree still holds the same submodules and params (one held list each, compared
   by identity), and the params pass a :class:`TensorGuard`;
 - :class:`StateIndex`: an optimizer's per-param state dicts for a list of params, read positionally from
@@ -43,6 +45,7 @@ import torch
 
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
+_DEVICE = operator.attrgetter("device")
 
 
 def _probe_dict_version() -> Callable[[dict[Any, Any]], int] | None:
@@ -109,27 +112,50 @@ def same_objects(now: Sequence[object], held: Sequence[object]) -> bool:
     return len(now) == len(held) and all(map(operator.is_, now, held))
 
 
+class ShapeGuard:
+    """What a list of tensors looked like (by default each one's dtype, shape and device), whatever objects
+    hold them: :meth:`matches` says whether a list still looks the same (a plain save's state dict may hand
+    over new tensor objects at every save). torch's ``TensorGuards`` in one C++ pass where it works; it
+    compares more (strides, ``requires_grad``, dispatch keys), and where it fails the ``map`` calls over
+    ``getters`` decide (a difference that does not matter here is taken in, once: one slow check, not one a
+    save). Holds no tensor."""
+
+    __slots__ = ("_getters", "_seen", "_torch_guard")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], getters: tuple[Callable[[Any], Any], ...] = ()) -> None:
+        self._getters = getters or (_DTYPE, _SHAPE, _DEVICE)
+        self._torch_guard = _shape_guard(tensors)
+        self._seen = [list(map(g, tensors)) for g in self._getters]
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        if len(tensors) != len(self._seen[0]):
+            return False
+        if self._torch_guard is not None and self._torch_guard.check(*tensors):
+            return True
+        same = all(list(map(g, tensors)) == seen for g, seen in zip(self._getters, self._seen, strict=True))
+        if same and self._torch_guard is not None:
+            self._torch_guard = _shape_guard(tensors)
+        return same
+
+
 class TensorGuard:
     """A list of tensors as captured: :meth:`holds` says whether a list is still them, unchanged in structure.
 
     Values may change (training updates them in place); the objects, their dtype, address, shape and
     strides may not (a ``.data`` replaced, cast, reshaped, transposed or resized; ``set_`` to other memory).
-    One ``map`` of addresses and torch's ``TensorGuards`` (module docstring), else four ``map``s over C
-    getters (~0.7-1.2 µs a tensor in a trained model, most of it building each ``torch.Size`` and strides
-    tuple; ``Tensor.is_set_to``, which compares the same in one call, measured slower there); and one
-    identity pass. Holding the tensors keeps their memory alive until the guard is dropped, which a plan
-    made for them does anyway."""
+    One ``map`` of addresses and a :class:`ShapeGuard` of dtypes, shapes and strides (~0.7-1.2 µs a tensor
+    in a trained model where torch's ``TensorGuards`` is missing or fails, most of it building each
+    ``torch.Size`` and strides tuple; ``Tensor.is_set_to``, which compares the same in one call, measured
+    slower there); and one identity pass. Holding the tensors keeps their memory alive until the guard is
+    dropped, which a plan made for them does anyway."""
 
-    __slots__ = ("_dtypes", "_held", "_ptrs", "_shapes", "_strides", "_torch_guard")
+    __slots__ = ("_held", "_ptrs", "_shapes")
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         held = list(tensors)
         self._held = held
         self._ptrs = list(map(torch.Tensor.data_ptr, held))
-        self._torch_guard = _shape_guard(held)
-        self._dtypes = list(map(_DTYPE, held))
-        self._shapes = list(map(_SHAPE, held))
-        self._strides = list(map(torch.Tensor.stride, held))
+        self._shapes = ShapeGuard(held, (_DTYPE, _SHAPE, torch.Tensor.stride))
 
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """``tensors`` are the captured ones, unchanged."""
@@ -138,20 +164,7 @@ class TensorGuard:
     def unchanged(self) -> bool:
         """The captured tensors still have the dtype, address, shape and strides they had."""
         held = self._held
-        if list(map(torch.Tensor.data_ptr, held)) != self._ptrs:
-            return False
-        if self._torch_guard is not None and self._torch_guard.check(*held):
-            return True
-        # no fast guard, or it failed: also on what does not matter here (requires_grad, or the dispatch
-        # keys a TorchDispatchMode active now and not then adds): the exact comparison decides
-        same = (
-            list(map(_DTYPE, held)) == self._dtypes
-            and list(map(_SHAPE, held)) == self._shapes
-            and list(map(torch.Tensor.stride, held)) == self._strides
-        )
-        if same and self._torch_guard is not None:  # a benign difference that stays: take it in, once
-            self._torch_guard = _shape_guard(held)
-        return same
+        return list(map(torch.Tensor.data_ptr, held)) == self._ptrs and self._shapes.matches(held)
 
 
 class ModuleWatch:

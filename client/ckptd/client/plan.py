@@ -67,6 +67,7 @@ class Piece(NamedTuple):
 
 
 _DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 
 class _Column(NamedTuple):
@@ -141,6 +142,7 @@ class StagePlan:
     _fetched: list[tuple[Fetch, _Dst, _Dst]] = field(default_factory=list)  # (lookup, source as planned, slot)
     _held: list[tuple[Fetch, torch.Tensor]] = field(default_factory=list)  # (lookup, tensor as planned)
     _dynamic: list[tuple[_Dst, _Dst]] = field(default_factory=list)  # (source as planned, slot)
+    _dynamic_types: tuple[list[torch.dtype], list[tuple[int, ...]]] = ([], [])  # theirs, set by compile_copies
     _zeros: list[_Dst] = field(default_factory=list)
     _views: OrderedDict[tuple[int, int], _Views] = field(default_factory=OrderedDict)
     _groups: _Groups | None = None
@@ -178,6 +180,7 @@ class StagePlan:
         a GPU every copy is a D2H transfer into the pinned arena: one ``_foreach_copy_``."""
         static_dst = [d for _, d in self._static]
         looked = [(src, d) for _, src, d in self._fetched] + self._dynamic
+        self._dynamic_types = ([d.dtype for d, _ in self._dynamic], [d.shape for d, _ in self._dynamic])
         if self.cuda:
             self._static_rest, self._looked_rest = list(range(len(static_dst))), list(range(len(looked)))
             return
@@ -222,11 +225,11 @@ class StagePlan:
         out = list(fetched) if fetched is not None else self.fetch()
         if len(dynamic) != len(self._dynamic):
             raise StalePlanError(f"{len(dynamic)} per-save tensors given, the plan has {len(self._dynamic)}")
-        for t, (d, _) in zip(dynamic, self._dynamic, strict=True):
-            if t.dtype != d.dtype or t.shape != d.shape:
-                raise StalePlanError(f"a per-save tensor is {t.dtype}{tuple(t.shape)}, planned {d.dtype}{d.shape}")
-            out.append(t)
-        return out
+        dtypes, shapes = self._dynamic_types
+        if list(map(_DTYPE, dynamic)) != dtypes or list(map(_SHAPE, dynamic)) != shapes:
+            t, d = next((t, d) for t, (d, _) in zip(dynamic, self._dynamic, strict=True) if (t.dtype, t.shape) != d[1:])
+            raise StalePlanError(f"a per-save tensor is {t.dtype}{tuple(t.shape)}, planned {d.dtype}{d.shape}")
+        return out + list(dynamic)
 
     def fetch(self) -> list[torch.Tensor]:
         """The sources looked up at each save (optimizer states), checked against the plan.
@@ -478,20 +481,3 @@ def _hold(plan: StagePlan, piece: Piece) -> None:
         if not isinstance(t, torch.Tensor):
             raise StalePlanError(f"no optimizer state {f.name!r} to plan a save of")
         plan._held.append((f, t))
-
-
-class PlanCache:
-    """The last plan per owner key, reused while its fingerprint matches (no torch op to compare)."""
-
-    def __init__(self) -> None:
-        self._plans: dict[object, StagePlan] = {}
-
-    def get(self, key: object, fingerprint: object) -> StagePlan | None:
-        plan = self._plans.get(key)
-        return plan if plan is not None and plan.fingerprint == fingerprint else None
-
-    def put(self, key: object, plan: StagePlan) -> None:
-        self._plans[key] = plan
-
-    def drop(self, key: object) -> None:
-        self._plans.pop(key, None)

@@ -12,21 +12,30 @@ checked shards, and the structure compared holds everything those checks read, s
 matches one skips the per-shard checks (``save()`` plans with ``plan_state(validate=False)``; any other save
 is checked in :meth:`RepeatedPlans.plan_for`). Shards of a subclass that stages itself
 (:meth:`~ckptd.client.state.Shard.stage_into` overridden) keep the per-shard path.
+
+Once a structure has a plan, the state dict that planned it leaves a :class:`~ckptd.client.skeleton.Skeleton`
+(:meth:`RepeatedPlans.remember`): a later dict of the same shape goes to that plan without being planned
+shard by shard (:meth:`RepeatedPlans.match`).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckptd.client.plan import PlanCache, StagePlan, build_stage_plan
-from ckptd.client.state import Plan, Shard
+import torch
+
+from ckptd.client.guard import same_objects
+from ckptd.client.plan import StagePlan, build_stage_plan
+from ckptd.client.skeleton import Skeleton
+from ckptd.client.state import Plan, Shard, plan_state
 
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
 _KEY = "plain"
+Route = tuple[StagePlan, list[torch.Tensor], dict[str, Any]] | Plan  # a plan save's arguments, or the shards
 
 
 def shards_fingerprint(shards: Sequence[Shard], replicas: Sequence[Shard] = ()) -> tuple[Any, ...] | None:
@@ -46,6 +55,26 @@ def shards_fingerprint(shards: Sequence[Shard], replicas: Sequence[Shard] = ()) 
             [(r.global_shape, r.global_offset, r.chunk_shape) for r in replicas])
 
 
+class PlanCache:
+    """The last plan per owner key, reused while its fingerprint matches (no torch op to compare)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[object, StagePlan] = {}
+
+    def get(self, key: object, fingerprint: object) -> StagePlan | None:
+        plan = self._plans.get(key)
+        return plan if plan is not None and plan.fingerprint == fingerprint else None
+
+    def last(self, key: object) -> StagePlan | None:
+        return self._plans.get(key)
+
+    def put(self, key: object, plan: StagePlan) -> None:
+        self._plans[key] = plan
+
+    def drop(self, key: object) -> None:
+        self._plans.pop(key, None)
+
+
 class RepeatedPlans:
     """One client's plan for its plain saves: built the second time a structure is seen, reused while it
     holds."""
@@ -53,6 +82,7 @@ class RepeatedPlans:
     def __init__(self) -> None:
         self._cache = PlanCache()
         self._last: object = None  # the previous save's structure, while it has no plan
+        self._skeleton: Skeleton | None = None  # the shape of the dict the cached plan was last used for
 
     def plan_for(self, plan: Plan) -> StagePlan | None:
         """The plan to stage ``plan``'s shards through, or None for the per-shard path; its non-main
@@ -72,3 +102,40 @@ class RepeatedPlans:
         self._cache.put(_KEY, staged)
         self._last = None
         return staged
+
+    def match(self, state: Mapping[str, Any]) -> tuple[StagePlan, list[torch.Tensor], dict[str, Any]] | None:
+        """(plan, per-save tensors, plain data) for a state dict shaped like the one remembered, while its plan
+        is the cached one; None otherwise (plan it: :func:`~ckptd.client.state.plan_state`)."""
+        sk = self._skeleton
+        if sk is None or self._cache.last(_KEY) is not sk.plan:
+            return None
+        hit = sk.match(state)
+        if hit is None:
+            return None
+        return (sk.plan, *hit)
+
+    def remember(self, state: Mapping[str, Any], plan: Plan, staged: StagePlan) -> None:
+        """Keep the shape of ``state``, planned as ``plan`` and staged through ``staged``: when its tensors are,
+        in order, the plan's shards (a rank's own tensors: rank 0's plain ones), later dicts of that shape skip
+        the planning."""
+        sk = Skeleton.of(state, staged)
+        hit = None if sk is None else sk.match(state)
+        ok = hit is not None and not plan.replicas and same_objects([s.data for s in plan.shards], hit[0])
+        self._skeleton = sk if ok else None
+
+    def route(self, state: Mapping[str, Any], rank: int) -> Route:
+        """How ``save(state)`` stages: through a registered plan as (plan, per-save tensors, plain data), else
+        as planned shards (checked), one slot each."""
+        hit = self.match(state)
+        if hit is not None:
+            return hit
+        plan = plan_state(state, rank, validate=False)  # checked in plan_for unless a plan matches
+        route = self.route_plan(plan)
+        if not isinstance(route, Plan):
+            self.remember(state, plan, route[0])
+        return route
+
+    def route_plan(self, plan: Plan) -> Route:
+        """:meth:`route` for a state planned already."""
+        staged = self.plan_for(plan)
+        return plan if staged is None else (staged, [s.data for s in plan.shards], plan.objects)

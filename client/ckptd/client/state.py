@@ -181,7 +181,7 @@ def plan_state(state: Mapping[str, Any], rank: int, *, validate: bool = True) ->
     for path, leaf in iter_leaves(state):
         shard = to_shard(path, leaf, rank)
         if shard is None:
-            _set_path(plan.objects, path, leaf)
+            set_path(plan.objects, path, leaf)
             continue
         if validate:
             validate_shard(shard)
@@ -196,7 +196,7 @@ def plan_state(state: Mapping[str, Any], rank: int, *, validate: bool = True) ->
     return plan
 
 
-def _set_path(tree: dict[str, Any], path: str, value: object) -> None:
+def set_path(tree: dict[str, Any], path: str, value: object) -> None:
     *parents, last = path.split("/")
     for p in parents:
         tree = tree.setdefault(p, {})
