@@ -201,7 +201,7 @@ ALIASES = {"stall": "pipeline", "drain": "pipeline", "daemon_rss": "pipeline"}
 def register_optional() -> None:
     """Benchmarks that need extras register themselves when their module imports."""
     for module in ("bench_megatron", "bench_merge", "bench_s3", "bench_s3_load", "bench_stall_scale", "bench_load",
-                   "bench_staged_load", "bench_gpu"):
+                   "bench_staged_load", "bench_gpu", "bench_plain_many"):
         try:
             mod = __import__(module)
         except ImportError as exc:

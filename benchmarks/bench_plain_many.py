@@ -1,0 +1,102 @@
+"""The plain ``save(state)`` stall with many small tensors (``--only plain_many``).
+
+One rank (gloo, world 1) beside a ``ckptd serve`` daemon whose root and arena are in a temp dir, saving a flat
+state dict of ``n`` bf16 tensors (a model's ``state_dict()`` as FSDP-style trainers hand it over): 1,000 x
+256 KiB and 10,000 x 32 KiB (smoke: 200 x 4 KiB). The modes take turns, each save waited on until committed
+before the next:
+
+- ``ckptd``: ``CheckpointClient.save`` as it is: from the third save on the dict is recognised as shaped like
+  the one its plan was made from (:mod:`ckptd.client.skeleton`) and staged through that plan;
+- ``planned``: the same saves with that recognition switched off (the client before it): every save plans its
+  dict shard by shard and compares the shards' structure with the plan's;
+- ``memcpy``: one ``torch.cat`` of the same tensors into one pre-faulted buffer of the same bytes.
+
+Prints one JSON line per size: medians of 7 (smoke: 2), ``ratio_vs_memcpy``, ``planned_ratio_vs_memcpy`` and
+the time beyond the copy per tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+from typing import Any
+
+from ckptd.testing.launch import DaemonProcess, run_ranks
+
+FULL = [(1_000, 128 << 10), (10_000, 16 << 10)]  # (tensors, bf16 elements each)
+SMOKE = [(200, 2 << 10)]
+
+
+def _rank(rank: int, world: int, sock: str, n: int, elems: int, repeats: int) -> dict[str, list[float]]:
+    import torch
+
+    from ckptd.client import CheckpointClient, Placement
+
+    client = CheckpointClient(sock, placement=Placement(0, 1, 1, 0), timeout_s=600)
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.weight": torch.randn(elems, generator=g).to(torch.bfloat16) for i in range(n)}
+    flat = torch.empty(n * elems, dtype=torch.bfloat16).fill_(1)  # pre-faulted
+    repeats_of = client._repeats
+    match, remember = repeats_of.match, repeats_of.remember
+    out: dict[str, list[float]] = {"ckptd": [], "planned": [], "memcpy": []}
+    step = 0
+    for _ in range(2):  # the first save of a structure goes shard by shard, the second plans it
+        step += 1
+        client.save(step, state).wait(600)
+    for _ in range(repeats):
+        for mode in out:
+            if mode == "memcpy":
+                t0 = time.perf_counter()
+                torch.cat(list(state.values()), out=flat)
+                out[mode].append(time.perf_counter() - t0)
+                continue
+            off = mode == "planned"
+            repeats_of.match = (lambda state: None) if off else match  # type: ignore[method-assign]
+            repeats_of.remember = (lambda *a: None) if off else remember  # type: ignore[method-assign]
+            step += 1
+            handle = client.save(step, state)
+            out[mode].append(handle.stall_s)
+            handle.wait(600)
+        for t in state.values():
+            t.add_(1)
+    client.close()
+    return out
+
+
+def bench_plain_many(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
+    from run import emit
+
+    rows = []
+    repeats = 2 if args.smoke else 7
+    for n, elems in SMOKE if args.smoke else FULL:
+        nbytes = n * elems * 2
+        root = os.path.join(workdir, f"plain-many-{n}")
+        sock = os.path.join(args.sockets, f"pm{n}.sock")
+        arena = f"{4 * nbytes // (1 << 20) + 64}MiB"
+        daemon = DaemonProcess(root, sock, "--arena-size", arena, "--keep", "2",
+                               log_path=os.path.join(workdir, "plain-many.log")).wait_ready(120)
+        try:
+            began = time.perf_counter()
+            res = run_ranks(_rank, 1, sock, n, elems, repeats, timeout_s=1800)[0]
+        finally:
+            daemon.stop(60)
+            shutil.rmtree(root, ignore_errors=True)
+        med = {k: statistics.median(v) for k, v in res.items()}
+        row = {
+            "bench": "plain_many", "tensors": n, "bytes": nbytes,
+            **{f"{k}_s": round(v, 5) for k, v in med.items()},
+            "ratio_vs_memcpy": round(med["ckptd"] / med["memcpy"], 3),
+            "planned_ratio_vs_memcpy": round(med["planned"] / med["memcpy"], 3),
+            "overhead_us_per_tensor": round((med["ckptd"] - med["memcpy"]) / n * 1e6, 2),
+            "planned_overhead_us_per_tensor": round((med["planned"] - med["memcpy"]) / n * 1e6, 2),
+            **{f"{k}_s_each": [round(x, 4) for x in res[k]] for k in ("ckptd", "planned")},
+            "ranks": 1, "sizes": "smoke" if args.smoke else "full", "part_s": round(time.perf_counter() - began, 1),
+        }
+        rows.append(emit(row))
+    return rows
+
+
+BENCHES = {"plain_many": bench_plain_many}
