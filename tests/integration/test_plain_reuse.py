@@ -16,7 +16,7 @@ import torch
 from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.protocol import PROTOCOL_VERSION, ReportRequest
 from ckptd.client.reader import load
-from ckptd.writer.errors import StepCommittedError
+from ckptd.writer.errors import ShardLayoutError, StepCommittedError
 
 
 def _state(seed: int, a_dtype: torch.dtype = torch.float32, a_rows: int = 5) -> dict[str, torch.Tensor]:
@@ -200,8 +200,8 @@ def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_v
 ):
     """Once a structure has a plan, a dict of the same shape is staged through it without being planned shard by
     shard (``plan_state`` is not called), with this save's tensors and plain values; a dict of another shape is
-    planned again. Two ranks: rank 1's plain tensors are non-main replicas, staged by nobody: it has no plan,
-    and plans every save."""
+    planned again. Two ranks: rank 1's plain tensors are non-main replicas, staged by nobody: its plan has
+    only them (registered once: no replica regions sent with each save), and its dicts skip planning too."""
     from ckptd.client import reuse
 
     calls = {0: 0, 1: 0}
@@ -231,6 +231,16 @@ def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_v
             assert torch.equal(_bits(t), _bits(saved[0][k])), (step, k)
         assert got["meta"] == {"step": step, "name": f"s{step}", "lrs": [0.1 * step]}, step
         assert got["opt"]["count"] == step * 10
-    assert planned == [(1, 1), (1, 1), (0, 1), (0, 1), (1, 1), (1, 1), (0, 1)]
+    assert planned == [(1, 1), (1, 1), (0, 0), (0, 0), (1, 1), (1, 1), (0, 0)]
+    # rank 1 holds a plain tensor under a key rank 0 lacks: a replica nobody wrote fails the step on both
+    # ranks, whether rank 1 planned it (8), saved it through its replica-only plan (9) or skipped planning (10)
+    for step in (8, 9, 10):
+        before = calls[1]
+        extra = {**_nested(step, 7), "only_r1": torch.ones(3)}
+        handles = [clients[0].save(step, _nested(step, 7)), clients[1].save(step, extra)]
+        assert calls[1] - before == (0 if step == 10 else 1)
+        for h in handles:
+            with pytest.raises(ShardLayoutError, match="only_r1"):
+                h.wait(60)
     for c in clients:
         c.close()

@@ -13,6 +13,10 @@ matches one skips the per-shard checks (``save()`` plans with ``plan_state(valid
 is checked in :meth:`RepeatedPlans.plan_for`). Shards of a subclass that stages itself
 (:meth:`~ckptd.client.state.Shard.stage_into` overridden) keep the per-shard path.
 
+A rank whose state holds only non-main replicas (another rank's plain tensors, which rank 0 writes) has a
+plan too: nothing to stage, and its replica regions registered once instead of sent and checked with every
+save (10,000 plain tensors: ~200 ms a save before, on the 2-core VM).
+
 Once a structure has a plan, the state dict that planned it leaves a :class:`~ckptd.client.skeleton.Skeleton`
 (:meth:`RepeatedPlans.remember`): a later dict of the same shape goes to that plan without being planned
 shard by shard (:meth:`RepeatedPlans.match`).
@@ -83,13 +87,14 @@ class RepeatedPlans:
         self._cache = PlanCache()
         self._last: object = None  # the previous save's structure, while it has no plan
         self._skeleton: Skeleton | None = None  # the shape of the dict the cached plan was last used for
+        self._main = True  # whether that dict's tensors are this rank's to write (else non-main replicas)
 
     def plan_for(self, plan: Plan) -> StagePlan | None:
         """The plan to stage ``plan``'s shards through, or None for the per-shard path; its non-main
         replicas are registered with the plan. A plan is built only from validated shards, so shards that
         match one need no checks of their own; any others are validated here (:meth:`Plan.validate`)."""
         shards, replicas = plan.shards, plan.replicas
-        fp = shards_fingerprint(shards, replicas) if shards else None
+        fp = shards_fingerprint(shards, replicas) if shards or replicas else None
         if fp is not None and (staged := self._cache.get(_KEY, fp)) is not None:
             return staged
         plan.validate()
@@ -112,16 +117,22 @@ class RepeatedPlans:
         hit = sk.match(state)
         if hit is None:
             return None
-        return (sk.plan, *hit)
+        tensors, objects = hit
+        return sk.plan, tensors if self._main else [], objects  # a non-main replica is staged by nobody
 
     def remember(self, state: Mapping[str, Any], plan: Plan, staged: StagePlan) -> None:
         """Keep the shape of ``state``, planned as ``plan`` and staged through ``staged``: when its tensors are,
-        in order, the plan's shards (a rank's own tensors: rank 0's plain ones), later dicts of that shape skip
-        the planning."""
+        in order, the plan's shards (rank 0's plain tensors) or all its non-main replicas (another rank's),
+        later dicts of that shape skip the planning."""
         sk = Skeleton.of(state, staged)
         hit = None if sk is None else sk.match(state)
-        ok = hit is not None and not plan.replicas and same_objects([s.data for s in plan.shards], hit[0])
-        self._skeleton = sk if ok else None
+        self._skeleton = None
+        if hit is None:
+            return
+        for main, shards, others in ((True, plan.shards, plan.replicas), (False, plan.replicas, plan.shards)):
+            if not others and same_objects([s.data for s in shards], hit[0]):
+                self._skeleton, self._main = sk, main
+                return
 
     def route(self, state: Mapping[str, Any], rank: int) -> Route:
         """How ``save(state)`` stages: through a registered plan as (plan, per-save tensors, plain data), else
