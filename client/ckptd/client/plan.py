@@ -46,6 +46,11 @@ class StalePlanError(CkptdError, RuntimeError):
     """A source looked up at save time no longer matches the plan (dtype, shape): plan again."""
 
 
+class Checked(list[torch.Tensor]):
+    """A plan's per-save tensors whose dtypes and shapes were compared with the plan's by the caller (the
+    plain save's :class:`~ckptd.client.skeleton.Skeleton` of the dict its plan was made from)."""
+
+
 class Fetch(NamedTuple):
     """A source looked up at each save: ``owner.state[key][name]`` (an optimizer's per-param state)."""
 
@@ -221,12 +226,15 @@ class StagePlan:
     ) -> list[torch.Tensor]:
         """This save's looked-up sources (fetched, then ``dynamic``), checked against the plan; call it
         before leasing so a stale plan costs no staging space. ``fetched``: the fetched sources as the
-        caller holds them from an earlier :meth:`fetch` (under a constant-structure promise): no lookup."""
+        caller holds them from an earlier :meth:`fetch` (under a constant-structure promise): no lookup.
+        ``dynamic`` as :class:`Checked`: compared with the plan's already."""
         out = list(fetched) if fetched is not None else self.fetch()
         if len(dynamic) != len(self._dynamic):
             raise StalePlanError(f"{len(dynamic)} per-save tensors given, the plan has {len(self._dynamic)}")
         dtypes, shapes = self._dynamic_types
-        if list(map(_DTYPE, dynamic)) != dtypes or list(map(_SHAPE, dynamic)) != shapes:
+        if not isinstance(dynamic, Checked) and (
+            list(map(_DTYPE, dynamic)) != dtypes or list(map(_SHAPE, dynamic)) != shapes
+        ):
             t, d = next((t, d) for t, (d, _) in zip(dynamic, self._dynamic, strict=True) if (t.dtype, t.shape) != d[1:])
             raise StalePlanError(f"a per-save tensor is {t.dtype}{tuple(t.shape)}, planned {d.dtype}{d.shape}")
         return out + list(dynamic)

@@ -15,7 +15,7 @@ is checked in :meth:`RepeatedPlans.plan_for`). Shards of a subclass that stages 
 
 A rank whose state holds only non-main replicas (another rank's plain tensors, which rank 0 writes) has a
 plan too: nothing to stage, and its replica regions registered once instead of sent and checked with every
-save (10,000 plain tensors: ~200 ms a save before, on the 2-core VM).
+save (10,000 plain tensors on 2 ranks of the 2-core VM: rank 1 stalled 89-90 ms a save before, 6-8 ms now).
 
 Once a structure has a plan, the state dict that planned it leaves a :class:`~ckptd.client.skeleton.Skeleton`
 (:meth:`RepeatedPlans.remember`): a later dict of the same shape goes to that plan without being planned

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptd.client.guard import ShapeGuard
-from ckptd.client.plan import StagePlan
+from ckptd.client.plan import Checked, StagePlan
 from ckptd.client.state import set_path
 
 _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -117,9 +117,9 @@ class Skeleton:
         return cls(root, tensors, plan)
 
     def match(self, state: Mapping[str, Any]) -> tuple[list[torch.Tensor], dict[str, Any]] | None:
-        """``state``'s tensors (in plan order) and plain-data tree when it is shaped as the skeleton's dict,
-        else None."""
-        tensors: list[torch.Tensor] = []
+        """``state``'s tensors (in plan order; :class:`~ckptd.client.plan.Checked`: the plan need not compare
+        them again) and plain-data tree when it is shaped as the skeleton's dict, else None."""
+        tensors: list[torch.Tensor] = Checked()
         objects: dict[str, Any] = {}
         if type(state) not in _NESTED or not _take(self._root, state, tensors, objects):
             return None
