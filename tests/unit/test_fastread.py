@@ -52,12 +52,13 @@ ARRAYS = {
 }
 
 
-def _write(root: str, options: dict[str, object] | None = None) -> None:
+def _write(root: str, options: dict[str, object] | None = None,
+           arrays: dict[str, tuple[torch.Tensor, int]] = ARRAYS) -> None:
     async def go() -> None:
         async with await open_backend(root, options, create=True) as backend:
             ckpt, sink = CheckpointWriter(backend), ChunkSink(backend)
             records = []
-            for key, (t, rows) in ARRAYS.items():
+            for key, (t, rows) in arrays.items():
                 shape, grid = list(t.shape), [rows, *t.shape[1:]]
                 chunks = []
                 for i in range(-(-shape[0] // rows)):
@@ -618,3 +619,34 @@ def test_a_failed_read_stops_the_others_and_nothing_lands_after_the_error(
     time.sleep(0.2)
     assert landed == at_error  # nothing landed after the load failed
     assert landed in ([], ["step_1/w/c/1/0"])  # only the chunk the other thread had begun; nothing after it
+
+
+def test_a_whole_array_of_one_chunk_is_one_direct_read_and_checked(tmp_path: Path) -> None:
+    """A plain tensor saved whole (one chunk) is planned as one direct read into the destination, without the
+    per-chunk geometry of the general paths: bit-exact, and a damaged chunk still fails the load."""
+    arrays = {"m": (torch.randn(3, 4, generator=G), 3), "v16": (torch.randn(6, generator=G).to(torch.bfloat16), 6)}
+    path = str(tmp_path / "ckpt")
+    _write(path, arrays=arrays)
+    out = {k: torch.zeros_like(t) for k, (t, _) in arrays.items()}
+
+    async def planned() -> list[Job]:
+        async with open_root(path, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1))
+            for k, dst in out.items():
+                reader.add(k, dst, (0,) * dst.dim())
+            assert not reader.gathers and not reader.slow and not reader.staged
+            jobs = list(reader.jobs)
+            await reader.run()
+            return jobs
+
+    jobs = asyncio.run(planned())
+    assert sorted(j.path for j in jobs) == ["step_1/m/c/0/0", "step_1/v16/c/0"]
+    assert all(j.direct is not None and j.direct.nbytes == j.chunk.nbytes for j in jobs)
+    for k, (t, _) in arrays.items():
+        assert torch.equal(out[k].view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+    chunk = os.path.join(path, "step_1", "v16", "c", "0")
+    data = bytearray(Path(chunk).read_bytes())
+    data[3] ^= 0x01
+    Path(chunk).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="v16"):
+        load(path, 1, {k: torch.zeros_like(t) for k, (t, _) in arrays.items()})
