@@ -11,8 +11,12 @@ before the next:
   dict shard by shard and compares the shards' structure with the plan's;
 - ``memcpy``: one ``torch.cat`` of the same tensors into one pre-faulted buffer of the same bytes.
 
-Prints one JSON line per size: medians of 7 (smoke: 2), ``ratio_vs_memcpy``, ``planned_ratio_vs_memcpy`` and
-the time beyond the copy per tensor.
+Then the newest step is loaded back (``ckptd.client.reader.load`` into tensors of the dict's shapes, page cache
+warm, checked bit-exact), taking turns with ``raw_place``: every file of the step read into its own part of one
+pre-faulted buffer (what any loader of those bytes must at least do; no checksum, nothing parsed).
+
+Prints one JSON line per size: medians of 7 (smoke: 2), ``ratio_vs_memcpy``, ``planned_ratio_vs_memcpy``, the
+time beyond the copy per tensor, and ``load_ratio_vs_raw_place``.
 """
 
 from __future__ import annotations
@@ -30,10 +34,32 @@ FULL = [(1_000, 128 << 10), (10_000, 16 << 10)]  # (tensors, bf16 elements each)
 SMOKE = [(200, 2 << 10)]
 
 
-def _rank(rank: int, world: int, sock: str, n: int, elems: int, repeats: int) -> dict[str, list[float]]:
+def _raw_place(root: str, step: int) -> Any:
+    """Every file of the step read into its own part of one pre-faulted buffer."""
+    import torch
+
+    from ckptd.writer.format import step_dir
+
+    top = os.path.join(root, step_dir(step))
+    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(top) for f in fs)
+    sizes = [os.path.getsize(f) for f in files]
+    place = torch.ones(max(sum(sizes), 1), dtype=torch.uint8)
+
+    def into_place() -> None:
+        view, at = memoryview(place.numpy()), 0
+        for path, size in zip(files, sizes, strict=True):
+            with open(path, "rb", buffering=0) as fh:
+                fh.readinto(view[at : at + size])
+            at += size
+
+    return into_place
+
+
+def _rank(rank: int, world: int, sock: str, root: str, n: int, elems: int, repeats: int) -> dict[str, list[float]]:
     import torch
 
     from ckptd.client import CheckpointClient, Placement
+    from ckptd.client.reader import load
 
     client = CheckpointClient(sock, placement=Placement(0, 1, 1, 0), timeout_s=600)
     g = torch.Generator().manual_seed(0)
@@ -46,7 +72,7 @@ def _rank(rank: int, world: int, sock: str, n: int, elems: int, repeats: int) ->
     for _ in range(2):  # the first save of a structure goes shard by shard, the second plans it
         step += 1
         client.save(step, state).wait(600)
-    for _ in range(repeats):
+    for i in range(repeats):
         for mode in out:
             if mode == "memcpy":
                 t0 = time.perf_counter()
@@ -60,9 +86,21 @@ def _rank(rank: int, world: int, sock: str, n: int, elems: int, repeats: int) ->
             handle = client.save(step, state)
             out[mode].append(handle.stall_s)
             handle.wait(600)
-        for t in state.values():
-            t.add_(1)
+        if i < repeats - 1:  # the newest step keeps the values the load is checked against
+            for t in state.values():
+                t.add_(1)
     client.close()
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    raw = _raw_place(root, step)
+    out["load"], out["raw_place"] = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        load(root, step, into)
+        out["load"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        raw()
+        out["raw_place"].append(time.perf_counter() - t0)
+    assert all(torch.equal(into[k], v) for k, v in state.items()), "the load is not the step saved"
     return out
 
 
@@ -80,7 +118,7 @@ def bench_plain_many(args: argparse.Namespace, workdir: str) -> list[dict[str, A
                                log_path=os.path.join(workdir, "plain-many.log")).wait_ready(120)
         try:
             began = time.perf_counter()
-            res = run_ranks(_rank, 1, sock, n, elems, repeats, timeout_s=1800)[0]
+            res = run_ranks(_rank, 1, sock, root, n, elems, repeats, timeout_s=1800)[0]
         finally:
             daemon.stop(60)
             shutil.rmtree(root, ignore_errors=True)
@@ -93,6 +131,7 @@ def bench_plain_many(args: argparse.Namespace, workdir: str) -> list[dict[str, A
             "overhead_us_per_tensor": round((med["ckptd"] - med["memcpy"]) / n * 1e6, 2),
             "planned_overhead_us_per_tensor": round((med["planned"] - med["memcpy"]) / n * 1e6, 2),
             **{f"{k}_s_each": [round(x, 4) for x in res[k]] for k in ("ckptd", "planned")},
+            "load_ratio_vs_raw_place": round(med["load"] / med["raw_place"], 3),
             "ranks": 1, "sizes": "smoke" if args.smoke else "full", "part_s": round(time.perf_counter() - began, 1),
         }
         rows.append(emit(row))

@@ -26,7 +26,8 @@ def test_benchmarks_run_at_smoke_size(tmp_path, tmp_path_factory):
                ("s3_drain", "ratio_vs_raw_put"), ("stall_scale", "ratio_vs_memcpy"),
                ("load", "ratio_ckptd_vs_raw_warm"), ("load", "ratio_ckptd_vs_raw_plain_warm"),
                ("staged_load", "ratio_fresh_over_pool"), ("s3_load", "ratio_tp2_vs_same"),
-               ("plain_many", "ratio_vs_memcpy"), ("plain_many", "planned_ratio_vs_memcpy")]
+               ("plain_many", "ratio_vs_memcpy"), ("plain_many", "planned_ratio_vs_memcpy"),
+               ("plain_many", "load_ratio_vs_raw_place")]
     for bench, figure in figures:
         assert bench in by_bench, f"{bench} missing: {sorted(by_bench)}\n{out.stderr[-2000:]}"
         assert by_bench[bench].get(figure, 0) > 0, by_bench[bench]
