@@ -118,13 +118,13 @@ def _save(rank: int, world: int, socket_path: str, workdir: str, cfg: dict[str, 
     return {"params": sum(p.numel() for c in model for p in c.parameters()), "megatron_save_error": megatron_ok}
 
 
-def raw_readers(root: str, rank: int, world: int) -> tuple[Callable[[], None], Callable[[], None]]:
+def raw_readers(root: str, rank: int, world: int, step: int = STEP) -> tuple[Callable[[], None], Callable[[], None]]:
     """The two raw baselines of this rank's share of the step's files (every ``world``-th, from ``rank``):
     each file into one reused buffer of the largest file's size, and each into its own part of one
     pre-faulted buffer of all of them (every byte a home of its own, as a load's)."""
     import torch
 
-    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}")) for f in fs)
+    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(os.path.join(root, f"step_{step}")) for f in fs)
     mine = files[rank::world]
     sizes = [os.path.getsize(f) for f in mine]
     buf = torch.empty(max(sizes, default=1), dtype=torch.uint8)

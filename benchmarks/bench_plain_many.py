@@ -13,7 +13,8 @@ before the next:
 
 Then the newest step is loaded back (``ckptd.client.reader.load`` into tensors of the dict's shapes, page cache
 warm, checked bit-exact), taking turns with ``raw_place``: every file of the step read into its own part of one
-pre-faulted buffer (what any loader of those bytes must at least do; no checksum, nothing parsed).
+pre-faulted buffer (:func:`bench_load.raw_readers`: what any loader of those bytes must at least do; no
+checksum, nothing parsed).
 
 Prints one JSON line per size: medians of 7 (smoke: 2), ``ratio_vs_memcpy``, ``planned_ratio_vs_memcpy``, the
 time beyond the copy per tensor, and ``load_ratio_vs_raw_place``.
@@ -28,31 +29,12 @@ import statistics
 import time
 from typing import Any
 
+from bench_load import raw_readers
+
 from ckptd.testing.launch import DaemonProcess, run_ranks
 
 FULL = [(1_000, 128 << 10), (10_000, 16 << 10)]  # (tensors, bf16 elements each)
 SMOKE = [(200, 2 << 10)]
-
-
-def _raw_place(root: str, step: int) -> Any:
-    """Every file of the step read into its own part of one pre-faulted buffer."""
-    import torch
-
-    from ckptd.writer.format import step_dir
-
-    top = os.path.join(root, step_dir(step))
-    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(top) for f in fs)
-    sizes = [os.path.getsize(f) for f in files]
-    place = torch.ones(max(sum(sizes), 1), dtype=torch.uint8)
-
-    def into_place() -> None:
-        view, at = memoryview(place.numpy()), 0
-        for path, size in zip(files, sizes, strict=True):
-            with open(path, "rb", buffering=0) as fh:
-                fh.readinto(view[at : at + size])
-            at += size
-
-    return into_place
 
 
 def _rank(rank: int, world: int, sock: str, root: str, n: int, elems: int, repeats: int) -> dict[str, list[float]]:
@@ -91,7 +73,7 @@ def _rank(rank: int, world: int, sock: str, root: str, n: int, elems: int, repea
                 t.add_(1)
     client.close()
     into = {k: torch.zeros_like(v) for k, v in state.items()}
-    raw = _raw_place(root, step)
+    _reused, raw = raw_readers(root, 0, 1, step)
     out["load"], out["raw_place"] = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -156,14 +156,12 @@ class ChunkReader:
         """Plan ``dst`` as one direct read when it is the whole of an array stored as one chunk (a plain
         tensor saved whole: most of a plain state's arrays), else False. What the general paths would plan
         for it, without their per-chunk geometry (~20 µs a region)."""
-        shards = rec.shards
+        shards, nbytes = rec.shards, dst.numel() * dst.element_size()
         if len(shards) != 1 or len(shards[0].chunks) != 1 or rec.chunks != rec.shape or any(offset):
             return False
-        if list(dst.shape) != rec.shape or dst.device.type != "cpu" or not dst.is_contiguous():
-            return False
         ch = shards[0].chunks[0]
-        nbytes = dst.numel() * dst.element_size()
-        if dtype_name(dst.dtype) != rec.torch_dtype or ch.nbytes != nbytes:
+        if list(dst.shape) != rec.shape or dst.device.type != "cpu" or not dst.is_contiguous() or \
+                dtype_name(dst.dtype) != rec.torch_dtype or ch.nbytes != nbytes:
             return False
         path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
         self.jobs.append(Job(path, ch, dst.detach().view(-1).view(torch.uint8).numpy()))
