@@ -182,17 +182,20 @@ def test_a_waiting_save_gets_the_space_kept_for_its_step_once_written(start_daem
     _two_ranks_save_and_reload(d.socket, d.root, steps=3)
 
 
-def _nested(step: int, rows: int = 5) -> dict[str, Any]:
+def _nested(step: int, rows: int = 5, rank: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
+    part = torch.randn(2 * rows, generator=g)  # both ranks' halves, each rank saving its own
     return {
         "model": {"w": torch.randn(rows, 3, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16)},
         "meta": {"step": step, "name": f"s{step}", "lrs": [0.1 * step]},
-        "opt": {"exp_avg": torch.randn(rows * 3, generator=g), "count": step * 10},
+        "opt": {"exp_avg": torch.randn(rows * 3, generator=g), "count": step * 10,
+                "part": Shard("opt/part", part[rank * rows : (rank + 1) * rows].clone(), (2 * rows,), (rank * rows,))},
     }
 
 
 def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {f"{k}/{n}": t for k, sub in state.items() for n, t in sub.items() if isinstance(t, torch.Tensor)}
+    return {f"{k}/{n}": t.data if isinstance(t, Shard) else t
+            for k, sub in state.items() for n, t in sub.items() if isinstance(t, (torch.Tensor, Shard))}
 
 
 def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_values(
@@ -200,8 +203,9 @@ def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_v
 ):
     """Once a structure has a plan, a dict of the same shape is staged through it without being planned shard by
     shard (``plan_state`` is not called), with this save's tensors and plain values; a dict of another shape is
-    planned again. Two ranks: rank 1's plain tensors are non-main replicas, staged by nobody: its plan has
-    only them (registered once: no replica regions sent with each save), and its dicts skip planning too."""
+    planned again. Two ranks, each writing its half of a sharded tensor (a ``Shard`` leaf); rank 1's plain
+    tensors are non-main replicas, staged by nobody (registered with its plan once: no replica regions sent
+    with each save)."""
     from ckptd.client import reuse
 
     calls = {0: 0, 1: 0}
@@ -214,8 +218,9 @@ def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_v
     rows = {1: 5, 2: 5, 3: 5, 4: 5, 5: 7, 6: 7, 7: 7}  # step 5 resizes: planned twice more, then skipped again
     for step, n in rows.items():
         before = dict(calls)
-        states = [_nested(step, n), _nested(step, n)]
+        states = [_nested(step, n, 0), _nested(step, n, 1)]
         saved = [{k: v.clone() for k, v in _tensors(s).items()} for s in states]
+        whole = torch.cat([saved[0]["opt/part"], saved[1]["opt/part"]])
         handles = [c.save(step, s) for c, s in zip(clients, states, strict=True)]
         for s in states:
             for t in _tensors(s).values():
@@ -224,11 +229,12 @@ def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_v
             h.wait(60)
         planned.append(tuple(calls[r] - before[r] for r in (0, 1)))
         template = _nested(0, n)
+        template["opt"]["part"] = torch.full((2 * n,), 7.0)  # both halves
         for t in _tensors(template).values():
             t.fill_(7)
         got = load(d.root, step, template)
         for k, t in _tensors(got).items():
-            assert torch.equal(_bits(t), _bits(saved[0][k])), (step, k)
+            assert torch.equal(_bits(t), _bits(whole if k == "opt/part" else saved[0][k])), (step, k)
         assert got["meta"] == {"step": step, "name": f"s{step}", "lrs": [0.1 * step]}, step
         assert got["opt"]["count"] == step * 10
     assert planned == [(1, 1), (1, 1), (0, 0), (0, 0), (1, 1), (1, 1), (0, 0)]
@@ -236,7 +242,7 @@ def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_v
     # ranks, whether rank 1 planned it (8), saved it through its replica-only plan (9) or skipped planning (10)
     for step in (8, 9, 10):
         before = calls[1]
-        extra = {**_nested(step, 7), "only_r1": torch.ones(3)}
+        extra = {**_nested(step, 7, 1), "only_r1": torch.ones(3)}
         handles = [clients[0].save(step, _nested(step, 7)), clients[1].save(step, extra)]
         assert calls[1] - before == (0 if step == 10 else 1)
         for h in handles:

@@ -19,6 +19,12 @@ from ckptd.client.state import Shard, plan_state
 _PLAN = StagePlan([], [], [], 0, None)  # the plan a skeleton names: any plan serves here
 
 
+def _of(state: Any, rank: int = 0) -> Skeleton | None:
+    """The skeleton of ``state`` as a save of it on ``rank`` makes it: with ``plan_state``'s shards and replicas."""
+    planned = plan_state(state, rank)
+    return Skeleton.of(state, _PLAN, planned.shards, planned.replicas)
+
+
 def _state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {
@@ -35,18 +41,18 @@ def _state(seed: int) -> dict[str, Any]:
     }
 
 
-def _check_like_plan_state(sk: Skeleton, state: dict[str, Any]) -> None:
+def _check_like_plan_state(sk: Skeleton, state: dict[str, Any], rank: int = 0) -> None:
     hit = sk.match(state)
     assert hit is not None
     tensors, objects = hit
-    planned = plan_state(state, 0)
+    planned = plan_state(state, rank)
     assert len(tensors) == len(planned.shards)
     assert all(s.data is t for s, t in zip(planned.shards, tensors, strict=True))  # same objects, same order
     assert objects == planned.objects
 
 
 def test_a_dict_of_the_same_shape_gives_what_plan_state_gives() -> None:
-    sk = Skeleton.of(_state(1), _PLAN)
+    sk = _of(_state(1))
     assert sk is not None and sk.plan is _PLAN
     _check_like_plan_state(sk, _state(1))
     _check_like_plan_state(sk, _state(2))  # new tensor objects, new plain values: the same shape
@@ -69,7 +75,7 @@ def test_random_nestings_give_what_plan_state_gives() -> None:
         return out
 
     for seed in range(40):
-        sk = Skeleton.of(tree(0, seed), _PLAN)
+        sk = _of(tree(0, seed))
         assert sk is not None
         _check_like_plan_state(sk, tree(0, seed))
 
@@ -103,7 +109,7 @@ def _changes() -> list[tuple[str, Any]]:
 
 @pytest.mark.parametrize(("what", "changed"), _changes(), ids=[c[0] for c in _changes()])
 def test_any_change_of_shape_is_refused(what: str, changed: dict[str, Any]) -> None:
-    sk = Skeleton.of(_state(3), _PLAN)
+    sk = _of(_state(3))
     assert sk is not None and sk.match(_state(4)) is not None
     assert sk.match(changed) is None, what
 
@@ -111,7 +117,7 @@ def test_any_change_of_shape_is_refused(what: str, changed: dict[str, Any]) -> N
 def test_a_strided_view_of_the_same_dtype_and_shape_is_the_same_shape() -> None:
     """Strides do not change the plan (a copy reads any layout): torch's guard refuses it, the exact
     comparison takes it."""
-    sk = Skeleton.of(_state(3), _PLAN)
+    sk = _of(_state(3))
     assert sk is not None
     s = _state(3)
     s["model"]["w"] = torch.randn(3, 4).t()
@@ -119,28 +125,77 @@ def test_a_strided_view_of_the_same_dtype_and_shape_is_the_same_shape() -> None:
     _check_like_plan_state(sk, _state(5))
 
 
+class _OwnShard(Shard):
+    """A Shard subclass (it may stage itself)."""
+
+
 @pytest.mark.parametrize("leaf", [
-    Shard("x", torch.zeros(2), (4,), (0,)),
+    _OwnShard("x", torch.zeros(2), (4,), (0,)),
     object(),
     {1, 2},
     torch.Size([2]),
-], ids=["shard", "object", "set", "size"])
+], ids=["shard-subclass", "object", "set", "size"])
 def test_dicts_with_leaves_it_does_not_stand_for_have_none(leaf: object) -> None:
-    assert Skeleton.of({"a": torch.zeros(1), "n": {"x": leaf}}, _PLAN) is None
+    state = {"a": torch.zeros(1), "n": {"x": leaf}}
+    assert Skeleton.of(state, _PLAN, [Shard("a", state["a"], (1,), (0,))], []) is None
 
 
 def test_non_string_keys_and_non_dict_states_have_none() -> None:
-    assert Skeleton.of({1: torch.zeros(1)}, _PLAN) is None  # type: ignore[dict-item]
-    assert Skeleton.of({"a": {2: 1}}, _PLAN) is None
-    sk = Skeleton.of({"a": torch.zeros(1)}, _PLAN)
+    t = torch.zeros(1)
+    assert Skeleton.of({1: t}, _PLAN, [Shard("1", t, (1,), (0,))], []) is None  # type: ignore[dict-item]
+    assert Skeleton.of({"a": {2: 1}}, _PLAN, [], []) is None
+    sk = _of({"a": t})
     assert sk is not None
-    assert sk.match([("a", torch.zeros(1))]) is None  # type: ignore[arg-type]
+    assert sk.match([("a", t)]) is None  # type: ignore[arg-type]
 
 
-def test_a_skeleton_keeps_no_tensor_alive() -> None:
-    state = _state(1)
-    ref = weakref.ref(state["model"]["w"])
-    sk = Skeleton.of(state, _PLAN)
+def test_leaves_that_are_not_the_plans_tensors_have_none() -> None:
+    state = {"a": torch.zeros(1), "b": torch.ones(1)}
+    planned = plan_state(state, 0)
+    assert Skeleton.of(state, _PLAN, planned.shards[::-1], []) is None  # another order
+    assert Skeleton.of(state, _PLAN, planned.shards[:1], []) is None  # one missing
+
+
+def _sharded(seed: int, rank: int, offset: int = 0, replica: int = 1) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 3, generator=g)
+    return {
+        "w": Shard("w", w[4 * rank : 4 * rank + 4], (8, 3), (4 * rank + offset, 0)),  # this rank's rows
+        "emb": torch.randn(5, generator=g),  # a plain tensor: rank 0 writes it
+        "opt": {"m": Shard("opt/m", torch.randn(2, generator=g), (4,), (2 * rank,), chunk_shape=(2,))},
+        "tied": Shard("tied", torch.randn(3, generator=g), (3,), (0,), replica_id=replica * rank),
+        "step": seed,
+    }
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shard_leaves_give_what_plan_state_gives_on_each_rank(rank: int) -> None:
+    sk = _of(_sharded(1, rank), rank)
+    assert sk is not None
+    _check_like_plan_state(sk, _sharded(1, rank), rank)
+    _check_like_plan_state(sk, _sharded(2, rank), rank)  # new Shard objects, new values
+
+
+@pytest.mark.parametrize(("what", "changed"), [
+    ("global offset", _sharded(3, 1, offset=-2)),
+    ("replica id", _sharded(3, 1, replica=2)),
+    ("key", {**_sharded(3, 1), "w": Shard("w2", torch.zeros(4, 3), (8, 3), (4, 0))}),
+    ("global shape", {**_sharded(3, 1), "w": Shard("w", torch.zeros(4, 3), (12, 3), (4, 0))}),
+    ("chunk grid", {**_sharded(3, 1), "opt": {"m": Shard("opt/m", torch.zeros(2), (4,), (2,))}}),
+    ("data dtype", {**_sharded(3, 1), "w": Shard("w", torch.zeros(4, 3).double(), (8, 3), (4, 0))}),
+    ("became a tensor", {**_sharded(3, 1), "tied": torch.zeros(3)}),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_any_change_of_a_shard_leaf_is_refused(what: str, changed: dict[str, Any]) -> None:
+    sk = _of(_sharded(3, 1), 1)
+    assert sk is not None and sk.match(_sharded(4, 1)) is not None
+    assert sk.match(changed) is None, what
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_skeleton_keeps_no_tensor_alive(sharded: bool) -> None:
+    state = _sharded(1, 1) if sharded else _state(1)
+    ref = weakref.ref(state["w"].data if sharded else state["model"]["w"])
+    sk = _of(state, 1 if sharded else 0)
     assert sk is not None
     del state
     gc.collect()

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from ckptd.client.guard import same_objects
 from ckptd.client.plan import StagePlan, build_stage_plan
 from ckptd.client.skeleton import Skeleton
 from ckptd.client.state import Plan, Shard, plan_state
@@ -87,7 +86,6 @@ class RepeatedPlans:
         self._cache = PlanCache()
         self._last: object = None  # the previous save's structure, while it has no plan
         self._skeleton: Skeleton | None = None  # the shape of the dict the cached plan was last used for
-        self._main = True  # whether that dict's tensors are this rank's to write (else non-main replicas)
 
     def plan_for(self, plan: Plan) -> StagePlan | None:
         """The plan to stage ``plan``'s shards through, or None for the per-shard path; its non-main
@@ -115,24 +113,12 @@ class RepeatedPlans:
         if sk is None or self._cache.last(_KEY) is not sk.plan:
             return None
         hit = sk.match(state)
-        if hit is None:
-            return None
-        tensors, objects = hit
-        return sk.plan, tensors if self._main else [], objects  # a non-main replica is staged by nobody
+        return None if hit is None else (sk.plan, *hit)
 
     def remember(self, state: Mapping[str, Any], plan: Plan, staged: StagePlan) -> None:
-        """Keep the shape of ``state``, planned as ``plan`` and staged through ``staged``: when its tensors are,
-        in order, the plan's shards (rank 0's plain tensors) or all its non-main replicas (another rank's),
-        later dicts of that shape skip the planning."""
-        sk = Skeleton.of(state, staged)
-        hit = None if sk is None else sk.match(state)
-        self._skeleton = None
-        if hit is None:
-            return
-        for main, shards, others in ((True, plan.shards, plan.replicas), (False, plan.replicas, plan.shards)):
-            if not others and same_objects([s.data for s in shards], hit[0]):
-                self._skeleton, self._main = sk, main
-                return
+        """Keep the shape of ``state``, planned as ``plan`` and staged through ``staged``: later dicts of that
+        shape skip the planning."""
+        self._skeleton = Skeleton.of(state, staged, plan.shards, plan.replicas)
 
     def route(self, state: Mapping[str, Any], rank: int) -> Route:
         """How ``save(state)`` stages: through a registered plan as (plan, per-save tensors, plain data), else

@@ -12,28 +12,33 @@ another type, a tensor of another dtype, shape or device) is planned from scratc
 
 What a skeleton stands for is kept narrow, so that "same keys, same types" decides the plan: nested dicts
 are ``dict`` or ``OrderedDict``; tensors are exactly ``torch.Tensor`` or ``torch.nn.Parameter`` (a subclass
-may stage itself); plain leaves are of types that carry no attributes a state dict could read as a
-shard (``int``, ``float``, ``bool``, ``str``, ``bytes``, ``None``, ``list``, ``tuple``); the keys are
-strings. A dict with any other leaf (a :class:`~ckptd.client.state.Shard`, a Megatron ``ShardedTensor``)
-has no skeleton and is planned at every save.
+may stage itself) or exactly :class:`~ckptd.client.state.Shard`, whose key, global shape and offset,
+replica id and chunk grid are compared too (one ``attrgetter`` pass); plain leaves are of types that carry
+no attributes a state dict could read as a shard (``int``, ``float``, ``bool``, ``str``, ``bytes``,
+``None``, ``list``, ``tuple``); the keys are strings. A dict with any other leaf (a Megatron
+``ShardedTensor``, a ``Shard`` subclass) has no skeleton and is planned at every save. Which leaves the rank
+writes and which it holds as non-main replicas is read off the plan the skeleton was made with.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ckptd.client.guard import ShapeGuard
 from ckptd.client.plan import Checked, StagePlan
-from ckptd.client.state import set_path
+from ckptd.client.state import Shard, set_path
 
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, Shard})  # what a run of values may hold
 _NESTED = frozenset({dict, OrderedDict})
 _PLAIN = frozenset({int, float, bool, str, bytes, type(None), list, tuple})
 _RUN, _SUB, _LEAF = 0, 1, 2  # a slice of tensor values; a nested dict; a plain leaf
+_META = operator.attrgetter("key", "global_shape", "global_offset", "replica_id", "chunk_shape")
+_DATA = operator.attrgetter("data")
 
 
 class _Level(NamedTuple):
@@ -96,32 +101,75 @@ def _take(level: _Level, state: Mapping[str, Any], tensors: list[torch.Tensor], 
 class Skeleton:
     """The shape of a state dict that has a plan, and that plan."""
 
-    __slots__ = ("_guard", "_root", "plan")
+    __slots__ = ("_guard", "_main", "_metas", "_root", "_shards", "plan")
 
-    def __init__(self, root: _Level, tensors: list[torch.Tensor], plan: StagePlan) -> None:
+    def __init__(self, root: _Level, leaves: list[Any], main: list[int] | None, plan: StagePlan) -> None:
         self._root = root
-        self._guard = ShapeGuard(tensors)
+        self._shards = [i for i, leaf in enumerate(leaves) if type(leaf) is Shard]  # where the Shard leaves are
+        self._metas = list(map(_META, map(leaves.__getitem__, self._shards)))
+        self._guard = ShapeGuard(self._data(leaves, list(map(leaves.__getitem__, self._shards))))
+        self._main = main  # where the leaves this rank writes are, in plan order; None: all of them
         self.plan = plan
 
     @classmethod
-    def of(cls, state: Mapping[str, Any], plan: StagePlan) -> Skeleton | None:
-        """The skeleton of ``state`` (planned as ``plan``), or None when ``state`` has leaves it does not stand
-        for (module docstring)."""
+    def of(
+        cls, state: Mapping[str, Any], plan: StagePlan, shards: Sequence[Shard], replicas: Sequence[Shard]
+    ) -> Skeleton | None:
+        """The skeleton of ``state``, planned as ``shards`` (this rank writes them) and ``replicas`` (it holds
+        them as non-main replicas), staged through ``plan``; None when ``state`` has leaves it does not stand
+        for (module docstring) or its leaves' tensors are not those, in order."""
         if type(state) not in _NESTED:
             return None
         root = _level(state, "")
         if root is None:
             return None
-        tensors: list[torch.Tensor] = []
-        _take(root, state, tensors, {})
-        return cls(root, tensors, plan)
+        leaves: list[Any] = []
+        _take(root, state, leaves, {})
+        main = _split([leaf.data if type(leaf) is Shard else leaf for leaf in leaves], shards, replicas)
+        if main is None:
+            return None
+        return cls(root, leaves, None if len(main) == len(leaves) else main, plan)
+
+    def _data(self, leaves: list[Any], shards: list[Shard]) -> list[torch.Tensor]:
+        """The leaves' tensors: Shard leaves' data, the others as they are."""
+        if not shards:
+            return leaves
+        if len(shards) == len(leaves):
+            return list(map(_DATA, shards))
+        data = list(leaves)
+        for i, shard in zip(self._shards, shards, strict=True):
+            data[i] = shard.data
+        return data
 
     def match(self, state: Mapping[str, Any]) -> tuple[list[torch.Tensor], dict[str, Any]] | None:
-        """``state``'s tensors (in plan order; :class:`~ckptd.client.plan.Checked`: the plan need not compare
-        them again) and plain-data tree when it is shaped as the skeleton's dict, else None."""
-        tensors: list[torch.Tensor] = Checked()
+        """The tensors this rank writes (in plan order; :class:`~ckptd.client.plan.Checked`: the plan need
+        not compare them again) and the plain-data tree, when ``state`` is shaped as the skeleton's dict;
+        else None."""
+        leaves: list[Any] = []
         objects: dict[str, Any] = {}
-        if type(state) not in _NESTED or not _take(self._root, state, tensors, objects):
+        if type(state) not in _NESTED or not _take(self._root, state, leaves, objects):
             return None
-        return (tensors, objects) if self._guard.matches(tensors) else None
+        shards = list(map(leaves.__getitem__, self._shards))
+        if shards and list(map(_META, shards)) != self._metas:
+            return None
+        data = self._data(leaves, shards)
+        if not self._guard.matches(data):
+            return None
+        return Checked(data if self._main is None else map(data.__getitem__, self._main)), objects
 
+
+def _split(data: list[torch.Tensor], shards: Sequence[Shard], replicas: Sequence[Shard]) -> list[int] | None:
+    """Where ``shards``' tensors are in ``data`` (in order), the rest being ``replicas``' in order; None
+    when ``data`` is not that. (One tensor both written and held as a replica may be matched either way
+    round: the lists it gives are the same.)"""
+    main: list[int] = []
+    si = ri = 0
+    for i, d in enumerate(data):
+        if si < len(shards) and shards[si].data is d:
+            main.append(i)
+            si += 1
+        elif ri < len(replicas) and replicas[ri].data is d:
+            ri += 1
+        else:
+            return None
+    return main if si == len(shards) and ri == len(replicas) else None
