@@ -2,8 +2,9 @@
 
 One rank (gloo, world 1) beside a ``ckptd serve`` daemon whose root and arena are in a temp dir, saving a flat
 state dict of ``n`` bf16 tensors (a model's ``state_dict()`` as FSDP-style trainers hand it over): 1,000 x
-256 KiB and 10,000 x 32 KiB (smoke: 200 x 4 KiB). The modes take turns, each save waited on until committed
-before the next:
+256 KiB and 10,000 x 32 KiB; and 10,000 x 32 KiB as ``Shard`` leaves (``leaves: "shards"``: a rank's parts of
+sharded tensors, the same ``Shard`` objects each save) (smoke: 200 x 4 KiB, both kinds). The modes take turns,
+each save waited on until committed before the next:
 
 - ``ckptd``: ``CheckpointClient.save`` as it is: from the third save on the dict is recognised as shaped like
   the one its plan was made from (:mod:`ckptd.client.skeleton`) and staged through that plan;
@@ -33,19 +34,25 @@ from bench_load import raw_readers
 
 from ckptd.testing.launch import DaemonProcess, run_ranks
 
-FULL = [(1_000, 128 << 10), (10_000, 16 << 10)]  # (tensors, bf16 elements each)
-SMOKE = [(200, 2 << 10)]
+FULL = [(1_000, 128 << 10, "tensors"), (10_000, 16 << 10, "tensors"), (10_000, 16 << 10, "shards")]  # (leaves,
+# bf16 elements each, what a leaf is)
+SMOKE = [(200, 2 << 10, "tensors"), (200, 2 << 10, "shards")]
 
 
-def _rank(rank: int, world: int, sock: str, root: str, n: int, elems: int, repeats: int) -> dict[str, list[float]]:
+def _rank(
+    rank: int, world: int, sock: str, root: str, n: int, elems: int, kind: str, repeats: int
+) -> dict[str, list[float]]:
     import torch
 
-    from ckptd.client import CheckpointClient, Placement
+    from ckptd.client import CheckpointClient, Placement, Shard
     from ckptd.client.reader import load
 
     client = CheckpointClient(sock, placement=Placement(0, 1, 1, 0), timeout_s=600)
     g = torch.Generator().manual_seed(0)
-    state = {f"layers.{i}.weight": torch.randn(elems, generator=g).to(torch.bfloat16) for i in range(n)}
+    tensors = {f"layers.{i}.weight": torch.randn(elems, generator=g).to(torch.bfloat16) for i in range(n)}
+    state: dict[str, Any] = dict(tensors)
+    if kind == "shards":
+        state = {k: Shard(k, t, (elems,), (0,)) for k, t in tensors.items()}
     flat = torch.empty(n * elems, dtype=torch.bfloat16).fill_(1)  # pre-faulted
     repeats_of = client._repeats
     match, remember = repeats_of.match, repeats_of.remember
@@ -58,7 +65,7 @@ def _rank(rank: int, world: int, sock: str, root: str, n: int, elems: int, repea
         for mode in out:
             if mode == "memcpy":
                 t0 = time.perf_counter()
-                torch.cat(list(state.values()), out=flat)
+                torch.cat(list(tensors.values()), out=flat)
                 out[mode].append(time.perf_counter() - t0)
                 continue
             off = mode == "planned"
@@ -69,10 +76,10 @@ def _rank(rank: int, world: int, sock: str, root: str, n: int, elems: int, repea
             out[mode].append(handle.stall_s)
             handle.wait(600)
         if i < repeats - 1:  # the newest step keeps the values the load is checked against
-            for t in state.values():
+            for t in tensors.values():
                 t.add_(1)
     client.close()
-    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    into = {k: torch.zeros_like(v) for k, v in tensors.items()}
     _reused, raw = raw_readers(root, 0, 1, step)
     out["load"], out["raw_place"] = [], []
     for _ in range(repeats):
@@ -82,7 +89,7 @@ def _rank(rank: int, world: int, sock: str, root: str, n: int, elems: int, repea
         t0 = time.perf_counter()
         raw()
         out["raw_place"].append(time.perf_counter() - t0)
-    assert all(torch.equal(into[k], v) for k, v in state.items()), "the load is not the step saved"
+    assert all(torch.equal(into[k], v) for k, v in tensors.items()), "the load is not the step saved"
     return out
 
 
@@ -91,22 +98,22 @@ def bench_plain_many(args: argparse.Namespace, workdir: str) -> list[dict[str, A
 
     rows = []
     repeats = 2 if args.smoke else 7
-    for n, elems in SMOKE if args.smoke else FULL:
+    for n, elems, kind in SMOKE if args.smoke else FULL:
         nbytes = n * elems * 2
-        root = os.path.join(workdir, f"plain-many-{n}")
-        sock = os.path.join(args.sockets, f"pm{n}.sock")
+        root = os.path.join(workdir, f"plain-many-{kind}-{n}")
+        sock = os.path.join(args.sockets, f"pm{kind[0]}{n}.sock")
         arena = f"{4 * nbytes // (1 << 20) + 64}MiB"
         daemon = DaemonProcess(root, sock, "--arena-size", arena, "--keep", "2",
                                log_path=os.path.join(workdir, "plain-many.log")).wait_ready(120)
         try:
             began = time.perf_counter()
-            res = run_ranks(_rank, 1, sock, root, n, elems, repeats, timeout_s=1800)[0]
+            res = run_ranks(_rank, 1, sock, root, n, elems, kind, repeats, timeout_s=1800)[0]
         finally:
             daemon.stop(60)
             shutil.rmtree(root, ignore_errors=True)
         med = {k: statistics.median(v) for k, v in res.items()}
         row = {
-            "bench": "plain_many", "tensors": n, "bytes": nbytes,
+            "bench": "plain_many", "tensors": n, "leaves": kind, "bytes": nbytes,
             **{f"{k}_s": round(v, 5) for k, v in med.items()},
             "ratio_vs_memcpy": round(med["ckptd"] / med["memcpy"], 3),
             "planned_ratio_vs_memcpy": round(med["planned"] / med["memcpy"], 3),
