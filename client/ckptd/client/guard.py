@@ -122,8 +122,10 @@ class ShapeGuard:
 
     __slots__ = ("_getters", "_seen", "_torch_guard")
 
-    def __init__(self, tensors: Sequence[torch.Tensor], getters: tuple[Callable[[Any], Any], ...] = ()) -> None:
-        self._getters = getters or (_DTYPE, _SHAPE, _DEVICE)
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], getters: tuple[Callable[[Any], Any], ...] = (_DTYPE, _SHAPE, _DEVICE)
+    ) -> None:
+        self._getters = getters
         self._torch_guard = _shape_guard(tensors)
         self._seen = [list(map(g, tensors)) for g in self._getters]
 

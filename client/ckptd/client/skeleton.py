@@ -108,8 +108,9 @@ class Skeleton:
     def __init__(self, root: _Level, leaves: list[Any], main: list[int] | None, plan: StagePlan) -> None:
         self._root = root
         self._shards = [i for i, leaf in enumerate(leaves) if type(leaf) is Shard]  # where the Shard leaves are
-        self._metas = list(map(_META, map(leaves.__getitem__, self._shards)))
-        self._guard = ShapeGuard(self._data(leaves, list(map(leaves.__getitem__, self._shards))))
+        shards = list(map(leaves.__getitem__, self._shards))
+        self._metas = list(map(_META, shards))
+        self._guard = ShapeGuard(self._data(leaves, shards))
         self._main = main  # where the leaves this rank writes are, in plan order; None: all of them
         self.plan = plan
 
