@@ -11,6 +11,10 @@ shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size
 - ``ckptd``: :func:`ckptd.client.megatron.save_checkpoint` after its first (planning) save, with the CPU
   shim's ``TorchFunctionMode`` taken off around the call (on a GPU there is no shim), median of the
   repeats; ``ckptd_with_shim_s`` is the same save with the shim on, to show the shim's share;
+- ``ckptd_serial``: where the rank has a core to spare (:func:`ckptd.client.staging.spare_core`: at least two
+  cores a rank; the default ``ckptd`` save then copies its static sources on a worker thread while its checks
+  run), the same checked save with that copy made on the caller's thread before the checks, as where no core
+  is spare; NaN where none is (the default is that save already);
 - ``ckptd_constant``: the same save with ``assume_constant_structure=True`` (no per-tensor checks, the
   staging space granted ahead, no wait for the daemon's answer), shim off; ``constant_with_shim_s`` with it on;
 - ``memcpy_cold`` and ``ckptd_constant_cold``: the same copy and the same save under the promise, each
@@ -28,7 +32,8 @@ Sizes: ``FULL`` by default, ``REDUCED`` with ``CKPTD_BENCH_REDUCED=1``, or any l
 ``CKPTD_BENCH_STALL_SIZES=layers x hidden x heads,...`` (e.g. ``2x256x4,96x32x4``);
 ``CKPTD_BENCH_STALL_ARENA`` sets the daemon's arena (default 256MiB; wider models need more).
 ``CKPTD_BENCH_STALL_MEGATRON=0`` leaves out Megatron's own save (its fields are NaN);
-``CKPTD_BENCH_STALL_REPEATS=N`` times N saves per variant instead of 5.
+``CKPTD_BENCH_STALL_REPEATS=N`` times N saves per variant instead of 5; ``CKPTD_BENCH_STALL_RANKS=N`` runs N
+ranks (TP1 x DPN) instead of 2 (1 on the 2-core machine: a rank with a core to spare).
 """
 
 from __future__ import annotations
@@ -138,6 +143,12 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
         memcpy_cold: list[float] = []
         stall = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, copy=copy, copies=memcpy)
         step += repeats
+        serial: list[float] = []  # the static copy on the caller's thread, before the checks (else not taken)
+        if client._staging.threaded:
+            client._staging.threaded = False
+            serial = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, copy=copy, copies=memcpy)
+            client._staging.threaded = True
+            step += repeats
         with_shim = _timed_saves(client, model, optimizer, step + 1, repeats, shim=True)
         step += repeats
         # the first save under the promise is a checked one that captures what the others read
@@ -156,7 +167,7 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
             "layers": layers, "hidden": hidden, "shards": len(plan.metas), "copies": plan.copies,
             "bytes": plan.nbytes, "first": first, "memcpy": memcpy, "stall": stall, "with_shim": with_shim,
             "constant": constant, "constant_shim": constant_shim, "memcpy_cold": memcpy_cold,
-            "constant_cold": constant_cold,
+            "constant_cold": constant_cold, "serial": serial, "threaded": client._staging.threaded,
             "params": sum(p.numel() for c in model for p in c.parameters()),
         }
         if megatron:
@@ -203,7 +214,7 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
     chosen = os.environ.get("CKPTD_BENCH_STALL_SIZES", "")
     sizes = SMOKE if args.smoke else _parse_sizes(chosen) if chosen else REDUCED if reduced else FULL
     repeats = 2 if args.smoke else int(os.environ.get("CKPTD_BENCH_STALL_REPEATS", "5"))
-    world = 2
+    world = int(os.environ.get("CKPTD_BENCH_STALL_RANKS", "2"))
     root = os.path.join(workdir, "stall-scale")
     sock = os.path.join(args.sockets, "stall-scale.sock")
     arena = os.environ.get("CKPTD_BENCH_STALL_ARENA", "256MiB")  # wider models (chosen sizes) need more
@@ -222,6 +233,7 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
         memcpy = _slowest(results, i, "memcpy")
         shim = _slowest(results, i, "with_shim")
         mega = _slowest(results, i, "megatron") if "megatron" in results[0][i] else float("nan")
+        serial = _slowest(results, i, "serial") if results[0][i]["serial"] else float("nan")
         const = _slowest(results, i, "constant")
         const_shim = _slowest(results, i, "constant_shim")
         memcpy_cold = _slowest(results, i, "memcpy_cold")
@@ -237,6 +249,9 @@ def bench_stall_scale(args: argparse.Namespace, workdir: str) -> list[dict[str, 
             "memcpy_s": round(memcpy, 5),
             "ratio_vs_memcpy": round(stall / memcpy, 3),
             "overhead_us_per_shard": round((stall - memcpy) / shards * 1e6, 2),
+            "static_copy_threaded": all(r[i]["threaded"] for r in results),
+            "ckptd_serial_s": round(serial, 5),
+            "serial_ratio_vs_memcpy": round(serial / memcpy, 3),
             "ckptd_with_shim_s": round(shim, 5),
             "shim_share": round(max(0.0, shim - stall) / shim, 3),
             "ckptd_constant_s": round(const, 5),

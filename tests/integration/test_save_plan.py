@@ -9,7 +9,8 @@ and after every save the live state is scrambled and the step loaded back into i
 main param, optimizer state and param group must equal the state at save time, bit for bit. A stale plan
 would save the old tensor's bytes (or the old dtype) and fail the comparison. Each save after the first
 starts copying the old plan's static sources before its checks (:mod:`ckptd.client.early`): the changes
-throw that copy away, and the test checks they did.
+throw that copy away, and the test checks they did. Rank 0 makes that copy on a worker thread while its checks
+run (as a rank with a core to spare does), rank 1 on its own thread before them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from ckptd.client import CheckpointClient
+from ckptd.client import CheckpointClient, staging
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.client.megatron.staged import cached
 from ckptd.testing.toy_gpt import build_gpt, spawn_with_daemon
@@ -91,6 +92,9 @@ def _params(model: list[torch.nn.Module], suffix: str) -> list[torch.nn.Paramete
 
 def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     client = CheckpointClient(socket)
+    if rank == 0 and not torch.cuda.is_available():  # copies its static sources on a worker thread while its
+        staging.THREADED_STATIC_BYTES = 0  # checks run, as a rank with a core to spare does; rank 1 before them
+        client._staging.threaded = True
     model, optimizer, train_step = build_gpt(**BUILD)
     train_step(0)
     step = 0
@@ -147,12 +151,14 @@ def _changes(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     model, optimizer, train_step = build_gpt(overlap_grad_reduce=True, bucket_size=3000)  # resized buckets
     train_step(0)
     save_and_reload("buckets")
+    worker = client._staging._worker is not None
     client.close()
     out = {tag: (id(plan), pid, len(plan.metas)) for tag, (plan, pid) in plans.items()}
     out["old_plan_keys"] = sorted(m.key for m in old_plan.metas)
     out["new_plan_keys"] = sorted(m.key for m in plans["buckets"][0].metas)
     out["attempts"] = attempts
     out["early"] = early
+    out["worker"] = worker
     return out
 
 
@@ -173,6 +179,7 @@ def test_structure_changes_replan_and_every_save_reloads_bit_exact(tmp_path: Pat
             "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "committed_again": "used",
             "buckets": "",
         }, r["early"]
+    assert [r["worker"] for r in results] == [True, False]  # rank 0's static copies ran beside its checks
     for r in results:
         # unchanged structure: the same plan object, registered once (same id)
         assert r["first"] == r["same"], r

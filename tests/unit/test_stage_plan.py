@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 
+from ckptd.client import staging
 from ckptd.client.plan import Fetch, Piece, StalePlanError, build_stage_plan
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, SaveRequest, decode_request, encode
 from ckptd.client.reuse import PlanCache
+from ckptd.client.staging import StagingArena
 from ckptd.client.state import Shard
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.plans import PlanRegistry, validate_plan
@@ -297,3 +304,87 @@ def test_static_copies_made_ahead_then_the_rest_stage_the_same_bytes_with_the_pa
     plan.stage(rest_only, 0, plan.sources([]), static=False)
     assert torch.equal(_slot(rest_only, 0, plan, 1), opt.state[p]["exp_avg"])
     assert bool((_slot(rest_only, 0, plan, 0)[:100].view(torch.uint8) == 9).all())
+
+
+def _static_plan() -> tuple[Any, torch.Tensor]:
+    """A plan with one static run (two views of one buffer) and one optimizer state looked up per save."""
+    buf = torch.arange(1, 401, dtype=torch.float32)
+    p = torch.nn.Parameter(torch.randn(6))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.randn(6)
+    opt.step()
+    param = _Sliced("param", torch.empty(300), (300,), (0,))
+    object.__setattr__(param, "pieces", [Piece(0, src=buf[0:100]), Piece(400, src=buf[100:300])])
+    state = _Sliced("exp_avg", torch.empty(6), (6,), (0,))
+    object.__setattr__(state, "pieces", [Piece(0, fetch=Fetch(opt, p, "exp_avg"))])
+    plan = build_stage_plan([param, state])
+    want = torch.full((plan.span,), 9, dtype=torch.uint8)
+    plan.stage(want, 0, plan.sources([]))
+    return plan, want
+
+
+def _mapped(tmp_path: Path, nbytes: int, threaded: bool) -> StagingArena:
+    path = tmp_path / "arena"
+    path.write_bytes(b"\x09" * nbytes)
+    arena = StagingArena(threaded=threaded)
+    arena.map(str(path), nbytes)
+    return arena
+
+
+def test_with_a_core_to_spare_the_static_copy_runs_on_a_worker_and_the_save_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(staging, "THREADED_STATIC_BYTES", 0)
+    plan, want = _static_plan()
+    threads: list[str] = []
+    stage_static = plan.stage_static
+
+    def on_which_thread(arena: torch.Tensor, base: int) -> None:
+        time.sleep(0.2)  # still copying when the save's own copy starts: it must wait for this one
+        threads.append(threading.current_thread().name)
+        stage_static(arena, base)
+
+    monkeypatch.setattr(plan, "stage_static", on_which_thread)
+    arena = _mapped(tmp_path, plan.span, threaded=True)
+    arena.stage_static(plan, 0)
+    assert threads == []  # started, not waited for
+    arena.stage_plan(plan, 0, plan.sources([]), static=False)
+    assert threads and threads[0].startswith("ckptd-stage")
+    assert torch.equal(arena._bytes(False), want)  # the static run, the looked-up state, in one span
+    arena.close()
+    # without a core to spare (or below the threshold) the same copy runs on the caller's thread, before
+    serial = _mapped(tmp_path, plan.span, threaded=False)
+    serial.stage_static(plan, 0)
+    assert threads[-1] == threading.current_thread().name
+    serial.stage_plan(plan, 0, plan.sources([]), static=False)
+    assert torch.equal(serial._bytes(False), want)
+    serial.close()
+
+
+def test_a_failed_static_copy_on_the_worker_fails_the_save_or_is_logged_when_its_span_is_given_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(staging, "THREADED_STATIC_BYTES", 0)
+    plan, _ = _static_plan()
+
+    def broken(arena: torch.Tensor, base: int) -> None:
+        raise RuntimeError("source freed")
+
+    monkeypatch.setattr(plan, "stage_static", broken)
+    arena = _mapped(tmp_path, plan.span, threaded=True)
+    arena.stage_static(plan, 0)
+    with pytest.raises(RuntimeError, match="source freed"):  # the save that takes the span over raises it
+        arena.stage_plan(plan, 0, plan.sources([]), static=False)
+    arena.stage_static(plan, 0)
+    with caplog.at_level(logging.WARNING, logger="ckptd.client.staging"):
+        arena.settle()  # a save that gives the span up (its checks failed): waited for, logged, not raised
+    assert "source freed" in caplog.text
+    arena.close()
+
+
+@pytest.mark.parametrize(("cores", "local_ranks", "spare"), [(2, 1, True), (2, 2, False), (16, 8, True), (8, 8, False)])
+def test_a_rank_has_a_core_to_spare_with_two_cores_a_rank(
+    monkeypatch: pytest.MonkeyPatch, cores: int, local_ranks: int, spare: bool
+) -> None:
+    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert staging.spare_core(local_ranks) is spare

@@ -55,7 +55,7 @@ from ckptd.client.protocol import (
     recv_exactly,
 )
 from ckptd.client.reuse import RepeatedPlans, Route
-from ckptd.client.staging import StagingArena
+from ckptd.client.staging import StagingArena, spare_core
 from ckptd.client.state import Plan, Shard, replica_metas
 from ckptd.writer.errors import (
     BackpressureError,
@@ -145,7 +145,7 @@ class CheckpointClient:
         self._root = root
         self.job_id = job_id or job_identity(env)
         self._sock: socket.socket | None = None
-        self._staging = StagingArena()
+        self._staging = StagingArena(threaded=spare_core(self.placement.local_world_size))
         self._welcome: Welcome | None = None
         self._handles: list[SaveHandle] = []
         self._sidecars_sent: set[str] = set()

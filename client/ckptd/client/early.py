@@ -7,7 +7,9 @@ and the re-homed optimizer states, memory the plan itself holds — so their cop
 lease granted with the previous save is there (:meth:`~ckptd.client.pipeline.Pipeline.take`), :func:`begin`
 copies them into it first. On a GPU those D2H transfers are queued (``non_blocking``) and the checks run on
 the CPU while they move; the save then copies only its looked-up sources, waits once, and goes on as usual.
-On a CPU the copy is the same memcpy, made before the checks instead of after.
+On a CPU with a core to spare for the rank (:func:`~ckptd.client.staging.spare_core`: two a rank) the memcpy
+runs on a worker thread meanwhile (torch releases the GIL inside it) and the save waits for it before its own
+copy; without one it is the same memcpy, made before the checks instead of after.
 
 Why this cannot save wrong bytes:
 
@@ -15,8 +17,8 @@ Why this cannot save wrong bytes:
   lease, and the save's request (what the daemon commits) is sent only after the checks passed (before them
   at most the step's announcement, ``PrepareStep``, which carries no data);
 - a check that fails (the save plans again), a looked-up source that no longer matches, or any error before
-  the save took the lease over ends in :meth:`EarlyCopy.abandon`: it waits for the queued transfers, then
-  gives the lease back, so no transfer lands in a span the daemon may grant again;
+  the save took the lease over ends in :meth:`EarlyCopy.abandon`: it waits for the queued transfers (or the
+  worker's copy), then gives the lease back, so no transfer lands in a span the daemon may grant again;
 - the lease belongs to the connection it was granted on: when that connection is gone by the time the save
   uses it, the transfers are waited for and the save leases anew (a reconnect maps the arena again, and
   the mapping waits for queued transfers before it is dropped: :meth:`~ckptd.client.staging.StagingArena.close`).

@@ -161,6 +161,7 @@ class StagePlan:
     _gap_zeros: list[torch.Tensor] = field(default_factory=list)
     registered: tuple[Welcome, int] | None = None  # (the daemon's Welcome, plan id) it is registered under
     cuda: bool = False
+    static_bytes: int = 0  # what the static sources hold (set by compile_copies)
     replicas: list[ReplicaMeta] = field(default_factory=list)  # non-main replica regions, sent on registration
 
     @property
@@ -184,6 +185,7 @@ class StagePlan:
         (~0.1 µs a tensor against ~0.35 µs in ``_foreach_copy_``); the rest stay in the batched copy. On
         a GPU every copy is a D2H transfer into the pinned arena: one ``_foreach_copy_``."""
         static_dst = [d for _, d in self._static]
+        self.static_bytes = sum(t.nbytes for t, _ in self._static)
         looked = [(src, d) for _, src, d in self._fetched] + self._dynamic
         self._dynamic_types = ([d.dtype for d, _ in self._dynamic], [d.shape for d, _ in self._dynamic])
         if self.cuda:

@@ -3,13 +3,21 @@
 The daemon owns the arena file (mode 0600, the job's user only); a client maps it once per connection,
 faults its pages in up front so ``save()`` does not pay for that, and registers it as pinned host memory
 the first time a CUDA tensor is staged, so device-to-host copies land in it directly.
+
+A plan's static sources copied ahead of a save's checks (:mod:`ckptd.client.early`) are, on a GPU, queued
+device-to-host transfers; on a CPU with a core to spare for this rank (:func:`spare_core`) the memcpy runs on
+a worker thread while the checks run on the caller's (torch releases the GIL inside the copy). Either way
+:meth:`StagingArena.settle` waits for it before the span is given back, and the save's own copy waits for
+it before it writes the same span.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,16 +30,32 @@ if TYPE_CHECKING:
     from ckptd.client.state import Shard
 
 _MADV_POPULATE_WRITE = 23
+THREADED_STATIC_BYTES = 4 << 20  # static sources smaller than this are copied on the caller's thread
+
+log = logging.getLogger(__name__)
+
+
+def spare_core(local_world_size: int) -> bool:
+    """Whether each of this node's ranks can have a second core to itself (this process may run on at least
+    two per rank): then a plan's static copy runs beside the save's checks rather than before them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores >= 2 * local_world_size
 
 
 class StagingArena:
     """One mapping of the daemon's arena; :meth:`map` again after a reconnect, :meth:`close` when done."""
 
-    def __init__(self) -> None:
+    def __init__(self, threaded: bool = False) -> None:
         self.mm: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self.pinned = False
         self._queued: torch.cuda.Stream | None = None  # a stream with device copies into the arena not waited for
+        self.threaded = threaded  # copy CPU static sources on a worker thread (:func:`spare_core`)
+        self._worker: ThreadPoolExecutor | None = None
+        self._copying: Future[None] | None = None  # a static copy running on the worker, not waited for
 
     def map(self, path: str, nbytes: int) -> None:
         """Map the arena file at ``path`` (dropping an earlier mapping) and fault its pages in."""
@@ -47,7 +71,10 @@ class StagingArena:
         self.pinned = False
 
     def close(self) -> None:
-        self.settle()  # no queued device copy may land in memory that is unmapped (or mapped anew)
+        self.settle()  # no queued device copy (or worker's copy) may land in memory unmapped (or mapped anew)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         self._tensor = None
         if self.mm is not None:
             with contextlib.suppress(BufferError):  # a view still exported: the GC unmaps it later
@@ -77,21 +104,34 @@ class StagingArena:
     def stage_plan(self, plan: StagePlan, base: int, sources: list[torch.Tensor], static: bool = True) -> None:
         """Copy a registered plan's sources into its span at ``base`` (``static=False``: its static sources
         were copied there already by :meth:`stage_static`)."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.result()  # the static bytes are in place (the zero fills after every copy find them), or its error
         try:
             plan.stage(self._bytes(plan.cuda), base, sources, static)
         finally:
             self._queued = None  # stage() synchronized the stream
 
     def stage_static(self, plan: StagePlan, base: int) -> None:
-        """Start copying a plan's static sources into its span at ``base``; on a GPU not waited for: the
-        :meth:`stage_plan` that follows waits, or :meth:`settle`."""
+        """Start copying a plan's static sources into its span at ``base``; on a GPU (queued transfers) or on
+        the worker thread (:attr:`threaded`, at least :data:`THREADED_STATIC_BYTES` of them) not waited for:
+        the :meth:`stage_plan` that follows waits, or :meth:`settle`."""
         arena = self._bytes(plan.cuda)
+        if self.threaded and not plan.cuda and plan.static_bytes >= THREADED_STATIC_BYTES:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stage")
+            self._copying = self._worker.submit(plan.stage_static, arena, base)
+            return
         plan.stage_static(arena, base)
         if plan.cuda:
             self._queued = torch.cuda.current_stream()
 
     def settle(self) -> None:
-        """Wait for the device copies :meth:`stage_static` queued (before their span is given back)."""
+        """Wait for the copies :meth:`stage_static` started and did not wait for (before their span is given
+        back); a worker's copy that failed is logged (the span is given up anyway)."""
         queued, self._queued = self._queued, None
         if queued is not None:
             queued.synchronize()
+        copying, self._copying = self._copying, None
+        if copying is not None and (err := copying.exception()) is not None:
+            log.warning("a static copy made ahead of a save failed; the save copies again: %r", err)
