@@ -11,8 +11,8 @@ shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size
 - ``ckptd``: :func:`ckptd.client.megatron.save_checkpoint` after its first (planning) save, with the CPU
   shim's ``TorchFunctionMode`` taken off around the call (on a GPU there is no shim), median of the
   repeats; ``ckptd_with_shim_s`` is the same save with the shim on, to show the shim's share;
-- ``ckptd_serial``: where the rank has a core to spare (:func:`ckptd.client.staging.spare_core`: at least two
-  cores a rank; the default ``ckptd`` save then copies its static sources on a worker thread while its checks
+- ``ckptd_serial``: where the rank has a second core to itself (:func:`ckptd.client.staging.spare_core`; the
+  default ``ckptd`` save then copies its static sources on a worker thread while its checks
   run), the same checked save with that copy made on the caller's thread before the checks, as where no core
   is spare; NaN where none is (the default is that save already);
 - ``ckptd_constant``: the same save with ``assume_constant_structure=True`` (no per-tensor checks, the

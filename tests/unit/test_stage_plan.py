@@ -382,9 +382,16 @@ def test_a_failed_static_copy_on_the_worker_fails_the_save_or_is_logged_when_its
     arena.close()
 
 
-@pytest.mark.parametrize(("cores", "local_ranks", "spare"), [(2, 1, True), (2, 2, False), (16, 8, True), (8, 8, False)])
-def test_a_rank_has_a_core_to_spare_with_two_cores_a_rank(
-    monkeypatch: pytest.MonkeyPatch, cores: int, local_ranks: int, spare: bool
+@pytest.mark.parametrize(
+    ("allowed", "node", "local_ranks", "spare"),
+    [
+        (2, 2, 1, True), (2, 2, 2, False), (16, 16, 8, True), (8, 8, 8, False),  # unbound: the node's cores shared
+        (12, 96, 8, True), (1, 96, 8, False), (48, 96, 8, True),  # bound by the launcher: its own cores
+    ],
+)
+def test_a_rank_has_a_core_to_spare_with_two_cores_to_itself(
+    monkeypatch: pytest.MonkeyPatch, allowed: int, node: int, local_ranks: int, spare: bool
 ) -> None:
-    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: set(range(allowed)))
+    monkeypatch.setattr(staging.os, "cpu_count", lambda: node)
     assert staging.spare_core(local_ranks) is spare

@@ -7,7 +7,7 @@ and the re-homed optimizer states, memory the plan itself holds — so their cop
 lease granted with the previous save is there (:meth:`~ckptd.client.pipeline.Pipeline.take`), :func:`begin`
 copies them into it first. On a GPU those D2H transfers are queued (``non_blocking``) and the checks run on
 the CPU while they move; the save then copies only its looked-up sources, waits once, and goes on as usual.
-On a CPU with a core to spare for the rank (:func:`~ckptd.client.staging.spare_core`: two a rank) the memcpy
+On a CPU with a second core for the rank (:func:`~ckptd.client.staging.spare_core`) the memcpy
 runs on a worker thread meanwhile (torch releases the GIL inside it) and the save waits for it before its own
 copy; without one it is the same memcpy, made before the checks instead of after.
 

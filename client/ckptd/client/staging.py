@@ -36,13 +36,15 @@ log = logging.getLogger(__name__)
 
 
 def spare_core(local_world_size: int) -> bool:
-    """Whether each of this node's ranks can have a second core to itself (this process may run on at least
-    two per rank): then a plan's static copy runs beside the save's checks rather than before them."""
+    """Whether this rank has a second core to itself: then a plan's static copy runs beside the save's checks
+    rather than before them. A process bound to some of the node's cores (a launcher's binding) has those;
+    one that may run on all of them shares them with the node's other ranks."""
+    total = os.cpu_count() or 1
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return cores >= 2 * local_world_size
+        cores = total
+    return (cores if cores < total else cores / local_world_size) >= 2
 
 
 class StagingArena:
