@@ -14,7 +14,7 @@ shards per rank grow from ~35 to ~10,000 while the bytes stay ~5-15 MB; per size
 - ``ckptd_serial``: where the rank has a second core to itself (:func:`ckptd.client.staging.spare_core`; the
   default ``ckptd`` save then copies its static sources on a worker thread while its checks
   run), the same checked save with that copy made on the caller's thread before the checks, as where no core
-  is spare; NaN where none is (the default is that save already);
+  is spare, taking turns with it; NaN where none is (the default is that save already);
 - ``ckptd_constant``: the same save with ``assume_constant_structure=True`` (no per-tensor checks, the
   staging space granted ahead, no wait for the daemon's answer), shim off; ``constant_with_shim_s`` with it on;
 - ``memcpy_cold`` and ``ckptd_constant_cold``: the same copy and the same save under the promise, each
@@ -141,14 +141,17 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
         copy = functools.partial(dst.copy_, src)
         memcpy: list[float] = []  # the copies taken before the warm saves without shim, checked and promised
         memcpy_cold: list[float] = []
-        stall = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, copy=copy, copies=memcpy)
-        step += repeats
+        threaded = client._staging.threaded
+        stall: list[float] = []
         serial: list[float] = []  # the static copy on the caller's thread, before the checks (else not taken)
-        if client._staging.threaded:
-            client._staging.threaded = False
-            serial = _timed_saves(client, model, optimizer, step + 1, repeats, shim=False, copy=copy, copies=memcpy)
-            client._staging.threaded = True
-            step += repeats
+        for _ in range(repeats):  # taking turns with it
+            stall += _timed_saves(client, model, optimizer, step + 1, 1, shim=False, copy=copy, copies=memcpy)
+            step += 1
+            if threaded:
+                client._staging.threaded = False
+                serial += _timed_saves(client, model, optimizer, step + 1, 1, shim=False, copy=copy, copies=memcpy)
+                client._staging.threaded = True
+                step += 1
         with_shim = _timed_saves(client, model, optimizer, step + 1, repeats, shim=True)
         step += repeats
         # the first save under the promise is a checked one that captures what the others read
@@ -167,7 +170,7 @@ def _rank(rank: int, world: int, socket_path: str, workdir: str, sizes: list[tup
             "layers": layers, "hidden": hidden, "shards": len(plan.metas), "copies": plan.copies,
             "bytes": plan.nbytes, "first": first, "memcpy": memcpy, "stall": stall, "with_shim": with_shim,
             "constant": constant, "constant_shim": constant_shim, "memcpy_cold": memcpy_cold,
-            "constant_cold": constant_cold, "serial": serial, "threaded": client._staging.threaded,
+            "constant_cold": constant_cold, "serial": serial, "threaded": threaded,
             "params": sum(p.numel() for c in model for p in c.parameters()),
         }
         if megatron:
