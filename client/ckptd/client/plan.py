@@ -328,7 +328,8 @@ class StagePlan:
 
     def stage(self, arena: torch.Tensor, base: int, sources: list[torch.Tensor], static: bool = True) -> None:
         """Copy everything into the span at byte ``base`` of ``arena`` (uint8): batched, then one sync.
-        ``static=False``: the static sources were copied already (:meth:`stage_static`, same span)."""
+        ``static=False``: the static sources were copied already (:meth:`stage_static`, same span), and on a
+        CPU the padding zeroed."""
         views = self._dst_views(arena, base)
         try:
             with torch.no_grad():  # sources may require grad (a plain save of params); torch.cat(out=) refuses those
@@ -338,16 +339,22 @@ class StagePlan:
         finally:  # on a failure too: a span given back must not receive a queued device copy afterwards
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
-        if views.zeros:  # after every copy landed (on a GPU too): a static run may cross a gap that is zeroed
+        # after the static copies landed (on a GPU, after the sync): a static run may cross a gap that is zeroed.
+        # The zeroed gaps are padding, never a looked-up source's slot, so the looked-up copies cannot touch them
+        if views.zeros and (static or self.cuda):
             torch._foreach_zero_(views.zeros)
 
     def stage_static(self, arena: torch.Tensor, base: int) -> None:
-        """Copy the static sources (memory the plan holds) into the span at ``base``, ahead of a save's checks;
-        on a GPU the copies are queued and not waited for (the :meth:`stage` that follows with
-        ``static=False`` waits, and so must whoever gives the span up instead: :mod:`ckptd.client.early`)."""
+        """Copy the static sources (memory the plan holds) into the span at ``base``, ahead of a save's checks,
+        and on a CPU zero the padding after them; on a GPU the copies are queued and not waited for (the
+        :meth:`stage` that follows with ``static=False`` waits, then zeroes, and so must whoever gives the span
+        up instead: :mod:`ckptd.client.early`)."""
         try:
             with torch.no_grad():
-                self._copy_static(self._dst_views(arena, base))
+                views = self._dst_views(arena, base)
+                self._copy_static(views)
+                if views.zeros and not self.cuda:
+                    torch._foreach_zero_(views.zeros)
         except BaseException:
             if self.cuda:
                 torch.cuda.current_stream().synchronize()

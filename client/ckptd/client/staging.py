@@ -17,6 +17,7 @@ import contextlib
 import logging
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -122,7 +123,16 @@ class StagingArena:
         if self.threaded and not plan.cuda and plan.static_bytes >= THREADED_STATIC_BYTES:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stage")
-            self._copying = self._worker.submit(plan.stage_static, arena, base)
+            started = threading.Event()
+
+            def copy() -> None:
+                started.set()
+                plan.stage_static(arena, base)
+
+            self._copying = self._worker.submit(copy)
+            # the checks that follow hold the GIL for milliseconds at a time (C-level maps): let the worker
+            # reach the copy, where torch releases it, before they start
+            started.wait()
             return
         plan.stage_static(arena, base)
         if plan.cuda:
