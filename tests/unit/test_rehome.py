@@ -116,3 +116,28 @@ def test_a_held_flat_state_is_one_copy_and_a_replaced_state_is_refused() -> None
     opt.load_state_dict(opt.state_dict())  # every state tensor replaced
     with pytest.raises(StalePlanError):
         plan.sources([])
+
+
+@pytest.mark.parametrize("change", ["replaced", "data_elsewhere", "set_elsewhere", "deleted"])
+def test_a_held_state_changed_in_any_way_is_refused_before_the_copy(change: str) -> None:
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    opt = torch.optim.Adam(ps)
+    _train(opt, ps, 0)
+    exp_avg = _rehome(opt, _owned(opt, ps))[0]
+    shard = Shard("exp_avg", exp_avg, (exp_avg.numel(),), (0,))
+    held = tuple(Fetch(opt, p, "exp_avg") for p in ps)
+    object.__setattr__(shard, "stage_pieces", lambda: [Piece(0, src=exp_avg, held=held)])
+    plan = build_stage_plan([shard])
+    plan.sources([])  # as planned
+    state = opt.state[ps[1]]
+    with torch.no_grad():
+        if change == "replaced":  # another tensor: the optimizer updates it, the plan would stage the old one
+            state["exp_avg"] = state["exp_avg"].clone()
+        elif change == "data_elsewhere":  # the plan's own view, its memory swapped under it
+            state["exp_avg"].data = state["exp_avg"].data.clone()
+        elif change == "set_elsewhere":
+            state["exp_avg"].set_(torch.zeros_like(state["exp_avg"]))
+        else:
+            del state["exp_avg"]
+    with pytest.raises(StalePlanError):
+        plan.sources([])

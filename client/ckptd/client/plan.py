@@ -4,20 +4,18 @@ A :class:`StagePlan` is built from a rank's shards when their structure is new a
 
 - the shard metas and a slot layout inside one contiguous span (registered with the daemon once, then
   named by id: the daemon validates the metas once, the socket carries no per-shard data per save);
-- a copy program: static sources (views of live memory whose address the caller's guard checks)
-  merged into one byte copy per run that is contiguous in the source — the layout mirrors the source's
-  gaps so a run lands in one piece — plus sources looked up at each save (optimizer states, replaced by
-  ``load_state_dict``; RNG states) and gaps to zero; on CPU, runs of 1-D sources into slots that lie
-  back to back (or apart by padding that is zeroed anyway) are one ``torch.cat`` each
+- a copy program: static sources (views of live memory whose address the caller's guard checks) merged
+  into one byte copy per run contiguous in the source (the layout mirrors the source's gaps), sources looked
+  up at each save (optimizer states, replaced by ``load_state_dict``; RNG states) and gaps to zero; on CPU,
+  runs of 1-D sources into slots back to back (or apart by zeroed padding) are one ``torch.cat`` each
   (:mod:`ckptd.client.copyruns`);
-- destination views into the mapped arena, prebuilt per span base the daemon grants (a few bases
-  alternate), so a save is a few concatenations, one batched ``_foreach_copy_`` and one stream sync.
+- destination views into the mapped arena, prebuilt per span base the daemon grants (a few alternate): a
+  save is a few concatenations, one batched ``_foreach_copy_`` and one stream sync.
 
-What keeps a reused plan honest is the caller's guard (:mod:`ckptd.client.guard`: every static source's
-param still the same tensor with the same address, dtype, storage, sizes and strides; a param group's
-structure), checked on every save; sources looked up at save time are checked against the plan's dtype and
-element count before the lease, and a copy that no longer fits its slot raises (:class:`StalePlanError`:
-the caller plans again).
+What keeps a reused plan honest is the caller's guard (:mod:`ckptd.client.guard`: every static source's param
+the same tensor with the same address, dtype, storage, sizes and strides; a param group's structure), checked
+on every save; sources looked up at save time are checked against the plan before the lease, and a copy that
+no longer fits its slot raises (:class:`StalePlanError`: the caller plans again).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import torch
 
 from ckptd.client.copyruns import MAX_GAP, Gaps, cat_runs, numel, uncovered
 from ckptd.client.copyruns import Dst as _Dst
-from ckptd.client.guard import StateIndex
+from ckptd.client.guard import StateIndex, same_objects
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ReplicaMeta, ShardMeta, Welcome
 from ckptd.client.state import Shard, dtype_name, replica_metas
 from ckptd.writer.errors import CkptdError
@@ -84,6 +82,7 @@ class _Column(NamedTuple):
     dtypes: list[torch.dtype]
     numels: list[int]
     ptrs: list[int] | None = None  # held (checked at these addresses, not copied: a static source stages them)
+    held: list[torch.Tensor] | None = None  # held: the plan's views, which the state must still be
 
 
 class _Views(NamedTuple):
@@ -246,25 +245,26 @@ class StagePlan:
 
         Per optimizer its params' state dicts (by position while ``state``'s keys stay as they were:
         :class:`~ckptd.client.guard.StateIndex`), then per state name one ``map`` over C getters (the
-        tensor, its dtype, its element count): ~0.8-1 µs a source in a trained process (6.4-8.4 ms for
-        8,408 on one rank of the 2-core machine; twice that with both ranks at once). The element count,
+        tensor, its dtype, its element count: ~0.8-1 µs a source in a trained process). The element count,
         not the shape: a copy of the same count either moves the same elements or raises (broadcasting
         cannot fill a slot from fewer elements), and a changed param shape is the caller's guard's to
-        catch."""
+        catch. A held state (re-homed: a static source stages it) must still be the plan's own view at its
+        address (cast or resized in place, the optimizer's step could not run on it)."""
         out: list[torch.Tensor] = []
         for owner, keys, columns, index in self._groups or ():
             dicts: list[Any] = index.lookup(owner.state, keys)
             for col in columns:
                 try:
                     got = list(map(operator.itemgetter(col.name), map(dicts.__getitem__, col.rows)))
-                    ok = list(map(_DTYPE, got)) == col.dtypes and list(map(torch.Tensor.numel, got)) == col.numels
-                    if ok and col.ptrs is not None:  # held: still the views the static source stages
-                        ok = list(map(torch.Tensor.data_ptr, got)) == col.ptrs
+                    if col.held is not None:
+                        ok = same_objects(got, col.held) and list(map(torch.Tensor.data_ptr, got)) == col.ptrs
+                    else:
+                        ok = list(map(_DTYPE, got)) == col.dtypes and list(map(torch.Tensor.numel, got)) == col.numels
                 except (KeyError, TypeError, AttributeError):  # gone, its param has no state, not a tensor
                     ok = False
                 if not ok:
                     raise StalePlanError(f"optimizer state {col.name!r} changed since the save was planned")
-                if col.ptrs is None:
+                if col.held is None:
                     out += got
         return out
 
@@ -299,7 +299,7 @@ class StagePlan:
                     ts = [t for _, t in hs]
                     columns.append(_Column(
                         name, [index[id(f.key)] for f, _ in hs], list(map(_DTYPE, ts)),
-                        list(map(torch.Tensor.numel, ts)), list(map(torch.Tensor.data_ptr, ts)),
+                        list(map(torch.Tensor.numel, ts)), list(map(torch.Tensor.data_ptr, ts)), ts,
                     ))
             groups.append((owner, keys, columns, StateIndex()))
         self._fetched = fetched

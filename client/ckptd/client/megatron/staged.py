@@ -225,7 +225,15 @@ def _bulk(
     """One scalar state over every param that keeps it, when all are 0-dim tensors of one dtype: one
     ``map`` per check and one ``.tolist()`` of the 1-D tensor they are elements of (checked by address:
     re-homed there, :func:`~ckptd.client.megatron.rehome.home_scalars`, when they are not: a load made
-    fresh ones), else one ``.item()`` each."""
+    fresh ones), else one ``.item()`` each. While every value is still its element of the held tensor (one
+    ``map`` of addresses: nothing else can sit there) nothing more is compared."""
+    held = staged.scalar_flats.get(where)
+    if held is not None:
+        try:
+            if list(map(torch.Tensor.data_ptr, values)) == held[1]:
+                return scalar_spec(held[0].dtype, list(map(_PID, owned)), held[0].tolist())
+        except (AttributeError, TypeError):  # not all tensors
+            return None
     try:
         dtypes = set(map(_DTYPE, values))
         dims = set(map(torch.Tensor.dim, values))
@@ -235,7 +243,6 @@ def _bulk(
     if len(dtypes) != 1 or dims != {0}:
         return None
     dtype = dtypes.pop()
-    held = staged.scalar_flats.get(where)
     if held is None or held[1] != ptrs:  # the held tensor's memory: nothing else can sit at these addresses
         flat = home_scalars([o for _, o in owned], values, where[1])
         held = None if flat is None else (flat, list(map(torch.Tensor.data_ptr, flat.unbind())))
