@@ -75,7 +75,7 @@ _SHAPE = operator.attrgetter("shape")
 
 class _Column(NamedTuple):
     """One state name looked up for several params of one optimizer: ``state[keys[i]][name]`` for each
-    ``i`` in ``rows``, with the dtype and element count planned for each."""
+    ``i`` in ``rows``, with the dtype and element count planned for each, or (held) the plan's own views."""
 
     name: str
     rows: list[int]
@@ -297,10 +297,8 @@ class StagePlan:
             for (o, name), hs in held.items():
                 if o == oid:
                     ts = [t for _, t in hs]
-                    columns.append(_Column(
-                        name, [index[id(f.key)] for f, _ in hs], list(map(_DTYPE, ts)),
-                        list(map(torch.Tensor.numel, ts)), list(map(torch.Tensor.data_ptr, ts)), ts,
-                    ))
+                    rows = [index[id(f.key)] for f, _ in hs]
+                    columns.append(_Column(name, rows, [], [], list(map(torch.Tensor.data_ptr, ts)), ts))
             groups.append((owner, keys, columns, StateIndex()))
         self._fetched = fetched
         self._groups = groups

@@ -226,31 +226,23 @@ def _bulk(
     ``map`` per check and one ``.tolist()`` of the 1-D tensor they are elements of (checked by address:
     re-homed there, :func:`~ckptd.client.megatron.rehome.home_scalars`, when they are not: a load made
     fresh ones), else one ``.item()`` each. While every value is still its element of the held tensor (one
-    ``map`` of addresses: nothing else can sit there) nothing more is compared."""
-    held = staged.scalar_flats.get(where)
-    if held is not None:
-        try:
-            if list(map(torch.Tensor.data_ptr, values)) == held[1]:
-                return scalar_spec(held[0].dtype, list(map(_PID, owned)), held[0].tolist())
-        except (AttributeError, TypeError):  # not all tensors
-            return None
+    ``map`` of addresses) nothing more is compared."""
     try:
-        dtypes = set(map(_DTYPE, values))
-        dims = set(map(torch.Tensor.dim, values))
         ptrs = list(map(torch.Tensor.data_ptr, values))
     except (AttributeError, TypeError):  # not all tensors
         return None
-    if len(dtypes) != 1 or dims != {0}:
-        return None
-    dtype = dtypes.pop()
-    if held is None or held[1] != ptrs:  # the held tensor's memory: nothing else can sit at these addresses
+    held = staged.scalar_flats.get(where)
+    if held is None or held[1] != ptrs:  # not each at its element of the held tensor (nothing else can sit there)
+        dtypes = set(map(_DTYPE, values))
+        if len(dtypes) != 1 or set(map(torch.Tensor.dim, values)) != {0}:
+            return None
         flat = home_scalars([o for _, o in owned], values, where[1])
         held = None if flat is None else (flat, list(map(torch.Tensor.data_ptr, flat.unbind())))
         if held is None:
             staged.scalar_flats.pop(where, None)
-            return scalar_spec(dtype, list(map(_PID, owned)), list(map(torch.Tensor.item, values)))
+            return scalar_spec(dtypes.pop(), list(map(_PID, owned)), list(map(torch.Tensor.item, values)))
         staged.scalar_flats[where] = held
-    return scalar_spec(dtype, list(map(_PID, owned)), held[0].tolist())
+    return scalar_spec(held[0].dtype, list(map(_PID, owned)), held[0].tolist())
 
 
 _DTYPE = operator.attrgetter("dtype")
