@@ -98,6 +98,10 @@ def _child(
         if backend == "nccl":  # one GPU a rank, by its local rank
             torch.cuda.set_device(rank % local_world_size)
         dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"file://{store}")
+        # every rank's side of the mesh connected before any rank goes on: a rank whose fn returns at once
+        # would otherwise tear its connections down under a peer still connecting (gloo: "Connection closed
+        # by peer" in that peer's init_process_group, which then hides the peer's own result or error)
+        dist.barrier()
         result = fn(rank, world_size, *args)
         # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory file
         # descriptors, which the parent can no longer fetch once this process has exited
