@@ -109,7 +109,7 @@ class StagingArena:
         were copied there already by :meth:`stage_static`)."""
         copying, self._copying = self._copying, None
         if copying is not None:
-            copying.result()  # the static bytes are in place (the zero fills after every copy find them), or its error
+            copying.result()  # the static bytes (their padding zeroed) are in place, or its error is raised
         try:
             plan.stage(self._bytes(plan.cuda), base, sources, static)
         finally:
@@ -146,4 +146,4 @@ class StagingArena:
             queued.synchronize()
         copying, self._copying = self._copying, None
         if copying is not None and (err := copying.exception()) is not None:
-            log.warning("a static copy made ahead of a save failed; the save copies again: %r", err)
+            log.warning("a static copy made ahead of a save failed (its span is given up): %r", err)
