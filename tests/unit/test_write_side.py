@@ -1,6 +1,7 @@
 """The daemon's write side where a failure meets a save: a save refused because its step failed meanwhile
 gives its staging space back; retention never removes a step the daemon is still writing (steps may commit
-out of order); a commit makes its metadata durable before the marker."""
+out of order); a commit makes its metadata durable before the marker; an attempt given up ends without holding
+up other steps' saves."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.client.protocol import PROTOCOL_VERSION, SaveRequest, ShardMeta
+from ckptd.client.protocol import PROTOCOL_VERSION, PrepareStep, SaveRequest, ShardMeta, StepState
 from ckptd.daemon.arena import Arena
 from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.job import StepJob
 from ckptd.daemon.service import CheckpointService
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink
@@ -111,3 +113,50 @@ def test_a_commit_makes_its_metadata_durable_before_the_marker(
 
     asyncio.run(go())
     assert order == ["sync", "marker"]
+
+
+def test_an_attempt_given_up_ends_outside_the_job_lock(tmp_path: Path) -> None:
+    """Restarted ranks give an unfinished attempt at step 3 up while its failure note is slow to write (a
+    storage call in retry backoff): another step's saves go on meanwhile (the job lock is not held), and the
+    new attempt at step 3 starts only once the note is written."""
+    (tmp_path / "shm").mkdir()
+    events: list[str] = []
+
+    def prep(step: int, rank: int, attempt: str) -> PrepareStep:
+        return PrepareStep(v=PROTOCOL_VERSION, step=step, rank=rank, world_size=2, node=0, num_nodes=1,
+                           local_world_size=2, attempt=attempt)
+
+    async def go() -> StepJob:
+        cfg = DaemonConfig(root=str(tmp_path / "root"), socket=str(tmp_path / "s.sock"), arena_size=1 << 20,
+                           retain=False)
+        arena = Arena(cfg.arena_size, shm_dir=str(tmp_path / "shm"), prefault=False)
+        try:
+            svc = CheckpointService(cfg, arena, await open_backend(cfg.root, None, create=True))
+            mark_failed = svc.root.mark_failed
+
+            async def slow_note(step: int, error: BaseException, **kw: object) -> None:
+                events.append("note started")
+                await asyncio.sleep(0.5)
+                await mark_failed(step, error, **kw)
+                events.append("note written")
+
+            svc.root.mark_failed = slow_note  # type: ignore[method-assign]
+            await svc.prepare(prep(3, 0, "runA.1"))  # run A's rank 1 never saves step 3
+            old = svc.jobs[3]
+
+            async def prepared(step: int, rank: int) -> None:
+                await svc.prepare(prep(step, rank, "runB.1"))
+                events.append(f"step {step} rank {rank} prepared")
+
+            new = asyncio.create_task(prepared(3, 1))
+            await asyncio.sleep(0.1)  # the give-up's note is being written
+            await asyncio.wait_for(prepared(4, 0), 0.3)  # not behind the note
+            await new
+            assert old.state is StepState.FAILED and old.superseded
+            return svc.jobs[3]
+        finally:
+            arena.close()
+
+    job = asyncio.run(go())
+    assert events == ["note started", "step 4 rank 0 prepared", "note written", "step 3 rank 1 prepared"]
+    assert job.attempt == "runB.1" and job.state is StepState.PENDING

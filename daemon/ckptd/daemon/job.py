@@ -88,6 +88,7 @@ class StepJob:
         self.attempt = attempt  # the ranks' attempt token (client/attempts.py); "" when unknown
         self.superseded = False  # given up for a newer attempt of the same step by restarted ranks
         self.earlier: StepJob | None = None  # the attempt at the step this one replaced (failed)
+        self.ending: asyncio.Task[None] | None = None  # given up: its writes ending, its note being written
         # timing
         self.started = time.monotonic()
         self.started_wall = time.time()

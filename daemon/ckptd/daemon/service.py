@@ -58,9 +58,9 @@ KEEP_FINISHED_JOBS = 64
 CLOCK_SKEW_S = 5.0  # failure notes older than a step's start (less this) are an earlier attempt's
 SUPERSEDE_WAIT_S = 20.0  # a new attempt's rank waits this long for its node's earlier attempt to end
 
-
+Task = asyncio.Task[None]
 # Starts a background task of the service (the server passes its task group's); the name is for logs.
-Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
+Spawn = Callable[[Coroutine[Any, Any, None], str], Task]
 
 
 class CheckpointService:
@@ -172,14 +172,18 @@ class CheckpointService:
 
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
         waited = False
-        while (job := await self._job_locked(req, since, waited)) is None:
+        while not isinstance(job := await self._job_locked(req, since, waited), StepJob):
+            if job is not None:  # an attempt given up: its writes end, its note is written (outside the lock)
+                await asyncio.wait({job})
+                continue
             waited = True  # another attempt, all its ranks saved, may still commit: wait a while, outside the lock
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.jobs[req.step].finished.wait(), SUPERSEDE_WAIT_S)
         return job
 
-    async def _job_locked(self, req: SaveRequest | PrepareStep, since: float, waited: bool) -> StepJob | None:
-        """:meth:`_job_for` under the lock; None: another attempt in flight, all its ranks saved, not waited for."""
+    async def _job_locked(self, req: SaveRequest | PrepareStep, since: float, waited: bool) -> StepJob | Task | None:
+        """:meth:`_job_for` under the lock. None: another attempt in flight, all its ranks saved, not waited
+        for; a task: an attempt at the step given up, still ending (the new one starts once it ended)."""
         async with self._job_lock:
             job = self.jobs.get(req.step)
             if job is not None and job.state is StepState.COMMITTED:
@@ -189,7 +193,9 @@ class CheckpointService:
                     if not waited:
                         return None
                     raise self._busy(job, req)
-                await self._give_up(job, req)  # under the lock: the new attempt starts once its writes ended
+                self._give_up(job, req)
+            if job is not None and job.ending is not None and not job.ending.done():
+                return job.ending
             if (job is not None and job.state is StepState.FAILED and job.error is not None
                     and req.rank not in job.saves and req.rank not in job.told and _late(job, req, since)):
                 # A new attempt would wait for ranks that already heard of the failure (until --part-timeout)
@@ -226,13 +232,15 @@ class CheckpointService:
                 )
             return job
 
-    async def _give_up(self, job: StepJob, req: SaveRequest | PrepareStep) -> None:
+    def _give_up(self, job: StepJob, req: SaveRequest | PrepareStep) -> None:
         """A rank saves ``job``'s step in another attempt than ``job``'s while ``job`` still waits for ranks
         of its own: its processes were restarted, or the save is retried, so the missing ranks will never
-        save into it. It fails at once (not after ``--part-timeout``); its writes in flight are cancelled
-        and end before the new attempt writes the same keys; a note tells the other nodes' daemons, still
-        in that attempt, to stop waiting for it. (An attempt whose ranks all saved may still commit: the
-        rank waits up to :data:`SUPERSEDE_WAIT_S` for it, then gets :meth:`_busy`'s error.)"""
+        save into it. It fails at once (not after ``--part-timeout``); its writes in flight are cancelled;
+        a note tells the other nodes' daemons, still in that attempt, to stop waiting for it. Both end in
+        ``job.ending``, outside the job lock (a write stuck in a storage call, a note in retry backoff
+        delays no other step's saves); the new attempt starts, writing the same keys, once it ended. (An
+        attempt whose ranks all saved may still commit: the rank waits up to :data:`SUPERSEDE_WAIT_S` for
+        it, then gets :meth:`_busy`'s error.)"""
         err = StepFailedError(
             f"step {job.step} node {job.node}: attempt {job.attempt} given up: rank {req.rank} started "
             f"attempt {req.attempt} of the step while {job.missing_ranks} of its ranks had not saved"
@@ -242,6 +250,9 @@ class CheckpointService:
             return
         for task in job.tasks.values():
             task.cancel()
+        job.ending = self._spawn(self._end_given_up(job, err), f"give up step={job.step}")
+
+    async def _end_given_up(self, job: StepJob, err: StepFailedError) -> None:
         await asyncio.gather(*job.tasks.values(), return_exceptions=True)
         self.retention.step_failed(job.step)
         await self._note_failure(job, err, superseded=True)
