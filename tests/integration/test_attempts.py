@@ -22,7 +22,7 @@ from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreRequest
 from ckptd.client.reader import load
 from ckptd.testing.fixtures import wait_for
 from ckptd.testing.launch import run_ranks
-from ckptd.writer.errors import SaveTimeoutError, StepFailedError
+from ckptd.writer.errors import DuplicateSaveError, SaveTimeoutError, StepFailedError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -164,3 +164,24 @@ def test_a_restarted_gloo_job_names_its_attempt_through_the_process_group(start_
     got = _loaded(root, 2, [0, 1])
     for r in (0, 1):
         assert torch.equal(got[f"r{r}/w"], _state("B", r)[f"r{r}/w"].data), f"rank {r}: not run B's bytes"
+
+
+def test_a_second_save_call_of_a_step_in_flight_is_refused(start_daemon, tmp_path, monkeypatch):
+    """Rank 0 calls save(5) again while its first save of step 5 waits for rank 1: refused with
+    DuplicateSaveError before anything is sent (as a new attempt it would give up the one rank 1 joins);
+    the first save then commits with rank 1's, from the first call's bytes. (After a failed save, calling
+    save again is a retry: the test above.)"""
+    root = tmp_path / "ckpt"
+    d = start_daemon(str(root), "d0", "--stage-grace", "0", arena="64MiB")
+    ranks = {r: _client(monkeypatch, "runD", d.socket, Placement(r, 2, 2, 0)) for r in (0, 1)}
+    first = ranks[0].save(5, _state("D1", 0))
+    with pytest.raises(DuplicateSaveError, match=r"step 5 is already being saved by this process \(attempt runD\.1"):
+        ranks[0].save(5, _state("D2", 0))
+    second = ranks[1].save(5, _state("D1", 1))
+    assert first.wait(60).state is StepState.COMMITTED and second.wait(60).state is StepState.COMMITTED
+    assert _part(root, 5, 0)["attempt"] == "runD.1"
+    got = _loaded(root, 5, [0, 1])
+    for r in (0, 1):
+        assert torch.equal(got[f"r{r}/w"], _state("D1", r)[f"r{r}/w"].data)
+    for c in ranks.values():
+        c.close()

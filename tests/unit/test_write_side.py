@@ -6,6 +6,8 @@ up other steps' saves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -23,17 +25,24 @@ from ckptd.writer.commit import CheckpointWriter, plan_retention
 from ckptd.writer.errors import CkptdError, StorageError
 
 
+@contextlib.asynccontextmanager
+async def _service(tmp_path: Path) -> AsyncIterator[tuple[CheckpointService, Arena]]:
+    """A daemon's service over a local root and a 1 MiB arena under ``tmp_path``, in this process."""
+    (tmp_path / "shm").mkdir()
+    cfg = DaemonConfig(root=str(tmp_path / "root"), socket=str(tmp_path / "s.sock"), arena_size=1 << 20,
+                       retain=False)
+    arena = Arena(cfg.arena_size, shm_dir=str(tmp_path / "shm"), prefault=False)
+    try:
+        yield CheckpointService(cfg, arena, await open_backend(cfg.root, None, create=True)), arena
+    finally:
+        arena.close()
+
+
 def test_a_save_refused_because_its_step_failed_meanwhile_gives_its_lease_back(tmp_path: Path) -> None:
     """The step fails (another rank's write, the part timeout) while this save's accept writes the layout
     sidecar; the save is refused, and its lease, already adopted by the step, is freed, not leaked."""
-    (tmp_path / "shm").mkdir()
-
     async def go() -> tuple[int, int, int]:
-        cfg = DaemonConfig(root=str(tmp_path / "root"), socket=str(tmp_path / "s.sock"), arena_size=1 << 20,
-                           retain=False)
-        arena = Arena(cfg.arena_size, shm_dir=str(tmp_path / "shm"), prefault=False)
-        try:
-            svc = CheckpointService(cfg, arena, await open_backend(cfg.root, None, create=True))
+        async with _service(tmp_path) as (svc, arena):
             write_sidecar = svc.root.write_sidecar
 
             async def slow_sidecar(name: str, text: str) -> None:
@@ -52,8 +61,6 @@ def test_a_save_refused_because_its_step_failed_meanwhile_gives_its_lease_back(t
             with pytest.raises(CkptdError):
                 await accept
             return arena.free_bytes, arena.size, arena.leases
-        finally:
-            arena.close()
 
     free, size, leases = asyncio.run(go())
     assert (free, leases) == (size, 0)
@@ -119,7 +126,6 @@ def test_an_attempt_given_up_ends_outside_the_job_lock(tmp_path: Path) -> None:
     """Restarted ranks give an unfinished attempt at step 3 up while its failure note is slow to write (a
     storage call in retry backoff): another step's saves go on meanwhile (the job lock is not held), and the
     new attempt at step 3 starts only once the note is written."""
-    (tmp_path / "shm").mkdir()
     events: list[str] = []
 
     def prep(step: int, rank: int, attempt: str) -> PrepareStep:
@@ -127,11 +133,7 @@ def test_an_attempt_given_up_ends_outside_the_job_lock(tmp_path: Path) -> None:
                            local_world_size=2, attempt=attempt)
 
     async def go() -> StepJob:
-        cfg = DaemonConfig(root=str(tmp_path / "root"), socket=str(tmp_path / "s.sock"), arena_size=1 << 20,
-                           retain=False)
-        arena = Arena(cfg.arena_size, shm_dir=str(tmp_path / "shm"), prefault=False)
-        try:
-            svc = CheckpointService(cfg, arena, await open_backend(cfg.root, None, create=True))
+        async with _service(tmp_path) as (svc, _arena):
             mark_failed = svc.root.mark_failed
 
             async def slow_note(step: int, error: BaseException, **kw: object) -> None:
@@ -154,8 +156,6 @@ def test_an_attempt_given_up_ends_outside_the_job_lock(tmp_path: Path) -> None:
             await new
             assert old.state is StepState.FAILED and old.superseded
             return svc.jobs[3]
-        finally:
-            arena.close()
 
     job = asyncio.run(go())
     assert events == ["note started", "step 4 rank 0 prepared", "note written", "step 3 rank 1 prepared"]

@@ -24,7 +24,7 @@ from ckptd.client.collector import paused
 from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.early import EarlyCopy
 from ckptd.client.embedded import ensure_daemon
-from ckptd.client.handle import SaveHandle
+from ckptd.client.handle import SaveHandle, raise_background_errors, refuse_repeat
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
 from ckptd.client.pipeline import Pipeline, check_prepared, lease_ahead, save_span, send_prepare
@@ -44,7 +44,6 @@ from ckptd.client.protocol import (
     SaveRequest,
     ShardMeta,
     StatusRequest,
-    StepState,
     StepStatus,
     Welcome,
     _Msg,
@@ -67,7 +66,6 @@ from ckptd.writer.errors import (
     RootMismatchError,
     SaveTimeoutError,
     StaleDaemonError,
-    StepFailedError,
     error_classes,
 )
 from ckptd.writer.format import sidecar_name
@@ -357,6 +355,7 @@ class CheckpointClient:
         warning) instead of raising into the training loop, unless ``on_daemon_lost="raise"``."""
         self._drop_if_dead()
         self._raise_background_errors()
+        refuse_repeat(self, step)
         self._attempt = self._attempts.next(step)
         try:
             return attempt()
@@ -469,19 +468,7 @@ class CheckpointClient:
         return handle
 
     def _raise_background_errors(self) -> None:
-        """Raise the first failure of an earlier save that no ``wait()`` delivered (each is delivered once)."""
-        handles, self._handles = self._handles, []
-        for i, h in enumerate(handles):
-            if not h._polled:
-                h._update(0.0)
-            if h.state is StepState.FAILED and h._error is not None:
-                if h._delivered or not self._must_raise(h):
-                    continue
-                h._delivered = True
-                self._handles.extend(x for x in handles[i + 1 :] if not x.state.final or not x._delivered)
-                raise StepFailedError(f"an earlier save failed in the background: {h._error}") from h._error
-            if not h.state.final:
-                self._handles.append(h)
+        raise_background_errors(self)
 
     # --- load -------------------------------------------------------------------------------------
     def load(self, step: int | Literal["latest"], template: StateDict) -> dict[str, object]:

@@ -9,6 +9,7 @@ from ckptd.client.protocol import StepState, StepStatus
 from ckptd.writer.errors import (
     CkptdError,
     DaemonUnavailableError,
+    DuplicateSaveError,
     SaveTimeoutError,
     StepFailedError,
     error_classes,
@@ -110,3 +111,35 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, state={self.state}, nbytes={self.nbytes}, stall_s={self.stall_s:.4f})"
+
+
+def raise_background_errors(client: CheckpointClient) -> None:
+    """Raise the first failure of an earlier save of ``client`` that no ``wait()`` delivered (each is
+    delivered once); keep the handles still in flight."""
+    handles, client._handles = client._handles, []
+    for i, h in enumerate(handles):
+        if not h._polled:
+            h._update(0.0)
+        if h.state is StepState.FAILED and h._error is not None:
+            if h._delivered or not client._must_raise(h):
+                continue
+            h._delivered = True
+            client._handles.extend(x for x in handles[i + 1 :] if not x.state.final or not x._delivered)
+            raise StepFailedError(f"an earlier save failed in the background: {h._error}") from h._error
+        if not h.state.final:
+            client._handles.append(h)
+
+
+def refuse_repeat(client: CheckpointClient, step: int) -> None:
+    """A second save call of ``step`` while ``client``'s first is still in flight would be a new attempt
+    (:mod:`ckptd.client.attempts`) that gives up the one its peers are saving into: refused with
+    :class:`DuplicateSaveError` before anything is sent. Once the first has failed, saving it again is a
+    retry."""
+    for h in client._handles:
+        if h.step == step and not h.state.final:
+            h._update(0.0)  # asked now: a pipelined save's state may be one save old
+            if not h.state.final:
+                raise DuplicateSaveError(
+                    f"rank {client.placement.rank}: step {step} is already being saved by this process "
+                    f"(attempt {h.attempt or '-'}, {h.state}); wait() for it, or save under another step"
+                )
