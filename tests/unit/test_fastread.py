@@ -17,11 +17,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 
-from ckptd.client.chunkio import Job, read_local, scratch
+from ckptd.client.chunkio import Job, read_local
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.gather import Strided
 from ckptd.client.reader import load, read_commit, read_flat
@@ -651,13 +650,3 @@ def test_a_whole_array_of_one_chunk_is_one_direct_read_and_checked(tmp_path: Pat
     Path(chunk).write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match="v16"):
         load(path, 1, {k: torch.zeros_like(t) for k, (t, _) in arrays.items()})
-
-
-@pytest.mark.parametrize("nbytes", [1, 4095, 4096, (1 << 20) + 3])
-def test_read_scratch_starts_on_a_page(nbytes: int) -> None:
-    """Chunk bytes read into a scratch buffer land on a page boundary (numpy's own large arrays start 16
-    bytes past one, where the kernel's copy out of the page cache ran at half speed)."""
-    buf = scratch(nbytes)
-    assert buf.nbytes == nbytes and buf.dtype == np.uint8 and buf.ctypes.data % 4096 == 0
-    buf[:] = 7  # all of it is writable memory of its own
-    assert int(buf.sum()) == 7 * nbytes

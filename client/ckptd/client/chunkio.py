@@ -21,7 +21,6 @@ from ckptd.writer.format import ChunkRecord
 
 CRC_BYTES = 4  # a raw chunk's crc32c trailer
 PIECE = 1 << 20  # read + checksum granularity (fits the CPU cache)
-PAGE = 4096
 
 
 @dataclass
@@ -47,15 +46,6 @@ class Job:
     # ... and, where the chunk's record has piece checksums, the pieces holding any of those (the only ones
     # read: :func:`needed_pieces`, set when the job is planned); None: the chunk is read and checked whole
     pieces: list[int] | None = None
-
-
-def scratch(nbytes: int) -> np.ndarray:
-    """An uninitialised byte buffer starting on a page boundary, to read chunk bytes into. The kernel's copy
-    out of the page cache into memory 16 bytes off a 64-byte boundary (where numpy's own large arrays
-    start) took twice as long on the 2-core VM (docs/benchmarks-log.md)."""
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    at = -raw.ctypes.data % PAGE
-    return raw[at : at + nbytes]
 
 
 def copy_crc(dst: np.ndarray, src: np.ndarray, start: int, stop: int) -> int:
@@ -144,7 +134,8 @@ def read_local(path: str, job: Job) -> None:
             else:
                 _check_crc(job, crc, bytes(trailer))
             return
-        body = (job.direct if job.direct is not None else scratch(job.chunk.nbytes)).data
+        scratch = job.direct if job.direct is not None else np.empty(job.chunk.nbytes, dtype=np.uint8)
+        body = scratch.data
         # read and checksum piece by piece: each piece is checksummed while it is still in the CPU cache
         crc, pos = 0, 0
         while pos < body.nbytes:
@@ -173,9 +164,9 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
     nbytes = job.chunk.nbytes
     wanted = None if job.pieces is None else set(job.pieces)  # None: read and checked whole
     size = PIECE if wanted is None else checksum.PIECE_BYTES
-    piece: np.ndarray | None = getattr(_local, "piece", None)
-    if piece is None or len(piece) < size:
-        piece = _local.piece = scratch(size)
+    scratch: np.ndarray | None = getattr(_local, "piece", None)
+    if scratch is None or len(scratch) < size:
+        scratch = _local.piece = np.empty(size, dtype=np.uint8)
     dtype = f"u{job.item}" if job.item > 1 else "u1"
     crc, pos = 0, 0
     runs, r = job.runs, 0
@@ -194,7 +185,7 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
                 parts.append(dst[at - lo : stop - lo].data)
             else:
                 stop = min(runs[r][0], end) if r < len(runs) else end
-                parts.append(piece[at - pos : stop - pos].data)
+                parts.append(scratch[at - pos : stop - pos].data)
             at = stop
         _preadv_all(fd, list(parts), path, pos)
         if wanted is not None:
@@ -204,7 +195,7 @@ def _read_gather(fd: int, path: str, job: Job) -> int | None:
         if wanted is not None:
             _check_piece(job, pos // size, crc)
         if job.scattered:
-            scatter(job.scattered, piece[: end - pos].view(dtype), job.start + pos // job.item)
+            scatter(job.scattered, scratch[: end - pos].view(dtype), job.start + pos // job.item)
         pos = end
     return int(crc) if wanted is None else None
 

@@ -10,7 +10,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ckptd.client.chunkio import CRC_BYTES, Job, scratch, verify
+import numpy as np
+
+from ckptd.client.chunkio import CRC_BYTES, Job, verify
 from ckptd.writer import checksum
 from ckptd.writer.backends import Backend
 from ckptd.writer.errors import CorruptCheckpointError, StorageNotFoundError
@@ -24,7 +26,8 @@ async def read_ranged(
     """Read and check ``job``; ``gets`` bounds the GETs in flight across chunks, ``in_thread`` runs the
     checks (in threads a failed load waits for before it raises)."""
     nbytes, size = job.chunk.nbytes, job.chunk.nbytes + CRC_BYTES
-    body, trailer = (job.direct if job.direct is not None else scratch(nbytes)).data, bytearray(CRC_BYTES)
+    scratch = job.direct if job.direct is not None else np.empty(nbytes, dtype=np.uint8)
+    body, trailer = scratch.data, bytearray(CRC_BYTES)
     tail = memoryview(trailer)
 
     async def part(span: tuple[int, int]) -> int | None:
