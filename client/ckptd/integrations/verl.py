@@ -161,6 +161,10 @@ class _CkptdMixin:
             return f"save_contents={list(v.checkpoint_save_contents)} has no 'model' (ckptd saves the model shards)"
         if v.should_save_optimizer and (not v.use_distributed_optimizer or v.optimizer is None):
             return "no distributed optimizer"
+        from ckptd.client.megatron.introspect import cpu_offloaded
+
+        if v.should_save_optimizer and cpu_offloaded(v.optimizer):
+            return "optimizer CPU offload"
         return None
 
     def _client(self, root: str) -> CheckpointClient:

@@ -120,8 +120,20 @@ def distributed_optimizers(optimizer: object) -> list[DistOpt]:
             raise InvalidRequestError("Megatron FSDP buffers are not supported")
         if getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
             raise InvalidRequestError("precision-aware optimizers (TE FusedAdam master weights) are not supported")
+        if cpu_offloaded(opt):
+            raise InvalidRequestError(
+                "optimizer CPU offload (optimizer_cpu_offload, Megatron's HybridDeviceOptimizer) is not supported: "
+                "it rebuilds its state dict at every step, split between host and GPU copies of the main params"
+            )
         out.append(opt)
     return out
+
+
+def cpu_offloaded(optimizer: object) -> bool:
+    """Whether a (chained) DistributedOptimizer steps its state through Megatron's CPU offload."""
+    opts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    return any(getattr(getattr(o, "config", None), "optimizer_cpu_offload", False)
+               or type(getattr(o, "optimizer", None)).__name__ == "HybridDeviceOptimizer" for o in opts)
 
 
 def inner_optimizer(opt: DistOpt) -> torch.optim.Optimizer:
