@@ -207,3 +207,55 @@ def test_on_a_gpu_the_copies_queued_ahead_are_thrown_away_on_a_change(start_daem
         "replaced_again": "used", "dtype": "abandoned", "group": "abandoned", "committed_again": "used",
         "buckets": "",
     }, r["early"]
+
+
+def _moved_away_and_back(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    client = CheckpointClient(socket)
+    model, optimizer, train_step = build_gpt(**BUILD, bf16=True)  # bf16: main params with memory of their own
+    train_step(0)
+    save_checkpoint(client, 1, model, optimizer).wait(60)
+    first = cached(optimizer)
+    opts = optimizer.chained_optimizers
+    mains = [p for opt in opts for group in opt.shard_fp32_from_float16_groups for p in group]
+    states = [v for opt in opts for v in opt.optimizer.state.values()]
+
+    def move() -> None:  # what moving the optimizer to the host or back does (verl's optimizer offload):
+        with torch.no_grad():  # every state tensor replaced by a copy, every main param given new memory
+            for v in states:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    v[k] = v[k].clone()
+            for p in mains:
+                p.data = p.data.clone()
+
+    watched = [StorageWeakRef(v[k].untyped_storage()) for v in states for k in ("exp_avg", "exp_avg_sq")]
+    watched += [StorageWeakRef(p.untyped_storage()) for p in mains]
+    move()
+    gc.collect()
+    freed = sum(w.expired() for w in watched)
+    move()  # and back
+    train_step(1)
+    handle = save_checkpoint(client, 2, model, optimizer)
+    at_save = _live(model, optimizer)
+    replanned = cached(optimizer) is not first
+    _scramble(model, optimizer)
+    handle.wait(60)
+    load_checkpoint(root, 2, model, optimizer)
+    _assert_same(at_save, _live(model, optimizer), f"rank{rank} moved")
+    client.close()
+    return {"freed": freed, "watched": len(watched), "mains": len(mains), "replanned": replanned}
+
+
+def test_an_optimizer_moved_away_and_back_is_not_kept_alive_by_the_plan(tmp_path: Path, module_sockdir: str) -> None:
+    """A trainer that moves its optimizer off the device between saves (verl's optimizer offload) replaces
+    every state tensor and gives every main param new memory. The cached plan must not keep the old copies
+    alive until the next save (a second copy of the optimizer's memory); that save plans again, and
+    reloads bit-exact."""
+    root = str(tmp_path / "root")
+    results = spawn_with_daemon(_moved_away_and_back, 2, root, os.path.join(module_sockdir, "moved.sock"))
+    for r in results:
+        assert r["mains"] > 0 and r["freed"] == r["watched"], r  # every old state and main param copy freed
+        assert r["replanned"], r

@@ -14,7 +14,8 @@ import torch
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.rehome import elements_of, home_scalars
 from ckptd.client.megatron.targets import flat_alias, fresh_flat, install_views
-from ckptd.client.plan import Fetch, Piece, StalePlanError, build_stage_plan
+from ckptd.client.plan import Fetch, Piece, StalePlanError
+from ckptd.client.planbuild import build_stage_plan
 from ckptd.client.state import Shard
 
 SIZES = (5, 17, 64, 3)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ckptd.client import staging
-from ckptd.client.plan import Fetch, Piece, StalePlanError, build_stage_plan
+from ckptd.client.plan import Fetch, Piece, StalePlanError
+from ckptd.client.planbuild import build_stage_plan
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, SaveRequest, decode_request, encode
 from ckptd.client.reuse import PlanCache
 from ckptd.client.staging import StagingArena

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-from ckptd.client.copyruns import MAX_GAP, Gaps, cat_runs, numel, uncovered
 from ckptd.client.copyruns import Dst as _Dst
+from ckptd.client.copyruns import Gaps, cat_runs, numel, uncovered
 from ckptd.client.guard import StateIndex, same_objects
 from ckptd.client.protocol import PROTOCOL_VERSION, RegisterPlan, ReplicaMeta, ShardMeta, Welcome
-from ckptd.client.state import Shard, dtype_name, replica_metas
+from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError
 
 ALIGN = 64  # slot alignment in the span: every dtype's views stay aligned, copies start on cache lines
@@ -65,8 +66,35 @@ class Piece(NamedTuple):
     fetch: Fetch | None = None
     nbytes: int = 0  # zeros: this many bytes
     # a static ``src`` that is the memory of these lookups' tensors (re-homed optimizer states): each save
-    # checks they still resolve to the tensors planned (address, dtype, element count), and copies ``src``
+    # checks they still resolve to the tensors planned (address, dtype, element count), and copies ``src``,
+    # which the plan holds weakly (the tensors' owner keeps it; :class:`WeakBytes`)
     held: tuple[Fetch, ...] = ()
+    # a static ``src`` its owner may give other memory between saves (an optimizer's main param with memory
+    # of its own, moved to the host and back): copied from as the object, never through a view of it
+    live: bool = False
+
+
+class WeakBytes:
+    """A static source the plan must not keep alive: ``nbytes`` bytes from byte ``start`` of a tensor that
+    its owner holds (a re-homed state's flat tensor, held by its views in the optimizer's state). Called at
+    each save: the bytes, or :class:`StalePlanError` once the owner let the tensor go."""
+
+    __slots__ = ("_ref", "nbytes", "start")
+    dtype = torch.uint8
+
+    def __init__(self, t: torch.Tensor, start: int, nbytes: int) -> None:
+        self._ref = weakref.ref(t)
+        self.start, self.nbytes = start, nbytes
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.nbytes,)
+
+    def __call__(self) -> torch.Tensor:
+        t = self._ref()
+        if t is None:
+            raise StalePlanError("a re-homed optimizer state's memory was let go since the save was planned")
+        return _bytes_of(t, self.start, self.nbytes)
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -82,7 +110,7 @@ class _Column(NamedTuple):
     dtypes: list[torch.dtype]
     numels: list[int]
     ptrs: list[int] | None = None  # held (checked at these addresses, not copied: a static source stages them)
-    held: list[torch.Tensor] | None = None  # held: the plan's views, which the state must still be
+    held: list[weakref.ref[torch.Tensor]] | None = None  # held: the plan's views, which the state must still be
 
 
 class _Views(NamedTuple):
@@ -142,9 +170,9 @@ class StagePlan:
     sizes: list[int]
     span: int
     fingerprint: object
-    _static: list[tuple[torch.Tensor, _Dst]] = field(default_factory=list)
+    _static: list[tuple[torch.Tensor | WeakBytes, _Dst]] = field(default_factory=list)
     _fetched: list[tuple[Fetch, _Dst, _Dst]] = field(default_factory=list)  # (lookup, source as planned, slot)
-    _held: list[tuple[Fetch, torch.Tensor]] = field(default_factory=list)  # (lookup, tensor as planned)
+    _held: list[tuple[Fetch, weakref.ref[torch.Tensor]]] = field(default_factory=list)  # (lookup, tensor planned)
     _dynamic: list[tuple[_Dst, _Dst]] = field(default_factory=list)  # (source as planned, slot)
     _dynamic_types: tuple[list[torch.dtype], list[tuple[int, ...]]] = ([], [])  # theirs, set by compile_copies
     _zeros: list[_Dst] = field(default_factory=list)
@@ -153,8 +181,10 @@ class StagePlan:
     # the copy program (compile_copies): runs of 1-D sources whose slots lie back to back (or apart by padding
     # that is zeroed anyway), each one torch.cat (static: the source tensors and zeros; looked up: indices into
     # this save's sources followed by _gap_zeros), and the rest by index
-    _static_cat: list[tuple[list[torch.Tensor], _Dst]] = field(default_factory=list)
+    _static_cat: list[tuple[list[Any], _Dst]] = field(default_factory=list)
     _static_rest: list[int] = field(default_factory=list)
+    _rest_src: list[Any] = field(default_factory=list)  # the _static_rest sources, in order
+    _weak: list[tuple[list[Any], int, WeakBytes]] = field(default_factory=list)  # where each save fills one in
     _looked_cat: list[tuple[list[int], _Dst]] = field(default_factory=list)
     _looked_rest: list[int] = field(default_factory=list)
     _gap_zeros: list[torch.Tensor] = field(default_factory=list)
@@ -185,10 +215,12 @@ class StagePlan:
         a GPU every copy is a D2H transfer into the pinned arena: one ``_foreach_copy_``."""
         static_dst = [d for _, d in self._static]
         self.static_bytes = sum(t.nbytes for t, _ in self._static)
+        self._weak = []
         looked = [(src, d) for _, src, d in self._fetched] + self._dynamic
         self._dynamic_types = ([d.dtype for d, _ in self._dynamic], [d.shape for d, _ in self._dynamic])
         if self.cuda:
             self._static_rest, self._looked_rest = list(range(len(static_dst))), list(range(len(looked)))
+            self._find_weak()
             return
         gaps = Gaps(self._zeros)
         static_src = [_Dst(0, t.dtype, tuple(t.shape)) for t, _ in self._static]
@@ -209,6 +241,13 @@ class StagePlan:
         free = set(uncovered(self._zeros, [d for _, d in self._static_cat] + [d for _, d in self._looked_cat]))
         outside = set(uncovered(self._zeros, static_dst))
         self._zeros = [z for z in self._zeros if z in free or z not in outside]
+        self._find_weak()
+
+    def _find_weak(self) -> None:
+        """The source lists of the static copies, and where in them each save puts a weakly held source."""
+        self._rest_src = [self._static[i][0] for i in self._static_rest]
+        for srcs in [self._rest_src, *(srcs for srcs, _ in self._static_cat)]:
+            self._weak += [(srcs, i, t) for i, t in enumerate(srcs) if isinstance(t, WeakBytes)]
 
     def register_message(self, rank: int) -> RegisterPlan:
         return RegisterPlan(
@@ -257,7 +296,8 @@ class StagePlan:
                 try:
                     got = list(map(operator.itemgetter(col.name), map(dicts.__getitem__, col.rows)))
                     if col.held is not None:
-                        ok = same_objects(got, col.held) and list(map(torch.Tensor.data_ptr, got)) == col.ptrs
+                        held = list(map(operator.call, col.held))  # None where the plan's view is gone
+                        ok = same_objects(got, held) and list(map(torch.Tensor.data_ptr, got)) == col.ptrs
                     else:
                         ok = list(map(_DTYPE, got)) == col.dtypes and list(map(torch.Tensor.numel, got)) == col.numels
                 except (KeyError, TypeError, AttributeError):  # gone, its param has no state, not a tensor
@@ -273,7 +313,7 @@ class StagePlan:
         column of C-level lookups per (optimizer, state name) at each save (:meth:`sources`)."""
         owners: dict[int, tuple[torch.optim.Optimizer, dict[int, int], list[torch.Tensor]]] = {}
         cols: dict[tuple[int, str], list[tuple[Fetch, _Dst, _Dst]]] = {}
-        held: dict[tuple[int, str], list[tuple[Fetch, torch.Tensor]]] = {}
+        held: dict[tuple[int, str], list[tuple[Fetch, weakref.ref[torch.Tensor]]]] = {}
         for f in itertools.chain((e[0] for e in self._fetched), (h[0] for h in self._held)):
             _, index, keys = owners.setdefault(id(f.owner), (f.owner, {}, []))
             if id(f.key) not in index:
@@ -296,9 +336,12 @@ class StagePlan:
                     fetched += entries
             for (o, name), hs in held.items():
                 if o == oid:
-                    ts = [t for _, t in hs]
+                    refs = [r for _, r in hs]
+                    ts = [r() for r in refs]
+                    if any(t is None for t in ts):
+                        raise StalePlanError(f"optimizer state {name!r} changed while the save was planned")
                     rows = [index[id(f.key)] for f, _ in hs]
-                    columns.append(_Column(name, rows, [], [], list(map(torch.Tensor.data_ptr, ts)), ts))
+                    columns.append(_Column(name, rows, [], [], [t.data_ptr() for t in ts if t is not None], refs))
             groups.append((owner, keys, columns, StateIndex()))
         self._fetched = fetched
         self._groups = groups
@@ -359,10 +402,22 @@ class StagePlan:
             raise
 
     def _copy_static(self, views: _Views) -> None:
-        for (srcs, _), dst in zip(self._static_cat, views.static_cat, strict=True):
-            torch.cat(srcs, out=dst)
-        if views.static:
-            torch._foreach_copy_(views.static, [self._static[i][0] for i in self._static_rest], non_blocking=self.cuda)
+        """The static copies; a weakly held source is resolved for them and let go after, and a live source
+        that no longer fits its slot (its owner gave it other memory) raises :class:`StalePlanError`."""
+        try:
+            for srcs, i, weak in self._weak:
+                srcs[i] = weak()
+            for (srcs, _), dst in zip(self._static_cat, views.static_cat, strict=True):
+                torch.cat(srcs, out=dst)
+            if views.static:
+                torch._foreach_copy_(views.static, self._rest_src, non_blocking=self.cuda)
+        except StalePlanError:
+            raise
+        except RuntimeError as exc:
+            raise StalePlanError(f"a static source no longer fits its slot: {exc}") from exc
+        finally:
+            for srcs, i, weak in self._weak:
+                srcs[i] = weak
 
     def _copy_looked(self, views: _Views, sources: list[torch.Tensor]) -> None:
         # the plan's device, not a walk over this save's sources: a looked-up source that moved to the GPU
@@ -379,120 +434,3 @@ class StagePlan:
                 torch._foreach_copy_(looked_dst, rest, non_blocking=self.cuda)
         except RuntimeError as exc:  # the planned element count in another shape: copy_ and cat refuse it
             raise StalePlanError(f"a looked-up source no longer fits its slot: {exc}") from exc
-
-
-def pieces_of(shard: Shard) -> list[Piece]:
-    """What staging ``shard`` copies: its own pieces if it describes them, else its data whole."""
-    describe: Callable[[], list[Piece]] | None = getattr(shard, "stage_pieces", None)
-    return describe() if describe is not None else [Piece(0, src=shard.data.detach())]
-
-
-def build_stage_plan(
-    shards: Sequence[Shard], dynamic: Sequence[Shard] = (), fingerprint: object = None,
-    replicas: Sequence[Shard] = (),
-) -> StagePlan:
-    """Lay out ``shards`` (static or described by pieces) and ``dynamic`` (tensor given per save) in one
-    span, and compile the copy program. Pure: no I/O, nothing copied. ``shards`` are validated already;
-    ``replicas`` (the rank's non-main replicas, staged by nobody) go with the plan's registration."""
-    everything = list(shards) + list(dynamic)
-    offsets = [0] * len(everything)
-    sizes = [s.nbytes for s in everything]
-    pieces = [pieces_of(s) for s in shards]
-    # whole-shard contiguous sources, ordered by where they live, so neighbours in memory are neighbours
-    # in the span (the gap mirrored) and one copy moves the run
-    spans: dict[int, tuple[int, int]] = {}
-    for i, ps in enumerate(pieces):
-        src = ps[0].src if len(ps) == 1 and ps[0].lo == 0 else None
-        where = _byte_span(src) if src is not None and src.dtype == shards[i].data.dtype else None
-        if where is not None:
-            spans[i] = where
-    plain = sorted(spans, key=spans.__getitem__)
-    end = 0
-    prev: tuple[int, int] | None = None  # (storage, byte end) of the last placed plain source
-    for i in plain:
-        ptr, off = spans[i]
-        gap = off - prev[1] if prev is not None and prev[0] == ptr else -1
-        # mirror the source's spacing (one copy for the run), else keep the source's alignment mod ALIGN
-        offsets[i] = end + gap if 0 <= gap <= MAX_GAP else _align(end) + off % ALIGN
-        end = offsets[i] + sizes[i]
-        prev = (ptr, off + sizes[i])
-    for i in range(len(everything)):
-        if i not in spans:
-            offsets[i] = _align(end)
-            end = offsets[i] + sizes[i]
-    plan = StagePlan([shard_meta(s, i) for i, s in enumerate(everything)], offsets, sizes, _align(end), fingerprint)
-    plan.replicas = replica_metas(replicas)
-    runs = _Runs(plan)
-    for i in plain:
-        runs.add(pieces[i][0].src, offsets[i])  # type: ignore[arg-type]
-        _hold(plan, pieces[i][0])
-    runs.flush()
-    for i, ps in enumerate(pieces):
-        if i not in spans:
-            _compile_pieces(plan, runs, sorted(ps, key=lambda p: p.lo), offsets[i], shards[i].data.dtype)
-    plan._group_fetches()
-    for s, i in zip(dynamic, range(len(shards), len(everything)), strict=True):
-        d = _Dst(offsets[i], s.data.dtype, tuple(s.data.shape))
-        plan._dynamic.append((d, d))
-        plan.cuda |= s.data.is_cuda
-    plan.compile_copies()
-    return plan
-
-
-class _Runs:
-    """Merges static sources whose bytes are contiguous in one storage, with the span's spacing equal to
-    the source's, into one byte copy."""
-
-    def __init__(self, plan: StagePlan) -> None:
-        self.plan = plan
-        self.run: list[Any] = []  # [tensor, storage byte start, span start, bytes]
-
-    def add(self, src: torch.Tensor, rel: int) -> None:
-        ptr, off = _byte_span(src)  # type: ignore[misc]
-        n = _nbytes(src)
-        self.plan.cuda |= src.is_cuda
-        r = self.run
-        if r and r[0].untyped_storage().data_ptr() == ptr and off - r[1] == rel - r[2] and off >= r[1] + r[3]:
-            r[3] = off + n - r[1]
-            return
-        self.flush()
-        r.extend([src, off, rel, n])
-
-    def flush(self) -> None:
-        if self.run:
-            t, start, rel, n = self.run
-            self.plan._static.append((_bytes_of(t, start, n), _Dst(rel, torch.uint8, (n,))))
-            self.run.clear()
-
-
-def _compile_pieces(plan: StagePlan, runs: _Runs, pieces: list[Piece], base: int, dtype: torch.dtype) -> None:
-    """A described shard's pieces: static ones of the slot's dtype join runs (zeros are filled after every
-    copy, so a run may cross a gap), others copy converting into the slot's dtype."""
-    for p in pieces:
-        rel = base + p.lo
-        if p.src is not None:
-            _hold(plan, p)
-            if p.src.dtype == dtype and _byte_span(p.src) is not None:
-                runs.add(p.src, rel)
-            else:
-                plan._static.append((p.src, _Dst(rel, dtype, tuple(p.src.shape))))
-                plan.cuda |= p.src.is_cuda
-        elif p.fetch is not None:
-            t = p.fetch.owner.state.get(p.fetch.key, {}).get(p.fetch.name)
-            if not isinstance(t, torch.Tensor):
-                raise StalePlanError(f"no optimizer state {p.fetch.name!r} to plan a save of")
-            shape = tuple(t.shape)
-            plan.cuda |= t.is_cuda
-            plan._fetched.append((p.fetch, _Dst(rel, t.dtype, shape), _Dst(rel, dtype, shape)))
-        elif p.nbytes:
-            plan._zeros.append(_Dst(rel, torch.uint8, (p.nbytes,)))
-    runs.flush()
-
-
-def _hold(plan: StagePlan, piece: Piece) -> None:
-    """Record the tensors a static piece holds (their lookups, checked at each save)."""
-    for f in piece.held:
-        t = f.owner.state.get(f.key, {}).get(f.name)
-        if not isinstance(t, torch.Tensor):
-            raise StalePlanError(f"no optimizer state {f.name!r} to plan a save of")
-        plan._held.append((f, t))

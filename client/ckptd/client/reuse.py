@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ckptd.client.plan import StagePlan, build_stage_plan
+from ckptd.client.plan import StagePlan
+from ckptd.client.planbuild import build_stage_plan
 from ckptd.client.skeleton import Skeleton
 from ckptd.client.state import Plan, Shard, plan_state
 

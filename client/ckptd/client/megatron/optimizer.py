@@ -80,7 +80,7 @@ class BucketSliceShard(Shard):
         out = [Piece(lo * isz, nbytes=(hi - lo) * isz) for lo, hi in self.gaps]
         for o in self.entries:
             if self.state == MAIN_PARAM:
-                out.append(Piece(o.lo * isz, src=o.main.detach().view(-1)))
+                out.append(_main_piece(o.main, o.lo * isz))
             else:
                 out.append(Piece(o.lo * isz, fetch=Fetch(o.inner, o.main, self.state)))
         return out
@@ -89,6 +89,16 @@ class BucketSliceShard(Shard):
         out = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.data.device)
         self.stage_into(out)
         return out
+
+
+def _main_piece(main: torch.Tensor, lo: int) -> Piece:
+    """A main param's copy. One with memory of its own (a copy in fp32 of a bf16 param's shard) is copied
+    from as the tensor itself: a trainer that moves it to the host and back (``main.data = ...``) must not
+    find its old memory kept alive by a view in the cached plan. One that is a view of the param buffer
+    (fp32 training) joins that buffer's byte runs."""
+    if main._base is None and main.dim() == 1 and main.is_contiguous():
+        return Piece(lo, src=main, live=True)
+    return Piece(lo, src=main.detach().view(-1))
 
 
 def state_names(binding: Binding) -> tuple[list[str], list[str]]:

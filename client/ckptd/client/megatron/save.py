@@ -30,7 +30,8 @@ from ckptd.client.megatron.staged import (
     owned_by_optimizer,
     remember,
 )
-from ckptd.client.plan import StagePlan, StalePlanError, build_stage_plan
+from ckptd.client.plan import StagePlan, StalePlanError
+from ckptd.client.planbuild import build_stage_plan
 from ckptd.client.state import Plan, Shard, plan_state
 from ckptd.writer.format import (
     EXTRA,
