@@ -209,15 +209,18 @@ def test_on_a_gpu_the_copies_queued_ahead_are_thrown_away_on_a_change(start_daem
     }, r["early"]
 
 
-def _moved_away_and_back(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
+def _moved_away_and_back(rank: int, world: int, socket: str, root: str, constant: bool) -> dict[str, Any]:
     import gc
 
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    client = CheckpointClient(socket)
+    client = CheckpointClient(socket, assume_constant_structure=constant)
     model, optimizer, train_step = build_gpt(**BUILD, bf16=True)  # bf16: main params with memory of their own
     train_step(0)
     save_checkpoint(client, 1, model, optimizer).wait(60)
+    if constant:  # the promise captures what it reads at the save after the planning one
+        train_step(1)
+        save_checkpoint(client, 2, model, optimizer).wait(60)
     first = cached(optimizer)
     opts = optimizer.chained_optimizers
     mains = [p for opt in opts for group in opt.shard_fp32_from_float16_groups for p in group]
@@ -237,25 +240,29 @@ def _moved_away_and_back(rank: int, world: int, socket: str, root: str) -> dict[
     gc.collect()
     freed = sum(w.expired() for w in watched)
     move()  # and back
-    train_step(1)
-    handle = save_checkpoint(client, 2, model, optimizer)
+    train_step(2)
+    handle = save_checkpoint(client, 3, model, optimizer)
     at_save = _live(model, optimizer)
     replanned = cached(optimizer) is not first
     _scramble(model, optimizer)
     handle.wait(60)
-    load_checkpoint(root, 2, model, optimizer)
+    load_checkpoint(root, 3, model, optimizer)
     _assert_same(at_save, _live(model, optimizer), f"rank{rank} moved")
     client.close()
     return {"freed": freed, "watched": len(watched), "mains": len(mains), "replanned": replanned}
 
 
-def test_an_optimizer_moved_away_and_back_is_not_kept_alive_by_the_plan(tmp_path: Path, module_sockdir: str) -> None:
+@pytest.mark.parametrize("constant", [False, True], ids=["checked", "promise"])
+def test_an_optimizer_moved_away_and_back_is_not_kept_alive_by_the_plan(
+    tmp_path: Path, module_sockdir: str, constant: bool
+) -> None:
     """A trainer that moves its optimizer off the device between saves (verl's optimizer offload) replaces
     every state tensor and gives every main param new memory. The cached plan must not keep the old copies
-    alive until the next save (a second copy of the optimizer's memory); that save plans again, and
-    reloads bit-exact."""
+    alive until the next save (a second copy of the optimizer's memory); that save plans again and reloads
+    bit-exact — under ``assume_constant_structure`` too, whose cheap guard does not look at the states'
+    addresses: it would have staged the old copies."""
     root = str(tmp_path / "root")
-    results = spawn_with_daemon(_moved_away_and_back, 2, root, os.path.join(module_sockdir, "moved.sock"))
+    results = spawn_with_daemon(_moved_away_and_back, 2, root, os.path.join(module_sockdir, "moved.sock"), constant)
     for r in results:
         assert r["mains"] > 0 and r["freed"] == r["watched"], r  # every old state and main param copy freed
         assert r["replanned"], r

@@ -23,9 +23,12 @@ chunks and the RNG keys. A difference saves through the checked path, which plan
 changed, and captures anew: such a save is correct, only not faster. Not checked: a state tensor of an
 unchanged ``state`` dict replaced one by one (``state[p]["exp_avg"] = t``), or a module's param swapped for
 another Parameter that the optimizer does not hold (Megatron's DDP would not train it either); the save would
-stage the tensors captured (or re-homed) before; the next checked save catches the first by address. A held
-state tensor resized in place fails its copy (:class:`~ckptd.client.plan.StalePlanError`), and the save plans
-again.
+stage the tensors captured before; the next checked save catches the first by address. Two cases are safe
+all the same, as the plan holds no memory the optimizer let go of (:mod:`ckptd.client.planbuild`): every
+state of a re-homed flat tensor replaced (an optimizer moved off the device and back) lets that tensor go, and
+the save plans again (:class:`~ckptd.client.plan.StalePlanError`); a main param given new memory
+(``main.data = ...``) is copied from as it is now. A held state tensor resized in place fails its copy, and the
+save plans again.
 """
 
 from __future__ import annotations
