@@ -215,6 +215,9 @@ def _moved_away_and_back(rank: int, world: int, socket: str, root: str, constant
     from torch.multiprocessing.reductions import StorageWeakRef
 
     client = CheckpointClient(socket, assume_constant_structure=constant)
+    if rank == 0 and not torch.cuda.is_available():  # the copy made ahead on a worker thread, as in _changes
+        staging.THREADED_STATIC_BYTES = 0
+        client._staging.threaded = True
     model, optimizer, train_step = build_gpt(**BUILD, bf16=True)  # bf16: main params with memory of their own
     train_step(0)
     save_checkpoint(client, 1, model, optimizer).wait(60)
