@@ -243,6 +243,12 @@ class StagePlan:
         self._zeros = [z for z in self._zeros if z in free or z not in outside]
         self._find_weak()
 
+    def released(self) -> bool | None:
+        """Whether memory the plan holds weakly (re-homed states: :class:`WeakBytes`, their views) was let go by
+        its owner since the plan was made; None when it holds none."""
+        refs = [r for _, r in self._held] + [w._ref for w, _ in self._static if isinstance(w, WeakBytes)]
+        return None if not refs else any(r() is None for r in refs)
+
     def _find_weak(self) -> None:
         """The source lists of the static copies, and where in them each save puts a weakly held source."""
         self._rest_src = [self._static[i][0] for i in self._static_rest]

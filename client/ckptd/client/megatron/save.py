@@ -26,6 +26,7 @@ from ckptd.client.megatron.staged import (
     Structure,
     cached,
     forget,
+    moves_states,
     optim_meta,
     owned_by_optimizer,
     remember,
@@ -259,10 +260,12 @@ def _save_once(
         objects[EXTRA_STATE_RECORD] = modules_extra
     if extra is not None:
         objects[EXTRA] = dict(extra)
-    return client.save_staged(
+    handle = client.save_staged(
         step, staged.plan, [s.data for s in rng_shards], objects, sidecars=[staged.layout_json], t0=t0,
         fetched=fetched, pipelined=constant, early=early,
     )
+    staged.served += 1
+    return handle
 
 
 def _plan_staged(
@@ -276,7 +279,8 @@ def _plan_staged(
     """Plan the save from scratch (the structure changed): shards, layout, copy program, plain-data walk."""
     rank_plan(optimizer).save = None  # the shard plan is rebuilt too, whatever its own check says
     elem_names, scalar_names = state_names(binding)
-    moved = rehome_states(binding, layout, elem_names)  # one flat tensor per (bucket slice, state): one copy each
+    # one flat tensor per (bucket slice, state), one copy each; not for an optimizer that lets them go
+    moved = [] if moves_states(optimizer) else rehome_states(binding, layout, elem_names)
     plan = save_plan(model_chunks, optimizer, rank, elem_names)
     owned = owned_by_optimizer(binding, layout)
     states = OwnedStates(owned)

@@ -60,6 +60,7 @@ class StagedSave:
     # (DistributedOptimizer index, scalar state name) -> the 1-D tensor its per-param values are re-homed
     # into, and their addresses (one .tolist() a save while every value is still there)
     scalar_flats: dict[tuple[int, str], tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
+    served: int = 0  # saves made through it
 
 
 _STAGED: weakref.WeakKeyDictionary[object, StagedSave] = weakref.WeakKeyDictionary()
@@ -73,8 +74,24 @@ def remember(optimizer: object, staged: StagedSave) -> None:
     _STAGED[optimizer] = staged
 
 
+_MOVES: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+
+
 def forget(optimizer: object) -> None:
-    _STAGED.pop(optimizer, None)
+    """Drop the optimizer's plan, which went stale. A plan whose re-homed states the optimizer let go before
+    a second save (it replaces its state tensors between saves: moved to the host and back, as verl's
+    optimizer offload does) marks it as one that moves them; a plan that served more saves clears the mark,
+    and one that held no re-homed states leaves it as it was."""
+    staged = _STAGED.pop(optimizer, None)
+    released = staged.plan.released() if staged is not None else None
+    if staged is not None and released is not None:
+        _MOVES[optimizer] = released and staged.served <= 1
+
+
+def moves_states(optimizer: object) -> bool:
+    """Whether the optimizer let its re-homed states go before (:func:`forget`): re-homing them again would
+    copy every state once more at each save, for a plan the next move makes stale."""
+    return _MOVES.get(optimizer, False)
 
 
 def thaw(optimizer: object) -> None:
