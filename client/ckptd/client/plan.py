@@ -94,7 +94,7 @@ class WeakBytes:
         t = self._ref()
         if t is None:
             raise StalePlanError("a re-homed optimizer state's memory was let go since the save was planned")
-        return _bytes_of(t, self.start, self.nbytes)
+        return bytes_of(t, self.start, self.nbytes)
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -127,22 +127,22 @@ class _Views(NamedTuple):
 _Groups = list[tuple[torch.optim.Optimizer, list[torch.Tensor], list[_Column], StateIndex]]
 
 
-def _align(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     """(storage address, byte offset) of a contiguous tensor, or None when it cannot join a run."""
     if not t.is_contiguous() or t.numel() == 0:
         return None
     return t.untyped_storage().data_ptr(), int(t.storage_offset()) * t.element_size()
 
 
-def _bytes_of(t: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+def bytes_of(t: torch.Tensor, offset: int, n: int) -> torch.Tensor:
     """A 1-D uint8 view of ``n`` bytes of ``t``'s storage from byte ``offset``."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), offset, (n,), (1,))
 

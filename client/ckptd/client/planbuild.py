@@ -25,10 +25,10 @@ from ckptd.client.plan import (
     StagePlan,
     StalePlanError,
     WeakBytes,
-    _align,
-    _byte_span,
-    _bytes_of,
-    _nbytes,
+    aligned,
+    byte_span,
+    bytes_of,
+    nbytes_of,
     shard_meta,
 )
 from ckptd.client.state import Shard, replica_metas
@@ -56,7 +56,7 @@ def build_stage_plan(
     spans: dict[int, tuple[int, int]] = {}
     for i, ps in enumerate(pieces):
         src = ps[0].src if len(ps) == 1 and ps[0].lo == 0 and not (ps[0].held or ps[0].live) else None
-        where = _byte_span(src) if src is not None and src.dtype == shards[i].data.dtype else None
+        where = byte_span(src) if src is not None and src.dtype == shards[i].data.dtype else None
         if where is not None:
             spans[i] = where
     plain = sorted(spans, key=spans.__getitem__)
@@ -66,14 +66,14 @@ def build_stage_plan(
         ptr, off = spans[i]
         gap = off - prev[1] if prev is not None and prev[0] == ptr else -1
         # mirror the source's spacing (one copy for the run), else keep the source's alignment mod ALIGN
-        offsets[i] = end + gap if 0 <= gap <= MAX_GAP else _align(end) + off % ALIGN
+        offsets[i] = end + gap if 0 <= gap <= MAX_GAP else aligned(end) + off % ALIGN
         end = offsets[i] + sizes[i]
         prev = (ptr, off + sizes[i])
     for i in range(len(everything)):
         if i not in spans:
-            offsets[i] = _align(end)
+            offsets[i] = aligned(end)
             end = offsets[i] + sizes[i]
-    plan = StagePlan([shard_meta(s, i) for i, s in enumerate(everything)], offsets, sizes, _align(end), fingerprint)
+    plan = StagePlan([shard_meta(s, i) for i, s in enumerate(everything)], offsets, sizes, aligned(end), fingerprint)
     plan.replicas = replica_metas(replicas)
     runs = _Runs(plan)
     for i in plain:
@@ -101,8 +101,8 @@ class _Runs:
         self.run: list[Any] = []  # [tensor, storage byte start, span start, bytes]
 
     def add(self, src: torch.Tensor, rel: int) -> None:
-        ptr, off = _byte_span(src)  # type: ignore[misc]
-        n = _nbytes(src)
+        ptr, off = byte_span(src)  # type: ignore[misc]
+        n = nbytes_of(src)
         self.plan.cuda |= src.is_cuda
         r = self.run
         if r and r[0].untyped_storage().data_ptr() == ptr and off - r[1] == rel - r[2] and off >= r[1] + r[3]:
@@ -114,7 +114,7 @@ class _Runs:
     def flush(self) -> None:
         if self.run:
             t, start, rel, n = self.run
-            self.plan._static.append((_bytes_of(t, start, n), _Dst(rel, torch.uint8, (n,))))
+            self.plan._static.append((bytes_of(t, start, n), _Dst(rel, torch.uint8, (n,))))
             self.run.clear()
 
 
@@ -125,10 +125,10 @@ def _compile_pieces(plan: StagePlan, runs: _Runs, pieces: list[Piece], base: int
         rel = base + p.lo
         if p.src is not None:
             held = _hold(plan, p)
-            span = _byte_span(p.src) if p.src.dtype == dtype else None
+            span = byte_span(p.src) if p.src.dtype == dtype else None
             if held and span is not None:  # a re-homed state's flat tensor: held weakly, a copy of its own,
                 # through the tensor the states are views of (what keeps the memory while they are the states)
-                anchor, n = held[0]._base if held[0]._base is not None else held[0], _nbytes(p.src)
+                anchor, n = held[0]._base if held[0]._base is not None else held[0], nbytes_of(p.src)
                 plan._static.append((WeakBytes(anchor, span[1], n), _Dst(rel, torch.uint8, (n,))))
                 plan.cuda |= p.src.is_cuda
             elif span is not None and not p.live:
