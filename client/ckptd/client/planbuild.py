@@ -76,9 +76,8 @@ def build_stage_plan(
     plan = StagePlan([shard_meta(s, i) for i, s in enumerate(everything)], offsets, sizes, aligned(end), fingerprint)
     plan.replicas = replica_metas(replicas)
     runs = _Runs(plan)
-    for i in plain:
+    for i in plain:  # (a piece that holds lookups or is live is never plain)
         runs.add(pieces[i][0].src, offsets[i])  # type: ignore[arg-type]
-        _hold(plan, pieces[i][0])
     runs.flush()
     for i, ps in enumerate(pieces):
         if i not in spans:
