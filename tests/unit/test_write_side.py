@@ -1,14 +1,17 @@
 """The daemon's write side where a failure meets a save: a save refused because its step failed meanwhile
 gives its staging space back; retention never removes a step the daemon is still writing (steps may commit
 out of order); a commit makes its metadata durable before the marker; an attempt given up ends without holding
-up other steps' saves."""
+up other steps' saves, and a retried attempt's bytes are never overwritten by the failed one's late writes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,19 +21,21 @@ from ckptd.daemon.arena import Arena
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import StepJob
 from ckptd.daemon.service import CheckpointService
+from ckptd.writer import arrays
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink
 from ckptd.writer.backends import open_backend
+from ckptd.writer.checksum import crc32c
 from ckptd.writer.commit import CheckpointWriter, plan_retention
 from ckptd.writer.errors import CkptdError, StorageError
 
 
 @contextlib.asynccontextmanager
-async def _service(tmp_path: Path) -> AsyncIterator[tuple[CheckpointService, Arena]]:
+async def _service(tmp_path: Path, **config: Any) -> AsyncIterator[tuple[CheckpointService, Arena]]:
     """A daemon's service over a local root and a 1 MiB arena under ``tmp_path``, in this process."""
     (tmp_path / "shm").mkdir()
     cfg = DaemonConfig(root=str(tmp_path / "root"), socket=str(tmp_path / "s.sock"), arena_size=1 << 20,
-                       retain=False)
+                       retain=False, **config)
     arena = Arena(cfg.arena_size, shm_dir=str(tmp_path / "shm"), prefault=False)
     try:
         yield CheckpointService(cfg, arena, await open_backend(cfg.root, None, create=True)), arena
@@ -160,3 +165,50 @@ def test_an_attempt_given_up_ends_outside_the_job_lock(tmp_path: Path) -> None:
     job = asyncio.run(go())
     assert events == ["note started", "step 4 rank 0 prepared", "note written", "step 3 rank 1 prepared"]
     assert job.attempt == "runB.1" and job.state is StepState.PENDING
+
+
+def test_a_failed_attempts_late_write_never_lands_over_the_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt A of step 5 fails on rank 0's write while rank 1's write of A is still in a slow storage call;
+    both ranks retry at once (attempt B, other values). B starts only once A's write returned, so the step
+    commits B's bytes under B's manifest (before: A's chunk landed after B's commit, a committed step whose
+    chunk held the failed attempt's data)."""
+    put = arrays._put_local
+    calls: dict[str, int] = {}
+
+    def storage(path: str, block: Any, *args: Any, **kwargs: Any) -> Any:
+        name = "w" if "/w/" in path else "v"
+        calls[name] = calls.get(name, 0) + 1
+        if calls[name] == 1 and name == "w":
+            raise OSError(errno.EIO, "injected: rank 0's write in attempt A")
+        if calls[name] == 1:
+            time.sleep(0.5)  # rank 1's write in attempt A: slow storage
+        return put(path, block, *args, **kwargs)
+
+    monkeypatch.setattr(arrays, "_put_local", storage)
+
+    async def go() -> tuple[list[StepState], bytes, int]:
+        async with _service(tmp_path, stage_grace_s=0.0) as (svc, arena):
+            async def save(rank: int, key: str, value: float, attempt: str, owner: int) -> None:
+                lease = await arena.lease(owner, [4096], 1.0)
+                np.frombuffer(arena.mm, np.float32, 1024, lease.offsets[0])[:] = value
+                await svc.accept(SaveRequest(
+                    v=PROTOCOL_VERSION, lease_id=lease.lease_id, step=5, rank=rank, world_size=2, node=0,
+                    num_nodes=1, local_world_size=2, objects={}, attempt=attempt,
+                    shards=[ShardMeta(key, "float32", [1024], [0], [1024], [1024], 0)]), owner)
+
+            states = []
+            for n, value in ((1, 1.0), (2, 2.0)):
+                await save(0, "w", value, f"run.{n}", 2 * n)
+                await save(1, "v", value, f"run.{n}", 2 * n + 1)
+                states.append((await svc.status(5, 10.0, f"run.{n}"))[0])
+            await asyncio.sleep(0.7)  # attempt A's write, were it still running, would have landed by now
+            commit = await svc.root.read_commit(5)
+            record = next(a for a in commit.arrays if a.name == "v")
+            return states, (tmp_path / "root" / "step_5" / "v" / "c.0").read_bytes(), record.shards[0].chunks[0].crc32c
+
+    states, stored, crc = asyncio.run(go())
+    assert states == [StepState.FAILED, StepState.COMMITTED]
+    assert int(crc32c(stored[:-4])) == crc
+    assert np.all(np.frombuffer(stored[:-4], np.float32) == 2.0)

@@ -88,7 +88,8 @@ class StepJob:
         self.attempt = attempt  # the ranks' attempt token (client/attempts.py); "" when unknown
         self.superseded = False  # given up for a newer attempt of the same step by restarted ranks
         self.earlier: StepJob | None = None  # the attempt at the step this one replaced (failed)
-        self.ending: asyncio.Task[None] | None = None  # given up: its writes ending, its note being written
+        # the node's work for the step beside its rank writes: the part-timeout watch, the finish, a give-up's end
+        self.aside: list[asyncio.Task[None]] = []
         # timing
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -169,6 +170,12 @@ class StepJob:
             save.records = []
             save.request = msgspec.structs.replace(save.request, shards=[], replicas=[], objects={}, sidecars={})
         self.written_keys = []
+
+    def unsettled(self) -> set[asyncio.Task[None]]:
+        """Its tasks still running: rank writes (a cancelled one runs until its storage call returns), the
+        finish, the part-timeout watch, a give-up's end. Another attempt at the step writes the same keys
+        and notes: it starts once these ended."""
+        return {t for t in (*self.tasks.values(), *self.aside) if not t.done()}
 
     # --- rank saves -------------------------------------------------------------------------------
     def add_save(self, save: RankSave, nbytes: int) -> bool:

@@ -59,6 +59,7 @@ CLOCK_SKEW_S = 5.0  # failure notes older than a step's start (less this) are an
 SUPERSEDE_WAIT_S = 20.0  # a new attempt's rank waits this long for its node's earlier attempt to end
 
 Task = asyncio.Task[None]
+Tasks = set[Task]
 # Starts a background task of the service (the server passes its task group's); the name is for logs.
 Spawn = Callable[[Coroutine[Any, Any, None], str], Task]
 
@@ -82,7 +83,7 @@ class CheckpointService:
         self.draining = False
         self.writer = ShardWriter(config, arena, backend)
         self._job_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: Tasks = set()
         self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
         self.plans = PlanRegistry()
@@ -131,7 +132,7 @@ class CheckpointService:
         write = self.writer.write_rank(job, save) if span is None else self._write_span(job, save, span)
         job.tasks[req.rank] = self._spawn(write, f"write step={req.step} rank={req.rank}")
         if last:
-            self._spawn(self._finish_node(job), f"finish step={req.step}")
+            job.aside.append(self._spawn(self._finish_node(job), f"finish step={req.step}"))
         return nbytes
 
     async def _write_span(self, job: StepJob, save: RankSave, span: Lease) -> None:
@@ -173,17 +174,18 @@ class CheckpointService:
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
         waited = False
         while not isinstance(job := await self._job_locked(req, since, waited), StepJob):
-            if job is not None:  # an attempt given up: its writes end, its note is written (outside the lock)
-                await asyncio.wait({job})
+            if job is not None:  # a failed attempt's writes and note end first, outside the lock
+                await asyncio.wait(job)
                 continue
             waited = True  # another attempt, all its ranks saved, may still commit: wait a while, outside the lock
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.jobs[req.step].finished.wait(), SUPERSEDE_WAIT_S)
         return job
 
-    async def _job_locked(self, req: SaveRequest | PrepareStep, since: float, waited: bool) -> StepJob | Task | None:
+    async def _job_locked(self, req: SaveRequest | PrepareStep, since: float, waited: bool) -> StepJob | Tasks | None:
         """:meth:`_job_for` under the lock. None: another attempt in flight, all its ranks saved, not waited
-        for; a task: an attempt at the step given up, still ending (the new one starts once it ended)."""
+        for; tasks: a failed attempt at the step still ending (cancelled writes returning from storage, its
+        note): the new one, writing the same keys, starts once they ended."""
         async with self._job_lock:
             job = self.jobs.get(req.step)
             if job is not None and job.state is StepState.COMMITTED:
@@ -194,8 +196,8 @@ class CheckpointService:
                         return None
                     raise self._busy(job, req)
                 self._give_up(job, req)
-            if job is not None and job.ending is not None and not job.ending.done():
-                return job.ending
+            if job is not None and job.state is StepState.FAILED and (busy := job.unsettled()):
+                return busy
             if (job is not None and job.state is StepState.FAILED and job.error is not None
                     and req.rank not in job.saves and req.rank not in job.told and _late(job, req, since)):
                 # A new attempt would wait for ranks that already heard of the failure (until --part-timeout)
@@ -219,7 +221,7 @@ class CheckpointService:
                 if job.earlier is not None:
                     job.earlier.earlier = None
                 self._forget_old_jobs()
-                self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}")
+                job.aside.append(self._spawn(self._watch_part_timeout(job), f"timeout step={req.step}"))
                 if self.journal is not None:
                     entry = self.journal.started(req.step, req.node, req.num_nodes, req.attempt)
                     self._spawn(self._journal_until_final(job, self.journal, entry), f"journal step={req.step}")
@@ -237,10 +239,9 @@ class CheckpointService:
         of its own: its processes were restarted, or the save is retried, so the missing ranks will never
         save into it. It fails at once (not after ``--part-timeout``); its writes in flight are cancelled;
         a note tells the other nodes' daemons, still in that attempt, to stop waiting for it. Both end in
-        ``job.ending``, outside the job lock (a write stuck in a storage call, a note in retry backoff
-        delays no other step's saves); the new attempt starts, writing the same keys, once it ended. (An
-        attempt whose ranks all saved may still commit: the rank waits up to :data:`SUPERSEDE_WAIT_S` for
-        it, then gets :meth:`_busy`'s error.)"""
+        ``job.aside``, outside the job lock (a storage call stuck, a note in retry backoff delays no other
+        step's saves); the new attempt starts, writing the same keys, once it ended. (An attempt whose ranks
+        all saved may still commit: the rank waits :data:`SUPERSEDE_WAIT_S` for it, then gets :meth:`_busy`'s.)"""
         err = StepFailedError(
             f"step {job.step} node {job.node}: attempt {job.attempt} given up: rank {req.rank} started "
             f"attempt {req.attempt} of the step while {job.missing_ranks} of its ranks had not saved"
@@ -250,7 +251,7 @@ class CheckpointService:
             return
         for task in job.tasks.values():
             task.cancel()
-        job.ending = self._spawn(self._end_given_up(job, err), f"give up step={job.step}")
+        job.aside.append(self._spawn(self._end_given_up(job, err), f"give up step={job.step}"))
 
     async def _end_given_up(self, job: StepJob, err: StepFailedError) -> None:
         await asyncio.gather(*job.tasks.values(), return_exceptions=True)
@@ -414,7 +415,7 @@ class CheckpointService:
         return job.state, job.error
 
     # --- lifecycle --------------------------------------------------------------------------------
-    def _spawn_detached(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    def _spawn_detached(self, coro: Coroutine[Any, Any, None], name: str) -> Task:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -100,7 +100,10 @@ class ShardWriter:
                 for _ in range(min(self.config.write_concurrency, len(save.request.shards))):
                     tg.create_task(worker())
         except* Exception as group:
-            job.fail(self.backend.error(first_leaf(group)))
+            if job.fail(self.backend.error(first_leaf(group))):  # the node's other writes serve no commit now
+                for task in job.tasks.values():
+                    if task is not asyncio.current_task():
+                        task.cancel()
         finally:
             self.arena.release(lease)
 
