@@ -3,8 +3,10 @@ deleting older steps does afterwards. A store that refuses deletes (an S3 bucket
 ``DeleteObject``, Object Lock) leaves the old steps in place and a warning in the log; every save still
 commits, and once deletes work again the next commit's retention removes what it could not before.
 
-Real moto server behind the fault proxy, which answers the deletes of step 1's commit marker (the first
-object retention deletes) with 403 ``AccessDenied``.
+Aborting the unfinished multipart uploads of a deleted step is optional the same way: a policy without
+``s3:AbortMultipartUpload`` leaves them (with a warning), and ``ckptd gc`` still removes every step it should.
+
+Real moto server behind the fault proxy, which answers the refused requests with 403 ``AccessDenied``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_s3 import aws_env, in_aws_env, options, s3_flags  # noqa: F401 (fixture)
+from test_s3 import aws_env, cli, in_aws_env, options, s3_flags  # noqa: F401 (fixture)
 
 from ckptd.client import CheckpointClient, Placement
 from ckptd.client.reader import load
@@ -54,3 +56,33 @@ def test_a_refused_delete_of_an_old_step_fails_no_committed_step(s3: S3Server, p
     template = {"x": torch.zeros(4)}
     load(f"s3://{BUCKET}/{prefix}", "latest", template, storage_options=options(s3.endpoint_url))
     assert torch.equal(template["x"], torch.full((4,), 3.0))
+
+
+def test_gc_removes_its_steps_when_the_store_refuses_to_abort_uploads(s3: S3Server, proxy: FaultProxy,
+                                                                        start_daemon) -> None:
+    """Each of three old steps holds an upload a crashed writer left; the store refuses the aborts: ``ckptd
+    gc`` exits 0 and removes all three (before: an untyped ``ExceptionGroup`` after the first, exit 1)."""
+    prefix = "abort-denied"
+    root = f"s3://{BUCKET}/{prefix}"
+    d = start_daemon(root, "d0", *s3_flags(proxy.url), env=aws_env(s3))
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    for step in (1, 2, 3, 4):
+        client.save(step, {"x": torch.full((4,), float(step))}).wait(60)
+    client.close()
+    s3c = s3.client()
+    for step in (1, 2, 3):
+        s3c.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_{step}/x/c.0")
+
+    proxy.set_faults(fail_all=Fault.ERROR, methods=["DELETE"], path_regex="uploadId=", error_status=403,
+                     error_code="AccessDenied", error_message="Access Denied")
+    out = cli("gc", root, "--keep", "1", *s3_flags(proxy.url), env=aws_env(s3))
+    assert out.returncode == 0, out.stderr
+    assert "removed steps: [1, 2, 3]" in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr and "multipart_listing" in out.stderr, out.stderr  # one warning
+    assert proxy.stats().faults.get("error", 0) >= 1
+    assert _steps(s3, prefix) == ["step_4"]
+    uploads = s3c.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{prefix}/").get("Uploads", [])
+    assert len(uploads) == 3  # left for the store's own cleanup (docs/operations.md), not lost silently
+    template = {"x": torch.zeros(4)}
+    load(root, "latest", template, storage_options=options(s3.endpoint_url))
+    assert torch.equal(template["x"], torch.full((4,), 4.0))

@@ -28,7 +28,7 @@ from ckptd.daemon.plans import PlanRegistry, check_shards
 from ckptd.daemon.replicas import check_replica_metas, node_replicas
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
-from ckptd.daemon.writes import ShardWriter, first_leaf
+from ckptd.daemon.writes import ShardWriter
 from ckptd.writer.backends import Backend
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import (
@@ -40,6 +40,7 @@ from ckptd.writer.errors import (
     SaveTimeoutError,
     StepCommittedError,
     StepFailedError,
+    first_leaf,
 )
 from ckptd.writer.format import (
     CHUNK_SEPARATOR,

@@ -24,6 +24,7 @@ from ckptd.daemon.packing import HeldBlock, assemble, covers_whole, packable
 from ckptd.daemon.restore import Retention
 from ckptd.writer.arrays import ChunkSink, array_metadata, checksum, chunk_selection, open_for_write
 from ckptd.writer.backends import Backend
+from ckptd.writer.errors import first_leaf
 from ckptd.writer.format import (
     CHUNK_SEPARATOR,
     ChunkRecord,
@@ -210,9 +211,3 @@ class ShardWriter:
         rec = ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape), [r for r in records if r])
         save.records.append((meta, rec))
 
-
-def first_leaf(exc: BaseException) -> BaseException:
-    """The first real exception inside (possibly nested) exception groups."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc

@@ -162,6 +162,14 @@ class LayoutMismatchError(StateMismatchError):
     """The checkpoint was written with another TP/PP layout than the loader's."""
 
 
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first real exception inside (possibly nested) exception groups: what a task group's failure
+    reaches the caller as (its typed error, not an ``ExceptionGroup``)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def error_classes() -> dict[str, type[CkptdError]]:
     """Every concrete error class by name, for re-raising errors received over the socket."""
     found: dict[str, type[CkptdError]] = {}

@@ -56,6 +56,8 @@ from ckptd.writer.errors import (
     ConfigError,
     StorageError,
     StorageNotFoundError,
+    StoragePermissionError,
+    first_leaf,
 )
 
 __all__ = [
@@ -358,6 +360,9 @@ async def abort_incomplete_uploads(
                 err = classify_error(exc, url)
                 if isinstance(err, StorageNotFoundError) and error_code(exc) == "NoSuchUpload":
                     return
+                if isinstance(err, StoragePermissionError):  # a policy without s3:AbortMultipartUpload
+                    mark_lacking(fs, MULTIPART_LISTING, exc)  # optional: never fails the retention or gc
+                    return
                 raise err from exc
             aborted += 1
 
@@ -383,9 +388,14 @@ async def abort_incomplete_uploads(
             for u in page.get("Uploads", [])
             if initiated_before is None or u["Initiated"] < initiated_before
         ]
-        async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
-            for key, upload_id in todo:
-                tg.create_task(abort(key, upload_id))
+        try:
+            async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
+                for key, upload_id in todo:
+                    tg.create_task(abort(key, upload_id))
+        except* Exception as group:
+            raise first_leaf(group) from group
+        if lacks(fs, MULTIPART_LISTING):  # refused: the rest would be refused too
+            return aborted
         if not page.get("IsTruncated"):
             break
         key_marker, upload_marker = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
@@ -450,9 +460,12 @@ async def delete_one_by_one(fs: s3fs.S3FileSystem, path: str) -> None:
             except Exception as exc:
                 raise classify_error(exc, url) from exc
 
-    async with asyncio.TaskGroup() as tg:
-        for key in keys:
-            tg.create_task(one(key))
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for key in keys:
+                tg.create_task(one(key))
+    except* Exception as group:
+        raise first_leaf(group) from group
 
 
 async def _put(fs: s3fs.S3FileSystem, bucket: str, key: str, data: bytes, url: str) -> None:

@@ -19,7 +19,7 @@ Conditional PUTs are probed once per endpoint before the first commit marker (so
 among them, accept the header and overwrite anyway). The others are tried; a server answering
 ``NotImplemented`` (HTTP 501) or ``MethodNotAllowed`` (405) is remembered as lacking it (per
 endpoint, for the process) and warned about once; the operation that needed it carries on without it
-instead of failing.
+instead of failing. So is an abort refused with 403 (a policy without ``s3:AbortMultipartUpload``).
 """
 
 from __future__ import annotations
