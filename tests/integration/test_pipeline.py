@@ -230,6 +230,17 @@ def test_retention_keeps_newest_and_gc_cli(start_daemon, tmp_path):
     cli = [sys.executable, "-m", "ckptd.daemon.cli"]
     subprocess.run([*cli, "gc", root, "--keep", "1"], check=True, capture_output=True)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_4"]
+    # An unfinished step older than the newest commit, written to just now: a daemon may still be writing it
+    # (steps can commit out of order), so gc leaves it until nothing was written under it for --grace.
+    chunk = tmp_path / "ckpt" / "step_3" / "x" / "c.0"
+    chunk.parent.mkdir(parents=True)
+    chunk.write_bytes(b"\0" * 16)
+    out = subprocess.run([*cli, "gc", root, "--keep", "1"], check=True, capture_output=True, text=True)
+    assert "kept unfinished steps written to within 1200s (--grace): [3]" in out.stdout, out.stdout
+    assert chunk.exists()
+    os.utime(chunk, (time.time() - 1300, time.time() - 1300))
+    out = subprocess.run([*cli, "gc", root, "--keep", "1"], check=True, capture_output=True, text=True)
+    assert "removed steps: [3]" in out.stdout and not chunk.parent.parent.exists(), out.stdout
     subprocess.run([*cli, "gc", root, "--keep", "0"], check=True, capture_output=True)
     assert (tmp_path / "ckpt" / "step_4" / "_ckptd" / "COMMITTED").exists()  # never the only committed step
     out = subprocess.run([*cli, "ls", root, "--json"], check=True, capture_output=True, text=True)

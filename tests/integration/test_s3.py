@@ -168,7 +168,11 @@ def test_two_nodes_four_ranks_round_trip_cli_and_gc(s3: S3Server, start_daemon, 
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/step_0/_ckptd/_parts/node-0.json", Body=b"{}")
     client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_0/model/w/c.0.0")
     client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}/step_1/model/w/c.1.0")
-    out = cli("gc", root, "--keep", "1", *flags, env=env)
+    out = cli("gc", root, "--keep", "1", *flags, env=env)  # step 0 was written to just now: a daemon may be
+    assert out.returncode == 0, out.stderr                   # writing it still (from its objects' LastModified)
+    assert "within 1200s (--grace): [0]" in out.stdout, out.stdout
+    assert {k.split("/")[1] for k in s3.list_keys(BUCKET, f"{prefix}/")} == {"step_0", "step_2", "_ckptd", "zarr.json"}
+    out = cli("gc", root, "--keep", "1", "--grace", "0", *flags, env=env)
     assert out.returncode == 0, out.stderr
     left = {k.split("/")[1] for k in s3.list_keys(BUCKET, f"{prefix}/")}
     assert left == {"step_2", "_ckptd", "zarr.json"}

@@ -77,6 +77,8 @@ def test_retention_never_removes_a_step_still_being_written(tmp_path: Path) -> N
     assert plan_retention([10, 12], [10, 11, 12], 2) == [11]  # an unfinished step left by a crash
     assert plan_retention([10, 12], [10, 11, 12], 2, busy={11}) == []
     assert plan_retention([10, 12], [10, 11, 12], 1, busy={11}) == [10]
+    # 11 then commits, after 12: its own commit's retention (11 still in flight there) does not remove it
+    assert plan_retention([10, 11, 12], [10, 11, 12], 1, busy={11}) == [10]
 
     async def go() -> tuple[list[int], bool]:
         async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:

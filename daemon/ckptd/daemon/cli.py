@@ -25,6 +25,9 @@ log = logging.getLogger("ckptd")
 
 # HTTP/S3 client libraries log request headers (signed credentials) and call arguments at DEBUG.
 _QUIET_BELOW_INFO = ("botocore", "aiobotocore", "boto3", "s3fs", "urllib3", "aiohttp", "fsspec")
+# `gc` leaves an unfinished step written to more recently alone: a daemon writing it has given up by then
+# (the default --part-timeout plus --commit-timeout)
+GC_GRACE_S = 1200.0
 
 
 def _setup_logging(level: str) -> None:
@@ -150,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("root")
     g.add_argument("--keep", type=int, required=True)
     g.add_argument("--dry-run", action="store_true")
+    g.add_argument("--grace", type=float, default=GC_GRACE_S, metavar="SECONDS",
+                   help="keep unfinished steps written to within SECONDS: a daemon may still be writing one "
+                   f"(a step can commit after a newer one); 0 removes them all (default {GC_GRACE_S:.0f})")
     _storage_flags(g, config=True)
     add_commands(sub)
     return parser
@@ -215,7 +221,7 @@ async def _offline(args: argparse.Namespace) -> int:
         if args.command == "verify":
             return await _verify(root, args.step, args.json)
         if args.command == "gc":
-            return await _gc(root, args.keep, args.dry_run)
+            return await _gc(root, args.keep, args.dry_run, args.grace)
         if args.command == "merge":
             return await _merge(root, args.step, args.workers, args.json)
         raise ConfigError(f"unknown command {args.command!r}")
@@ -350,14 +356,17 @@ async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) 
     return 0
 
 
-async def _gc(root: CheckpointRoot, keep: int, dry_run: bool) -> int:
+async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float) -> int:
     from ckptd.writer.commit import CheckpointWriter
 
     writer = CheckpointWriter(root.backend)
+    lately = await writer.written_lately(grace_s) if grace_s > 0 else []
+    if lately:
+        print(f"kept unfinished steps written to within {grace_s:.0f}s (--grace):", lately)
     if dry_run:
-        print("would remove steps:", await writer.doomed_steps(keep) or "none")
+        print("would remove steps:", await writer.doomed_steps(keep, busy=lately) or "none")
         return 0
-    removed = await writer.retain(keep)
+    removed = await writer.retain(keep, busy=lately)
     print("removed steps:", removed or "none")
     return 0
 

@@ -286,6 +286,17 @@ class CheckpointWriter(CheckpointRoot):
         """What :meth:`retain` would remove now (see :func:`plan_retention`)."""
         return plan_retention(await self.committed_steps(), await self.steps(), keep, busy)
 
+    async def written_lately(self, within_s: float) -> list[int]:
+        """The unfinished steps something wrote under in the last ``within_s`` seconds (or whose time the
+        store cannot tell): maybe still being written by a daemon, as a step may commit after a newer one.
+        What ``ckptd gc``, which does not know the daemons' steps in flight, leaves alone."""
+        committed = set(await self.committed_steps())
+        unfinished = [s for s in await self.steps() if s not in committed]
+        newest = self.backend.newest_write
+        times = await bounded_map(lambda s: newest(step_dir(s)), unfinished, limit=METADATA_CONCURRENCY)
+        now = time.time()
+        return [s for s, t in zip(unfinished, times, strict=True) if t is None or now - t < within_s]
+
     async def retain(self, keep: int, busy: Collection[int] = ()) -> list[int]:
         """Keep the newest ``keep`` committed steps; drop older ones and unfinished steps older than the
         newest commit, except those in ``busy`` (steps a daemon is still writing: a step may commit after a
@@ -308,15 +319,16 @@ def _note_of(note: dict[str, object], attempt: str, since: float) -> bool:
 
 def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Collection[int] = ()) -> list[int]:
     """The steps retention removes, ascending: committed ones beyond the newest ``max(1, keep)``, and
-    unfinished ones older than the newest commit unless ``busy`` (still being written). Nothing when nothing
+    unfinished ones older than the newest commit, never one in ``busy`` (still being written, or committed
+    just now: a step that commits after a newer one stays until the next commit). Nothing when nothing
     committed. Pure."""
     if not committed:
         return []
     newest = max(committed)
     done = sorted(committed)
     doomed = set(done[: -max(1, keep)])
-    doomed |= {s for s in steps if s < newest and s not in committed and s not in busy}
-    return sorted(doomed)
+    doomed |= {s for s in steps if s < newest and s not in committed}
+    return sorted(doomed - set(busy))
 
 
 async def _write_array_doc(store: Store, path: str, rec: ArrayRecord) -> None:

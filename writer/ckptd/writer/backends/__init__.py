@@ -199,6 +199,11 @@ class Backend(ABC):
         except Exception as exc:
             raise self.error(exc) from exc
 
+    async def newest_write(self, prefix: str) -> float | None:
+        """When the newest object under ``prefix`` was written (seconds since the epoch); ``None`` when
+        nothing is there or the backend cannot tell (``ckptd gc`` then keeps an unfinished step)."""
+        return None
+
     # --- durability and cleanup -------------------------------------------------------------------
     async def sync(self, keys: Iterable[str], *, files: bool = True) -> None:
         """Make written objects durable (their files unless ``files=False``: synced as written; and

@@ -77,6 +77,17 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self.error(exc) from exc
 
+    async def newest_write(self, prefix: str) -> float | None:
+        def newest() -> float | None:
+            times = [os.stat(os.path.join(d, f)).st_mtime
+                     for d, _, files in os.walk(os.path.join(self._path, prefix)) for f in files]
+            return max(times, default=None)
+
+        try:
+            return await asyncio.to_thread(newest)
+        except OSError as exc:
+            raise self.error(exc) from exc
+
     async def sync(self, keys: Iterable[str], *, files: bool = True) -> None:
         paths = [os.path.join(self._path, k) for k in keys]
 

@@ -50,7 +50,7 @@ from ckptd.writer.backends.s3_errors import (
     split_s3_url,
     treat_429_as_throttling,
 )
-from ckptd.writer.backends.s3_read import read_range_into
+from ckptd.writer.backends.s3_read import newest_modified, read_range_into
 from ckptd.writer.errors import (
     CkptdError,
     ConfigError,
@@ -240,6 +240,9 @@ class S3Backend(Backend):
                     raise
                 mark_lacking(self.fs, BATCH_DELETE, exc)
         await delete_one_by_one(self.fs, f"{self._path}/{prefix}".rstrip("/"))
+
+    async def newest_write(self, prefix: str) -> float | None:
+        return await newest_modified(self.fs, f"{self._path}/{prefix}".rstrip("/"), self.url)
 
     async def abort_uploads(self, prefix: str) -> int:
         bucket, _, base = self._path.partition("/")

@@ -1,4 +1,5 @@
-"""Ranged GETs straight into the caller's memory: the S3 half of the fast read path.
+"""Ranged GETs straight into the caller's memory: the S3 half of the fast read path (and the listing
+that tells ``ckptd gc`` when a step was last written to).
 
 ``s3fs``'s ``cat_file`` reads a body into a new ``bytes`` (and its concurrent variant into a ``bytearray``
 it then copies again); zarr wraps that in a ``Buffer``, and the reader copied it once more into place.
@@ -24,7 +25,7 @@ from botocore.exceptions import ReadTimeoutError, ResponseStreamingError
 
 from ckptd.writer.backends.s3_errors import classify_error, error_code
 
-__all__ = ["read_range_into"]
+__all__ = ["newest_modified", "read_range_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +83,13 @@ async def _fill(body: object, bufs: Sequence[memoryview]) -> int:
             pos += n
         got += pos
     return got
+
+
+async def newest_modified(fs: s3fs.S3FileSystem, path: str, url: str) -> float | None:
+    """The newest ``LastModified`` of the objects under ``path`` (``bucket/prefix``), as epoch seconds."""
+    try:
+        found = await fs._find(path, detail=True)
+    except Exception as exc:
+        raise classify_error(exc, url) from exc
+    times = [info["LastModified"].timestamp() for info in found.values() if info.get("LastModified")]
+    return max(times, default=None)
