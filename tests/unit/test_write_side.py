@@ -19,7 +19,7 @@ import pytest
 from ckptd.client.protocol import PROTOCOL_VERSION, PrepareStep, SaveRequest, ShardMeta, StepState
 from ckptd.daemon.arena import Arena
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.job import StepJob
+from ckptd.daemon.job import InFlightSteps, NodeStep, StepJob
 from ckptd.daemon.service import CheckpointService
 from ckptd.writer import arrays
 from ckptd.writer import format as fmt
@@ -92,6 +92,31 @@ def test_retention_never_removes_a_step_still_being_written(tmp_path: Path) -> N
 
     removed, kept = asyncio.run(go())
     assert removed == [] and kept
+
+
+def test_retention_spares_a_step_started_while_it_deletes(tmp_path: Path) -> None:
+    """The daemon's steps in flight are asked for again before each delete: an old step number saved
+    again (a retry, a rollback) while retention removes older steps is spared."""
+    jobs: dict[int, StepJob] = {}
+
+    async def go() -> tuple[list[int], bool]:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            writer, sink = CheckpointWriter(backend), ChunkSink(backend)
+            for step in (9, 10, 11, 12):
+                await sink.put(f"{fmt.step_dir(step)}/x/c.0", np.zeros(4, "float32"))
+            await writer.write_marker(12, b"{}")
+            delete_step = writer.delete_step
+
+            async def delete_and_meanwhile(step: int) -> None:
+                await delete_step(step)
+                jobs[10] = StepJob(NodeStep(10, 0, 1, 1, 1))  # a rank saves step 10 again meanwhile
+
+            writer.delete_step = delete_and_meanwhile  # type: ignore[method-assign]
+            removed = await writer.retain(1, busy=InFlightSteps(jobs))
+            return removed, await backend.exists(f"{fmt.step_dir(10)}/x/c.0")
+
+    removed, kept = asyncio.run(go())
+    assert removed == [9, 11] and kept
 
 
 def test_a_commit_makes_its_metadata_durable_before_the_marker(

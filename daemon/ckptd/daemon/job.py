@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -204,3 +204,21 @@ class StepJob:
         known = [n for r, n in sorted(spans.items()) if r != rank and r not in self.saves][:due]
         largest = max(max(s.staged for s in self.saves.values()), max(spans.values(), default=0))
         return known + [largest] * (due - len(known))
+
+
+class InFlightSteps(Collection[int]):
+    """The steps of ``jobs`` (step -> its job on this node) not final yet, read at each use: retention asks
+    again before each delete, so a step started while it lists and deletes is spared too."""
+
+    def __init__(self, jobs: Mapping[int, StepJob]) -> None:
+        self._jobs = jobs
+
+    def __contains__(self, step: object) -> bool:
+        job = self._jobs.get(step) if isinstance(step, int) else None
+        return job is not None and not job.final
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([step for step, job in self._jobs.items() if not job.final])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

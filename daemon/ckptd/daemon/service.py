@@ -22,7 +22,7 @@ from ckptd.client.attempts import valid_token
 from ckptd.client.protocol import PrepareStep, SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.job import NodeStep, RankSave, StepJob
+from ckptd.daemon.job import InFlightSteps, NodeStep, RankSave, StepJob
 from ckptd.daemon.journal import JournalEntry, StepJournal
 from ckptd.daemon.plans import PlanRegistry, check_shards
 from ckptd.daemon.replicas import check_replica_metas, node_replicas
@@ -323,11 +323,10 @@ class CheckpointService:
         self._log_step(job)
 
     async def _retain(self) -> None:
-        """Delete the steps ``--keep`` no longer keeps. The step just committed is committed whatever this
-        does: a store that refuses deletes (a bucket policy, Object Lock) or fails one leaves old steps in
-        place and a warning, and the next commit tries again."""
-        try:  # never a step this node still writes: steps may commit out of order (a chunk in retry backoff)
-            await self.root.retain(self.config.keep, busy={j.step for j in self.in_flight()})
+        """Delete the steps ``--keep`` no longer keeps. A store that refuses deletes (a bucket policy, Object
+        Lock) or fails one leaves them and a warning (never fails the commit); the next commit tries again."""
+        try:  # never a step this node still writes (asked before each delete): steps may commit out of order
+            await self.root.retain(self.config.keep, busy=InFlightSteps(self.jobs))
         except Exception as exc:
             log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
                         self.config.keep, self.root.backend.error(exc))

@@ -302,10 +302,14 @@ class CheckpointWriter(CheckpointRoot):
         newest commit, except those in ``busy`` (steps a daemon is still writing: a step may commit after a
         newer one). Never removes the only committed step, nor anything when nothing committed."""
         doomed = await self.doomed_steps(keep, busy)
+        removed = []
         for step in doomed:
+            if step in busy:  # asked again: ``busy`` may be a live view (the daemon's steps in flight)
+                continue
             log.info("retention: removing step %d", step)
             await self.delete_step(step)
-        return doomed
+            removed.append(step)
+        return removed
 
 
 def _note_of(note: dict[str, object], attempt: str, since: float) -> bool:
