@@ -15,7 +15,12 @@ stamp=.venv/.ckptd-installed
 want=$(cat pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: installing into .venv (torch 2.13.0 CPU first, then ckptd[all,test,verl,bench])" >&2
-  .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+  # the CPU build: from the machine's wheels where pip is configured with them (find-links), or from
+  # CKPTD_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu); PyPI's Linux wheel is the CUDA build
+  .venv/bin/pip install --quiet --disable-pip-version-check \
+    ${CKPTD_TORCH_INDEX:+--index-url "$CKPTD_TORCH_INDEX"} torch==2.13.0
+  .venv/bin/python -c 'import torch; torch.version.cuda is None or print(
+      f"bootstrap: note: torch {torch.__version__} is a CUDA build (CKPTD_TORCH_INDEX picks the CPU one)")' >&2
   .venv/bin/pip install --quiet --disable-pip-version-check -c .ci/constraints.txt -e ".[all,test,verl,bench]"
   echo "$want" > "$stamp"
 fi
