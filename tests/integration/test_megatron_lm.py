@@ -63,10 +63,10 @@ def _args(root: str, **over: Any) -> argparse.Namespace:
     return args
 
 
-def _setup(seed: int, initialize_parallel: bool = True) -> tuple[Any, Any, Any, Any, FP8Meta]:
+def _setup(seed: int, initialize_parallel: bool = True, tp: int = 1) -> tuple[Any, Any, Any, Any, FP8Meta]:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    model, optimizer, train_step = build_gpt(seed=seed, data_seed=7, initialize_parallel=initialize_parallel)
+    model, optimizer, train_step = build_gpt(tp, seed=seed, data_seed=7, initialize_parallel=initialize_parallel)
     fp8 = FP8Meta()
     model[0].module.decoder.add_module("fp8_meta", fp8)
     for group in optimizer.param_groups:  # Megatron-LM's OptimizerConfig sets these from --min-lr/--lr
@@ -110,8 +110,9 @@ def _first_run(rank: int, world: int, root: str, model_only: bool) -> dict[str, 
 
 
 def _resume(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
-    model, optimizer, train_step, scheduler, fp8 = _setup(seed=99)  # other weights: only a load makes them equal
-    if mode == "optim_required":
+    # other weights: only a load makes them equal
+    model, optimizer, train_step, scheduler, fp8 = _setup(seed=99, tp=2 if mode.endswith("tp2") else 1)
+    if mode.startswith("optim_required"):
         try:
             load_checkpoint(model, optimizer, scheduler, args=_args(root))
         except StateMismatchError as exc:
@@ -179,6 +180,8 @@ def test_model_only_save_loads_without_optimizer_and_refuses_with_one(tmp_path: 
     assert not any(a.name.startswith("optim/") for a in commit.arrays)
     got = run_ranks(_resume, 2, root, "optim_required", env={"CKPTD_SOCKET": d.socket})
     assert "without optimizer state" in got[0]["error"]
+    got = run_ranks(_resume, 2, root, "optim_required_tp2")  # resharded: it said "sidecar  not found" before
+    assert all("without optimizer state: load it with optimizer=None" in g["error"] for g in got), got
     ft = run_ranks(_resume, 2, root, "finetune")
     assert all(torch.equal(a, b) for a, b in zip(ft[1]["params"], ref[1]["params"], strict=True))
 

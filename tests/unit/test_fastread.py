@@ -9,6 +9,7 @@ whole, chunks holding none of their elements not read."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import threading
@@ -39,7 +40,7 @@ from ckptd.writer.arrays import (
 )
 from ckptd.writer.backends import open_backend
 from ckptd.writer.commit import CheckpointWriter
-from ckptd.writer.errors import CorruptCheckpointError
+from ckptd.writer.errors import CorruptCheckpointError, StorageError, StoragePermissionError
 from ckptd.writer.progress import ByteProgress
 from ckptd.writer.root import open_root
 
@@ -354,6 +355,70 @@ def test_a_damaged_chunk_raises(root: str, tmp_path: Path, damage: str) -> None:
     part = torch.zeros(2, 5)
     load(copy, 1, {"w": Shard("w", part, (7, 5), (4, 0))})
     assert torch.equal(part, ARRAYS["w"][0][4:6])
+
+
+def test_a_manifest_missing_a_chunk_raises(root: str) -> None:
+    """A commit manifest whose chunk list has a gap (a damaged ``COMMITTED``, a faulty merge: the commit
+    checks coverage, the reader must not trust it) raises; the destination's rows were never loaded before."""
+    commit = read_commit(root, 1)
+    rec = next(r for r in commit.arrays if r.name == "w")
+    shard = msgspec.structs.replace(rec.shards[0], chunks=[c for c in rec.shards[0].chunks if c.coords != [1, 0]])
+    damaged = msgspec.structs.replace(commit, arrays=[msgspec.structs.replace(rec, shards=[shard])])
+
+    async def go() -> None:
+        async with open_root(root, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, damaged)
+            reader.add("w", torch.zeros(7, 5), (0, 0))
+            await reader.run()
+
+    with pytest.raises(CorruptCheckpointError, match=r"w: chunk \(1, 0\) is not in the manifest"):
+        asyncio.run(go())
+
+
+def test_a_chunk_the_file_system_refuses_raises_a_typed_error(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EACCES`` or ``EIO`` from the file system reach the caller as the local backend types them, naming
+    the chunk (not a bare ``OSError``). Injected: the tests run as root, whom file modes do not stop."""
+    real = os.open
+
+    def refusing(code: int) -> Callable[..., int]:
+        def open_(path: str, flags: int, *args: int) -> int:
+            if path.endswith(os.path.join("w", "c", "1", "0")):
+                raise OSError(code, os.strerror(code), path)  # EACCES: a PermissionError
+            return real(path, flags, *args)
+        return open_
+
+    monkeypatch.setattr(os, "open", refusing(errno.EACCES))
+    with pytest.raises(StoragePermissionError, match="c/1/0"):
+        load(root, 1, {"w": torch.zeros(7, 5)})
+    monkeypatch.setattr(os, "open", refusing(errno.EIO))
+    with pytest.raises(StorageError, match="c/1/0: the chunk could not be read"):
+        load(root, 1, {"w": torch.zeros(7, 5)})
+
+
+def test_a_cancelled_local_load_returns_once_no_thread_writes(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load cancelled (a timeout around it) while its threads read: the cancellation reaches the caller once
+    the threads ended their chunks, and none starts another; nothing lands in the tensors afterwards."""
+    from ckptd.client import fastread
+
+    def slow(path: str, job: Job) -> None:
+        time.sleep(0.3)
+        read_local(path, job)
+
+    monkeypatch.setattr(fastread, "read_local", slow)
+    dst = torch.zeros(7, 5)
+
+    async def go() -> torch.Tensor:
+        async with open_root(root, None, create=False) as ckpt:
+            reader = ChunkReader(ckpt, await ckpt.read_commit(1), concurrency=2)
+            reader.add("w", dst, (0, 0))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.run(), 0.1)
+            return dst.clone()
+
+    at_cancel = asyncio.run(go())
+    time.sleep(0.8)
+    assert torch.equal(dst, at_cancel)  # before: two more chunks landed after the load had returned
+    assert int((at_cancel != 0).any(1).sum()) == 4  # the two chunks the threads had begun (2 rows each), no more
 
 
 # --- S3: ranged GETs into the destination ----------------------------------------------------------------

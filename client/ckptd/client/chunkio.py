@@ -16,7 +16,7 @@ import numpy as np
 from ckptd.client.gather import Strided, blocks, scatter
 from ckptd.writer import checksum
 from ckptd.writer.checksum import crc32c
-from ckptd.writer.errors import CorruptCheckpointError
+from ckptd.writer.errors import CkptdError, CorruptCheckpointError, StorageError, StoragePermissionError
 from ckptd.writer.format import ChunkRecord
 
 CRC_BYTES = 4  # a raw chunk's crc32c trailer
@@ -114,7 +114,19 @@ def _check_trailer(job: Job, trailer: bytes) -> None:
 
 def read_local(path: str, job: Job) -> None:
     """Read the chunk at ``path`` (a local file) into ``job``'s destinations and check it: its size, then its
-    crc32c against the stored trailer and the manifest (:class:`CorruptCheckpointError` names it)."""
+    crc32c against the stored trailer and the manifest (:class:`CorruptCheckpointError` names it). The
+    file system's errors are typed as the local backend types them."""
+    try:
+        _read_local(path, job)
+    except CkptdError:
+        raise
+    except PermissionError as exc:
+        raise StoragePermissionError(f"{path}: {exc}") from exc
+    except OSError as exc:
+        raise StorageError(f"{path}: the chunk could not be read: {exc}") from exc
+
+
+def _read_local(path: str, job: Job) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:

@@ -47,7 +47,7 @@ from ckptd.client.state import dtype_name
 from ckptd.client.zarrpath import read_through_zarr
 from ckptd.writer.arrays import chunk_selection
 from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError
-from ckptd.writer.fanout import bounded_map, in_thread, in_thread_settled, shared_pool
+from ckptd.writer.fanout import bounded_map, in_thread_settled, shared_pool
 from ckptd.writer.format import (
     ArrayRecord,
     ChunkRecord,
@@ -343,8 +343,8 @@ class ChunkReader:
         spans = (range(o // c, -(-e // c)) for o, e, c in zip(offset, end, rec.chunks, strict=True))
         for coords in itertools.product(*spans):
             ch = grid.get(coords)
-            if ch is None:
-                continue
+            if ch is None:  # the manifest covers every array whole (checked at commit): a damaged one
+                raise CorruptCheckpointError(f"{rec.name}: chunk {coords} is not in the manifest")
             ext = chunk_selection(ch.coords, rec.chunks, rec.shape)
             lo = tuple(max(s.start, o) for s, o in zip(ext, offset, strict=True))
             hi = tuple(min(s.stop, e) for s, e in zip(ext, end, strict=True))
@@ -476,11 +476,12 @@ class ChunkReader:
                     raise
                 self.progress.advance(read_bytes(job))
 
+        threads = [shared_pool().submit(drain) for _ in range(min(self.concurrency, len(jobs)))]
         try:
-            done = await asyncio.gather(*(in_thread(drain) for _ in range(min(self.concurrency, len(jobs)))),
-                                        return_exceptions=True)
+            done = await asyncio.gather(*map(asyncio.wrap_future, threads), return_exceptions=True)
         finally:
-            stop.set()
+            stop.set()  # cancelled: the threads end their chunks before it goes on (none writes after it returned)
+            await asyncio.gather(*map(asyncio.wrap_future, threads), return_exceptions=True)
         failed = next((r for r in done if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed

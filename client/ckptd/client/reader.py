@@ -203,6 +203,9 @@ def plan_reads(commit: CommitManifest, template: Mapping[str, Any]) -> list[Shar
             raise StateMismatchError(
                 f"{shard.key}: checkpoint has dtype {rec.torch_dtype}, the template {shard.data.dtype}"
             )
+        if shard.data.dim() != len(shard.global_offset):
+            raise StateMismatchError(f"{shard.key}: the template's tensor has {shard.data.dim()} dimension(s), "
+                                     f"its offset {tuple(shard.global_offset)} {len(shard.global_offset)}")
         end = [o + n for o, n in zip(shard.global_offset, shard.data.shape, strict=True)]
         if any(o < 0 or e > g for o, e, g in zip(shard.global_offset, end, rec.shape, strict=True)):
             raise StateMismatchError(f"{shard.key}: region {shard.global_offset}..{end} outside {rec.shape}")

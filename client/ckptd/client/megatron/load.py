@@ -155,9 +155,7 @@ async def load_checkpoint_async(
     if reason is None:
         source = next((r for r, rec in sorted(same_mp.items()) if rec["dp"] == layout.dp_rank), min(same_mp))
         if not records[source][LAYOUT_FIELD]:
-            raise StateMismatchError(
-                f"step {commit.step} was saved without optimizer state: load it with optimizer=None (no_load_optim)"
-            )
+            raise _saved_without_optimizer(commit.step)
         saved_layout = decode_layout(await ckpt.read_sidecar(records[source][LAYOUT_FIELD]))
         # 1. check everything (pure), so a mismatch leaves the live model and optimizer untouched
         plan_reads(commit, template)
@@ -170,6 +168,8 @@ async def load_checkpoint_async(
     if reason is not None:
         # another TP/PP, or other buckets at the same TP/PP: the merged layout when present, else the saved
         # DP bucket slices read through the layout sidecars (no merge needed)
+        if not any(rec[LAYOUT_FIELD] for rec in records.values()):
+            raise _saved_without_optimizer(commit.step)
         logger.info("step %d: params sit elsewhere than at save time (%s); resharding on read", commit.step, reason)
         manifest = await ckpt.read_merged_manifest(commit.step)
         if manifest is not None:
@@ -270,7 +270,8 @@ async def _load_merged(
     """
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
-    targets = slice_targets(optimizer, layout, *_slice_regions(layout, merged_states(manifest)))
+    states = _main_dtype(commit.step, merged_states(manifest), optimizer, layout)
+    targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
     planned = plan_merged_slices(commit.step, manifest, layout, targets.slices)  # checked before any write
     metas = [uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
     check_optimizer_meta(optimizer, layout, metas)
@@ -338,7 +339,8 @@ async def _load_resharded(
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     saved = await _saved_layouts(ckpt, commit, records)
     # into the optimizer's memory where it can
-    targets = slice_targets(optimizer, layout, *_slice_regions(layout, saved_states(commit, saved)))
+    states = _main_dtype(commit.step, saved_states(commit, saved), optimizer, layout)
+    targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
     planned = plan_dp_slices(commit, saved, layout, targets.slices)  # checked before anything is written
     metas = [uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
     check_optimizer_meta(optimizer, layout, metas)
@@ -402,6 +404,21 @@ async def _saved_layouts(
         layouts.append(decode_layout(await ckpt.read_sidecar(name)))
         covered |= {buf.mp for buf in layouts[-1].buffers}
     return layouts
+
+
+def _saved_without_optimizer(step: int) -> StateMismatchError:
+    return StateMismatchError(f"step {step} was saved without optimizer state: load it with optimizer=None "
+                              "(no_load_optim)")
+
+
+def _main_dtype(step: int, states: dict[str, str], optimizer: object, layout: MegatronLayout) -> dict[str, str]:
+    """``states`` (state -> stored dtype) once the stored main params are of the live ones' dtype: a load
+    that cast them would hold other values than were saved (the same-layout path refuses it too)."""
+    live = next((e.main.dtype for entries in bind(optimizer, layout).owned.values() for e in entries), None)
+    stored = states.get(MAIN_PARAM)
+    if live is not None and stored is not None and stored != dtype_name(live):
+        raise StateMismatchError(f"step {step}: the checkpoint's main params are {stored}, the optimizer's {live}")
+    return states
 
 
 def _slice_regions(
