@@ -40,7 +40,7 @@ from ckptd.writer.arrays import (
 )
 from ckptd.writer.backends import open_backend
 from ckptd.writer.commit import CheckpointWriter
-from ckptd.writer.errors import CorruptCheckpointError, StorageError, StoragePermissionError
+from ckptd.writer.errors import CorruptCheckpointError, StateMismatchError, StorageError, StoragePermissionError
 from ckptd.writer.progress import ByteProgress
 from ckptd.writer.root import open_root
 
@@ -373,6 +373,11 @@ def test_a_manifest_missing_a_chunk_raises(root: str) -> None:
 
     with pytest.raises(CorruptCheckpointError, match=r"w: chunk \(1, 0\) is not in the manifest"):
         asyncio.run(go())
+
+
+def test_a_template_shard_of_another_rank_than_its_offset_is_refused(root: str) -> None:
+    with pytest.raises(StateMismatchError, match="1 dimension"):  # was zip()'s ValueError
+        load(root, 1, {"x": Shard("w", torch.zeros(35), (7, 5), (0, 0))})
 
 
 def test_a_chunk_the_file_system_refuses_raises_a_typed_error(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
