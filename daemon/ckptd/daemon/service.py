@@ -197,13 +197,13 @@ class CheckpointService:
                         return None
                     raise self._busy(job, req)
                 self._give_up(job, req)
-            if job is not None and job.state is StepState.FAILED and (busy := job.unsettled()):
-                return busy
             if (job is not None and job.state is StepState.FAILED and job.error is not None
                     and req.rank not in job.saves and req.rank not in job.told and _late(job, req, since)):
                 # A new attempt would wait for ranks that already heard of the failure (until --part-timeout)
                 job.told.add(req.rank)
                 raise job.error
+            if job is not None and job.state is StepState.FAILED and (busy := job.unsettled()):
+                return busy
             if job is None or job.state is StepState.FAILED:  # a failed step may be saved again
                 left = await self.root.leftovers(req.step, req.node)
                 if left.committed:
