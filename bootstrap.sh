@@ -2,7 +2,7 @@
 # One command from a fresh clone: set up .venv (Python 3.11; torch 2.13.0 CPU first, then ckptd and its
 # pinned dependencies from .ci/constraints.txt), then run what was asked:
 #   ./bootstrap.sh demo [ckptd demo flags]     the main job: daemon + 4 Megatron ranks, save, reload
-#   ./bootstrap.sh test [pytest args]          the test suite (what CI runs), two tests at a time
+#   ./bootstrap.sh test [pytest args]          the test suite (what CI runs), three tests at a time
 #   ./bootstrap.sh bench [benchmarks/run.py flags]
 #   ./bootstrap.sh setup                       only set up
 set -euo pipefail
@@ -34,9 +34,9 @@ what=${1:-setup}
 [ $# -gt 0 ] && shift
 case "$what" in
   demo)  exec .venv/bin/ckptd demo "$@" ;;
-  # two tests at a time, each test file in one worker (its module-scoped servers once, its tests in order);
-  # CKPTD_TEST_WORKERS=0 runs them one by one
-  test)  exec .venv/bin/python -m pytest -n "${CKPTD_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+  # three tests at a time (on 2 cores: much of a test is waiting on its daemon and rank processes), each test
+  # file in one worker (its module-scoped servers once, its tests in order); CKPTD_TEST_WORKERS=0: one by one
+  test)  exec .venv/bin/python -m pytest -n "${CKPTD_TEST_WORKERS:-3}" --dist loadfile "$@" ;;
   bench) exec .venv/bin/python benchmarks/run.py "$@" ;;
   setup) echo "bootstrap: ready (.venv/bin/ckptd)" >&2 ;;
   *) echo "usage: $0 demo|test|bench|setup [args]" >&2; exit 2 ;;
