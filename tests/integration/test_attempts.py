@@ -167,7 +167,8 @@ def test_a_restarted_gloo_job_names_its_attempt_through_the_process_group(start_
 
 
 def test_a_second_save_call_of_a_step_in_flight_is_refused(start_daemon, tmp_path, monkeypatch):
-    """Rank 0 calls save(5) again while its first save of step 5 waits for rank 1: refused with
+    """Rank 0 calls save(5) again while its first save of step 5 waits for rank 1 (through the same client,
+    and through another client of the process for the same rank and daemon): refused with
     DuplicateSaveError before anything is sent (as a new attempt it would give up the one rank 1 joins);
     the first save then commits with rank 1's, from the first call's bytes. (After a failed save, calling
     save again is a retry: the test above.)"""
@@ -177,6 +178,9 @@ def test_a_second_save_call_of_a_step_in_flight_is_refused(start_daemon, tmp_pat
     first = ranks[0].save(5, _state("D1", 0))
     with pytest.raises(DuplicateSaveError, match=r"step 5 is already being saved by this process \(attempt runD\.1"):
         ranks[0].save(5, _state("D2", 0))
+    with _client(monkeypatch, "runD", d.socket, Placement(0, 2, 2, 0)) as again:  # another client, same rank
+        with pytest.raises(DuplicateSaveError, match="step 5 is already being saved by this process"):
+            again.save(5, _state("D2", 0))
     second = ranks[1].save(5, _state("D1", 1))
     assert first.wait(60).state is StepState.COMMITTED and second.wait(60).state is StepState.COMMITTED
     assert _part(root, 5, 0)["attempt"] == "runD.1"

@@ -24,7 +24,7 @@ from ckptd.client.collector import paused
 from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
 from ckptd.client.early import EarlyCopy
 from ckptd.client.embedded import ensure_daemon
-from ckptd.client.handle import SaveHandle, raise_background_errors, refuse_repeat
+from ckptd.client.handle import SaveHandle, raise_background_errors, refuse_repeat, track
 from ckptd.client.ownership import check_daemon_job, job_identity, owner_pid
 from ckptd.client.paths import client_socket_path
 from ckptd.client.pipeline import Pipeline, check_prepared, lease_ahead, save_span, send_prepare
@@ -148,6 +148,7 @@ class CheckpointClient:
         self._handles: list[SaveHandle] = []
         self._sidecars_sent: set[str] = set()
         self._repeats = RepeatedPlans()  # the plain save path's plan, reused while the structure holds
+        track(self)
         self.assume_constant_structure = assume_constant_structure
         self._pipe = Pipeline()  # answers read later, the lease granted ahead (assume_constant_structure)
         self._attempts = Attempts(env, self.placement.rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from ckptd.client.protocol import StepState, StepStatus
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 _ERRORS = error_classes()
 _POLL_S = 0.5
+# the process's clients: a step saved through one is in flight for every client of the same rank and daemon
+_CLIENTS: weakref.WeakSet[CheckpointClient] = weakref.WeakSet()
 
 
 class SaveHandle:
@@ -130,12 +133,19 @@ def raise_background_errors(client: CheckpointClient) -> None:
             client._handles.append(h)
 
 
+def track(client: CheckpointClient) -> None:
+    """Count ``client`` among the process's clients (for :func:`refuse_repeat`; held weakly)."""
+    _CLIENTS.add(client)
+
+
 def refuse_repeat(client: CheckpointClient, step: int) -> None:
-    """A second save call of ``step`` while ``client``'s first is still in flight would be a new attempt
-    (:mod:`ckptd.client.attempts`) that gives up the one its peers are saving into: refused with
-    :class:`DuplicateSaveError` before anything is sent. Once the first has failed, saving it again is a
-    retry."""
-    for h in client._handles:
+    """A second save call of ``step`` while a first is still in flight — through ``client``, or another open
+    client of this process for the same rank and daemon — would be a new attempt (:mod:`ckptd.client.attempts`)
+    that gives up the one its peers are saving into: refused with :class:`DuplicateSaveError` before anything
+    is sent. Once the first has failed, saving it again is a retry."""
+    same = [c for c in _CLIENTS if c is not client and c._sock is not None
+            and (c.socket_path, c.placement.rank) == (client.socket_path, client.placement.rank)]
+    for h in (h for c in (client, *same) for h in c._handles):
         if h.step == step and not h.state.final:
             h._update(0.0)  # asked now: a pipelined save's state may be one save old
             if not h.state.final:
