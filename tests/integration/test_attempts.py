@@ -178,9 +178,9 @@ def test_a_second_save_call_of_a_step_in_flight_is_refused(start_daemon, tmp_pat
     first = ranks[0].save(5, _state("D1", 0))
     with pytest.raises(DuplicateSaveError, match=r"step 5 is already being saved by this process \(attempt runD\.1"):
         ranks[0].save(5, _state("D2", 0))
-    with _client(monkeypatch, "runD", d.socket, Placement(0, 2, 2, 0)) as again:  # another client, same rank
-        with pytest.raises(DuplicateSaveError, match="step 5 is already being saved by this process"):
-            again.save(5, _state("D2", 0))
+    again = _client(monkeypatch, "runD", d.socket, Placement(0, 2, 2, 0))  # another client, same rank
+    with again, pytest.raises(DuplicateSaveError, match="step 5 is already being saved by this process"):
+        again.save(5, _state("D2", 0))
     second = ranks[1].save(5, _state("D1", 1))
     assert first.wait(60).state is StepState.COMMITTED and second.wait(60).state is StepState.COMMITTED
     assert _part(root, 5, 0)["attempt"] == "runD.1"
