@@ -291,9 +291,10 @@ class CheckpointWriter(CheckpointRoot):
         store cannot tell): maybe still being written by a daemon, as a step may commit after a newer one.
         What ``ckptd gc``, which does not know the daemons' steps in flight, leaves alone."""
         committed = set(await self.committed_steps())
-        unfinished = [s for s in await self.steps() if s not in committed]
-        newest = self.backend.newest_write
-        times = await bounded_map(lambda s: newest(step_dir(s)), unfinished, limit=METADATA_CONCURRENCY)
+        newest = max(committed, default=-1)  # only older unfinished steps are ever removed: list no others
+        unfinished = [s for s in await self.steps() if s < newest and s not in committed]
+        written = self.backend.newest_write
+        times = await bounded_map(lambda s: written(step_dir(s)), unfinished, limit=METADATA_CONCURRENCY)
         now = time.time()
         return [s for s, t in zip(unfinished, times, strict=True) if t is None or now - t < within_s]
 
