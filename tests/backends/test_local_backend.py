@@ -57,3 +57,29 @@ def test_no_space_and_quota_are_storage_full(tmp_path: Path, code: int) -> None:
     for err in (direct, wrapped):
         assert isinstance(err, StorageFullError) and isinstance(err, StorageError) and isinstance(err, OSError)
     assert type(backend.error(OSError(errno.EIO, "io"))) is StorageError
+
+
+async def test_a_create_whose_folder_sync_fails_takes_its_name_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create-once write (a commit marker) linked into place whose folder then fails to sync may not survive
+    a crash: it is withdrawn, so the error its caller reports is what readers find, not a step committed."""
+    from ckptd.writer.backends import local
+    from ckptd.writer.errors import StorageError
+
+    real = local._fsync_path
+
+    def sync(path: str) -> None:
+        if os.path.isdir(path) and os.path.basename(path) == "_ckptd":
+            raise OSError(errno.EIO, "Input/output error")
+        real(path)
+
+    async with await open_backend(str(tmp_path / "r"), create=True) as backend:
+        monkeypatch.setattr(local, "_fsync_path", sync)
+        with pytest.raises(StorageError, match="Input/output error"):
+            await backend.create("step_1/_ckptd/COMMITTED", b"{}")
+        assert not await backend.exists("step_1/_ckptd/COMMITTED")
+        assert os.listdir(tmp_path / "r" / "step_1" / "_ckptd") == []  # nor its file written aside
+        monkeypatch.setattr(local, "_fsync_path", real)
+        assert await backend.create("step_1/_ckptd/COMMITTED", b"{}")
+        assert await backend.get("step_1/_ckptd/COMMITTED") == b"{}"

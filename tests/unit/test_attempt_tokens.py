@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -119,5 +120,53 @@ def test_notes_and_parts_of_another_attempt_are_not_this_ones(tmp_path: Path) ->
             with pytest.raises(StepCommittedError, match=r"node 1's part of another attempt \(A\.1\)"):
                 await w.wait_committed(4, timeout=1.0, attempt="B.1", node=1)
             assert (await w.wait_committed(4, timeout=1.0, attempt="A.1", node=1)).step == 4
+
+    asyncio.run(go())
+
+
+def test_a_node_that_stops_waiting_and_the_coordinator_agree_on_the_outcome(tmp_path: Path) -> None:
+    """At its commit timeout a node claims the attempt's verdict, create-once, before it reports the step
+    failed; the coordinator claims it before its marker. Whoever comes first decides, so no node reports a
+    step failed that then commits, nor waits in vain for one that cannot."""
+
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            for node in (0, 1):
+                await w.write_part(_part(1, node, "A.1"))
+            # node 1 stops waiting first: the coordinator, its parts all there, must not commit
+            with pytest.raises(SaveTimeoutError, match="this node stopped waiting first"):
+                await w.wait_committed(1, timeout=0.2, attempt="A.1", node=1)
+            with pytest.raises(SaveTimeoutError, match="node 1 stopped waiting for the commit"):
+                await w.commit(1, 2, timeout=1.0, attempt="A.1")
+            assert not await w.is_committed(1)
+            with pytest.raises(SaveTimeoutError, match="node 1 stopped waiting first"):  # a third node, later
+                await w.wait_committed(1, timeout=0.1, attempt="A.1", node=2)
+            for node in (0, 1):  # the step saved again: a new attempt, decided anew
+                await w.write_part(_part(1, node, "A.2"))
+            assert (await w.commit(1, 2, timeout=1.0, attempt="A.2")).attempts == ["A.2", "A.2"]
+            assert (await w.wait_committed(1, timeout=0.1, attempt="A.2", node=1)).step == 1
+
+            # the coordinator decided first, its marker late: the node waits past its timeout for it
+            for node in (0, 1):
+                await w.write_part(_part(2, node, "B.1"))
+            marker = w.write_marker
+
+            async def late_marker(step: int, data: bytes) -> None:
+                await asyncio.sleep(0.6)
+                await marker(step, data)
+
+            w.write_marker = late_marker  # type: ignore[method-assign]
+            committing = asyncio.create_task(w.commit(2, 2, timeout=1.0, attempt="B.1"))
+            started = time.monotonic()
+            assert (await w.wait_committed(2, timeout=0.2, attempt="B.1", node=1)).step == 2
+            assert time.monotonic() - started >= 0.5
+            assert (await committing).attempts == ["B.1", "B.1"]
+            assert await backend.exists(fmt.verdict_key(2, "B.1"))
+
+            # without attempt names nothing is claimed (the node's report may miss a late commit, as before)
+            with pytest.raises(SaveTimeoutError, match=r"did not commit within 0s$"):
+                await w.wait_committed(3, timeout=0.1, node=1)
+            assert not await backend.list_dir(fmt.control_dir(fmt.step_dir(3)))
 
     asyncio.run(go())

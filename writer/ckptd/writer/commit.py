@@ -55,6 +55,7 @@ from ckptd.writer.format import (
     part_key,
     sidecar_key,
     step_dir,
+    verdict_key,
 )
 from ckptd.writer.replicas import check_replicas
 from ckptd.writer.root import CheckpointRoot
@@ -189,8 +190,33 @@ class CheckpointWriter(CheckpointRoot):
             raise self.backend.error(exc) from exc
         final = msgspec.structs.replace(merged, step=step, committed_at=time.time())
         # The marker is the commit: once started, let it finish even if the caller is cancelled.
-        await asyncio.shield(self.write_marker(step, encode_json(final)))
+        await asyncio.shield(self._seal(step, num_nodes, attempt, encode_json(final)))
         return final
+
+    async def _seal(self, step: int, num_nodes: int, attempt: str, data: bytes) -> None:
+        """The attempt's verdict where other nodes wait for this commit (one of them may have stopped waiting
+        at its timeout, and then reported the step failed), then the marker."""
+        if attempt and num_nodes > 1:
+            standing = await self._claim_verdict(step, attempt, "commit", node=0)
+            if standing is not None and standing.get("verdict") != "commit":
+                raise SaveTimeoutError(f"step {step}: node {standing.get('node')} stopped waiting for the commit at "
+                                       f"its commit timeout and reported the step failed; not committed")
+        await self.write_marker(step, data)
+
+    async def _claim_verdict(self, step: int, attempt: str, verdict: str, *, node: int) -> dict[str, object] | None:
+        """Create ``attempt``'s verdict (create-once): ``None`` when this claim decided it, else the verdict
+        that stands (another node's, or this one's of an earlier call)."""
+        key = verdict_key(step, attempt)
+        if await self.backend.create(key, encode_json({"verdict": verdict, "node": node, "at": time.time()})):
+            return None
+        data = await self.backend.get(key)
+        try:
+            found = msgspec.json.decode(data) if data else None
+        except msgspec.DecodeError:
+            found = None
+        if not isinstance(found, dict):
+            raise CorruptCheckpointError(f"step {step}: unreadable {key} under {self.url}")
+        return found
 
     async def write_marker(self, step: int, data: bytes) -> None:
         """``COMMITTED`` (create-once), then ``latest`` if this is the newest step."""
@@ -248,15 +274,29 @@ class CheckpointWriter(CheckpointRoot):
         A note names its attempt: one of another attempt is ignored. Where either attempt is unknown, notes
         written before ``since`` (wall clock) are taken for an earlier attempt's. A commit that holds another
         attempt's part of ``node`` raises :class:`StepCommittedError` (this attempt's part is not in it).
+
+        At ``timeout`` a node of a named attempt claims the attempt's verdict before it reports the step
+        failed: the coordinator claims it too before its marker, so exactly one of them decides (a node that
+        stops waiting as the coordinator commits never reports a committed step failed); where the coordinator
+        won, the marker is its next write and the wait goes on for up to ``timeout`` more.
         """
         deadline = time.monotonic() + timeout
+        decided = False  # the coordinator's verdict to commit seen: its marker is its next write
         while not await self.is_committed(step):
             failed = await self.read_failed(step, attempt)
             if failed is not None and _note_of(failed, attempt, since):
                 cls = error_classes().get(str(failed.get("code")), StepFailedError)
                 raise cls(f"step {step} failed on the coordinator: {failed.get('message')}")
             if time.monotonic() >= deadline:
-                raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s")
+                if decided or not attempt or node < 1:  # unnamed: this node's report may miss a late commit
+                    raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s")
+                standing = await self._claim_verdict(step, attempt, "timeout", node=node)
+                if standing is None or standing.get("verdict") != "commit":  # now it never commits
+                    who = "this node" if standing is None else f"node {standing.get('node')}"
+                    raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s; {who} stopped "
+                                           f"waiting first, so the coordinator will not commit it")
+                decided, deadline = True, time.monotonic() + timeout
+                continue
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, 1.0)
         manifest = await self.read_commit(step)

@@ -34,6 +34,7 @@ CONTROL_LAYOUTS = (1, 2)
 
 COMMIT_MARKER = "COMMITTED"
 FAILED_MARKER = "FAILED"
+VERDICT = "VERDICT"
 LATEST = "latest"
 PARTS_DIR = "_parts"
 SIDECAR_DIR = "_sidecars"
@@ -133,6 +134,12 @@ def failed_marker(step: int, version: int = FORMAT_VERSION, attempt: str = "") -
     """``step_N/_ckptd/FAILED``: the newest failure note; ``FAILED.<attempt>``: that named attempt's own."""
     name = f"{FAILED_MARKER}.{attempt}" if attempt else FAILED_MARKER
     return _in(control_dir(step_dir(step), version), name)
+
+
+def verdict_key(step: int, attempt: str) -> str:
+    """``step_N/_ckptd/VERDICT.<attempt>``: who decided a named attempt of a multi-node step, created once —
+    the coordinator, about to commit, or a node that stopped waiting for the commit (docs/format.md)."""
+    return _in(control_dir(step_dir(step)), f"{VERDICT}.{attempt}")
 
 
 def parts_dir(step: int, version: int = FORMAT_VERSION) -> str:

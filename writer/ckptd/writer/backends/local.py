@@ -154,7 +154,12 @@ def _link_into_place(path: str, data: bytes) -> bool:
         except FileExistsError:
             with open(path, "rb") as fh:
                 return fh.read() == data
-    _fsync_path(os.path.dirname(path))
+    try:
+        _fsync_path(os.path.dirname(path))
+    except OSError:  # the name may not survive a crash: take it back, so readers find what the caller is told
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     return True
 
 
