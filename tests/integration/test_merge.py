@@ -141,6 +141,7 @@ def _merged_digest(root: str) -> str:
         h.update(str(rel).encode() + path.read_bytes())
     merged = json.loads((base / "_ckptd" / "MERGED").read_text())
     merged.pop("committed_at")
+    merged["objects"].pop("source_committed_at")  # the commit it was built from (a step saved again: another)
     h.update(json.dumps(merged, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -192,3 +193,113 @@ def test_merge_killed_and_rerun_gives_identical_output(start_daemon, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert json.loads(rerun.stdout)["tasks_skipped"] == len(notes) - 1
     assert "unreadable" in rerun.stderr and _merged_digest(torn) == _merged_digest(clean)
+
+
+def _chunk_files(root: str, state: str) -> list[Path]:
+    return sorted(p for p in (Path(root) / "step_1" / "optim").rglob("*") if p.is_file() and p.parent.name == state
+                  and p.name.startswith("c."))
+
+
+def test_merge_checks_its_sources_and_the_step_it_merges(start_daemon, tmp_path, monkeypatch):
+    """What the merge reads is checked against the commit manifest (a lost chunk is not zeros, a swapped one is
+    not taken), a step deleted mid-merge is said to be, a merge of an earlier commit of the step number is not
+    this one's, a merge overtaken by another ends with the other's, and one bucket is held at a time."""
+    import asyncio
+    import weakref
+
+    from ckptd.writer import merge as merge_mod
+    from ckptd.writer.commit import CheckpointWriter
+    from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError
+    from ckptd.writer.root import open_root
+
+    root, _results = _save(start_daemon, tmp_path, 2, {"overlap_grad_reduce": True, "bucket_size": 3000})
+    clean = str(tmp_path / "clean")
+    shutil.copytree(root, clean)
+    subprocess.run([*CLI, "merge", clean, "--json"], check=True, capture_output=True)
+    assert not list(Path(clean).rglob("*.tmp"))  # chunks written aside, then renamed: none left behind
+
+    def copy(name: str) -> str:
+        out = str(tmp_path / name)
+        shutil.copytree(root, out)
+        return out
+
+    marker = Path("step_1") / "merged" / "_ckptd" / "MERGED"
+    lost = copy("lost")  # a chunk gone: zarr would read zeros
+    _chunk_files(lost, "param")[1].unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"chunk \[1\] missing"):
+        merge_mod.merge(lost, 1, progress=False)
+    swapped = copy("swapped")  # a valid chunk of another state in its place: its own trailer checks out
+    shutil.copyfile(_chunk_files(swapped, "exp_avg")[0], _chunk_files(swapped, "param")[0])
+    with pytest.raises(CorruptCheckpointError, match="crc32c"):
+        merge_mod.merge(swapped, 1, progress=False)
+    assert not (Path(lost) / marker).exists() and not (Path(swapped) / marker).exists()
+
+    # one bucket in memory at a time: the state read before is freed when the next is read
+    held: list[weakref.ref[np.ndarray]] = []
+    read = merge_mod.read_bucket
+
+    async def tracked(*args: Any) -> np.ndarray:
+        for _ in range(100):  # a write's worker thread drops its arguments just after its result is in
+            if all(ref() is None for ref in held):
+                break
+            await asyncio.sleep(0.002)
+        assert all(ref() is None for ref in held), "an earlier bucket is still held"
+        flat = await read(*args)
+        held.append(weakref.ref(flat))
+        return flat
+
+    monkeypatch.setattr(merge_mod, "read_bucket", tracked)
+    one_at_a_time = copy("one")
+    assert not merge_mod.merge(one_at_a_time, 1, workers=1, progress=False).already_merged
+    assert len(held) > 2 and _merged_digest(one_at_a_time) == _merged_digest(clean)
+    monkeypatch.setattr(merge_mod, "read_bucket", read)
+
+    # the step deleted by retention while it is merged
+    place = merge_mod._place_state
+    deleted = copy("deleted")
+
+    async def then_delete(*args: Any) -> None:
+        await place(*args)
+        async with open_root(deleted) as r:
+            await CheckpointWriter(r.backend).delete_step(1)
+
+    monkeypatch.setattr(merge_mod, "_place_state", then_delete)
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was being merged"):
+        merge_mod.merge(deleted, 1, workers=1, progress=False)
+    assert not (Path(deleted) / marker).exists()
+
+    # another merge commits while this one runs: this one stops and reports the other's
+    overtaken = copy("overtaken")
+    others: list[merge_mod.MergeSummary] = []
+
+    async def other_merges_first(*args: Any) -> None:
+        await place(*args)
+        if not others:
+            others.append(merge_mod.MergeSummary(1, 0, 0, 0, 0, 0, 0.0))  # no third merge from inside this one
+            async with open_root(overtaken) as r:
+                others[0] = await merge_mod.run_merge(r, 1, workers=1, progress=False)
+
+    monkeypatch.setattr(merge_mod, "_place_state", other_merges_first)
+    summary = merge_mod.merge(overtaken, 1, workers=1, progress=False)
+    assert summary.already_merged and not others[0].already_merged
+    assert _merged_digest(overtaken) == _merged_digest(clean)
+    monkeypatch.setattr(merge_mod, "_place_state", place)
+
+    # the step number committed again (deleted part-way, COMMITTED first, then saved anew): the old merge and
+    # its progress notes are not this commit's
+    again = str(tmp_path / "again")
+    shutil.copytree(clean, again)
+    committed = Path(again) / "step_1" / "_ckptd" / "COMMITTED"
+    doc = json.loads(committed.read_text())
+    doc["committed_at"] += 60.0
+    committed.write_text(json.dumps(doc))
+
+    async def merged_manifest() -> Any:
+        async with open_root(again) as r:
+            return await r.read_merged_manifest(1, source=await r.read_commit(1))
+
+    assert asyncio.run(merged_manifest()) is None
+    redo = merge_mod.merge(again, 1, progress=False)
+    assert not redo.already_merged and redo.tasks_skipped == 0 and redo.tasks > 1
+    assert asyncio.run(merged_manifest()).objects["source_committed_at"] == doc["committed_at"]
+    assert _merged_digest(again) == _merged_digest(clean)

@@ -13,12 +13,10 @@ import numpy as np
 import torch
 from zarr.abc.store import Store
 
-from ckptd.writer.arrays import chunk_selection, open_array, read_chunk_checked
+from ckptd.writer.arrays import CHUNKS_IN_FLIGHT, chunk_selection, open_array, read_chunk_checked
 from ckptd.writer.errors import CorruptCheckpointError
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import ArrayRecord, ChunkRecord
-
-CHUNKS_IN_FLIGHT = 4  # decoded chunks held at once (each up to the chunk size)
 
 
 async def read_through_zarr(

@@ -9,9 +9,11 @@ so any zarr v3 reader verifies it on decode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -28,7 +30,7 @@ from zarr.storage import MemoryStore, StorePath
 from ckptd.writer.backends import Backend
 from ckptd.writer.checksum import ChunkSum, chunk_sum, crc32c, piece_value, pieces_fit
 from ckptd.writer.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidRequestError
-from ckptd.writer.fanout import in_thread_settled
+from ckptd.writer.fanout import bounded_map, in_thread_settled
 from ckptd.writer.format import (
     ARRAY_ATTR,
     CHUNK_SEPARATOR,
@@ -40,6 +42,7 @@ from ckptd.writer.format import (
 )
 
 CODECS = ("raw", "zstd")
+CHUNKS_IN_FLIGHT = 4  # chunks of one array read and checked at once (each decoded copy held meanwhile)
 _meta_cache: dict[tuple[Any, ...], ArrayV3Metadata] = {}
 T = TypeVar("T")
 _CRC_THREAD_MIN = 4 << 20
@@ -105,12 +108,16 @@ class ChunkSink:
     thread. Other backends get one buffer (:meth:`Backend.put_body`).
     """
 
-    def __init__(self, backend: Backend, *, fsync_each: bool = True) -> None:
+    def __init__(self, backend: Backend, *, fsync_each: bool = True, aside: bool = False) -> None:
         """``fsync_each=False`` leaves durability to the caller (:meth:`Backend.sync_all`): cheaper
-        when many small chunks are written, as the merge does. Ignored where writes need no fsync."""
+        when many small chunks are written, as the merge does. Ignored where writes need no fsync.
+        ``aside=True``: a local chunk is written under a temporary name and renamed over its key, so a reader
+        (or a writer killed mid-write) never leaves a torn chunk where another writer's whole one stood; the
+        merge, which two runs may write at once, uses it (an object store's PUT is whole anyway)."""
         self.backend = backend
         self.local_root = backend.local_root
         self.fsync_each = fsync_each and backend.capabilities.needs_fsync
+        self.aside = aside
 
     async def put(
         self, key: str, block: np.ndarray, chunks: Sequence[int] | None = None, *, fsync: bool = True
@@ -127,7 +134,7 @@ class ChunkSink:
         """
         if self.local_root is not None:
             path = os.path.join(self.local_root, key)
-            return await in_thread_settled(_put_local, path, block, self.fsync_each and fsync, chunks)
+            return await in_thread_settled(_put_local, path, block, self.fsync_each and fsync, chunks, self.aside)
         body, sums = await in_thread_settled(_encode, block, chunks)
         await self.backend.put_body(key, body)
         return sums
@@ -167,14 +174,30 @@ def _stored_bytes(block: np.ndarray, chunks: Sequence[int] | None) -> memoryview
     return _little_endian(block if chunks is None else full_chunk(block, chunks)).data.cast("B")
 
 
-def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence[int] | None = None) -> ChunkSum:
+def _put_local(
+    path: str, block: np.ndarray, sync: bool = True, chunks: Sequence[int] | None = None, aside: bool = False
+) -> ChunkSum:
     view = _stored_bytes(block, chunks)
     sums = chunk_sum(view)
-    crc = sums.crc32c
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    parts = [view, memoryview(sums.crc32c.to_bytes(4, "little"))]
+    if not aside:
+        _write_file(path, parts, sync)
+        return sums
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # readers skip such names
+    try:
+        _write_file(tmp, parts, sync)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return sums
+
+
+def _write_file(path: str, parts: list[memoryview], sync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        parts: list[memoryview] = [view, memoryview(crc.to_bytes(4, "little"))]
         while parts:
             n = os.writev(fd, parts)
             while parts and n >= parts[0].nbytes:
@@ -186,7 +209,6 @@ def _put_local(path: str, block: np.ndarray, sync: bool = True, chunks: Sequence
             os.fsync(fd)
     finally:
         os.close(fd)
-    return sums
 
 
 def full_chunk(block: np.ndarray, chunks: Sequence[int]) -> np.ndarray:
@@ -292,6 +314,28 @@ async def read_chunk_checked(
             f"not match its bytes"
         )
     return data
+
+
+async def read_bucket(store: Store, prefix: str, rec: ArrayRecord, numel: int) -> np.ndarray:
+    """The first ``numel`` elements of a stored 1-D array, every chunk checked against the commit manifest
+    (:func:`~ckptd.writer.arrays.read_chunk_checked`: it exists, with the recorded size and crc32c). zarr
+    alone reads a missing chunk as zeros, and accepts a valid chunk of another step."""
+    arr = await open_array(store, f"{prefix}/{rec.name}")
+    grid = {tuple(ch.coords): ch for shard in rec.shards for ch in shard.chunks}
+    step = rec.chunks[0]
+    flat = np.empty(numel, dtype=arr.dtype)
+
+    async def one(i: int) -> None:
+        ch = grid.get((i,))
+        data = None if ch is None else await read_chunk_checked(store, arr, prefix, rec, ch)
+        if data is None:  # not in the manifest, or a format-2 edge chunk stored cut (zarr cannot decode it)
+            raise CorruptCheckpointError(f"{rec.name}: chunk [{i}] under {prefix} cannot be read through zarr (not "
+                                         "in the manifest, or stored cut by format 2)")
+        lo, hi = i * step, min((i + 1) * step, numel)
+        flat[lo:hi] = data.reshape(-1)[: hi - lo]
+
+    await bounded_map(one, range(-(-numel // step)), limit=CHUNKS_IN_FLIGHT)
+    return flat
 
 
 async def _verify_cut_chunk(store: Store, key: str, name: str, ch: ChunkRecord) -> None:

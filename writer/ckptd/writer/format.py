@@ -410,8 +410,11 @@ LAYOUT_FIELD = "layout"  # the record field naming the layout sidecar
 
 MERGED_DIR = "merged"  # step_N/merged/: the fully-reshardable layout
 MERGED_MARKER = "MERGED"  # step_N/merged/MERGED: the merge's manifest, written last
-MERGED_PROGRESS_DIR = "_progress"  # step_N/merged/_progress/<task>.json: one per finished bucket
+MERGED_PROGRESS_DIR = "_progress"  # step_N/merged/_ckptd/_progress/<task>.<tag>.json: one per finished bucket
 MERGED_CONTENT = "fully_reshardable"
+#: the ``committed_at`` of the commit a merge was built from, in ``MERGED``'s objects (and, as a hex tag of
+#: its microseconds, in each progress note's name): a step number saved again is merged anew
+MERGED_SOURCE_FIELD = "source_committed_at"
 STATE_PREFIX = "optimizer.state."  # merged/optimizer.state.<state>.<model key>
 
 

@@ -13,11 +13,11 @@ param lives; Megatron's own checkpoints do not record it.
 Output, next to the step's model arrays (which are in model space already):
 
     step_N/merged/optimizer.state.<state>.<model key>   zarr v3, the model array's global shape and grid
-    step_N/merged/_ckptd/_progress/<task>.json           one per finished bucket (makes reruns resume)
+    step_N/merged/_ckptd/_progress/<task>.<tag>.json     one per finished bucket (makes reruns resume)
     step_N/merged/_ckptd/MERGED                          manifest, written last: the merge's commit
 
-Memory is bounded by the work in flight: each worker holds one bucket's state array (plus the chunk
-being written), whatever the model size. Workers run over (model-parallel rank, buffer, bucket).
+Memory is bounded by the work in flight: each worker holds one bucket's state array (plus the few chunks
+being read into it and the chunk being written), whatever the model size. Workers run over (model-parallel rank, buffer, bucket).
 Re-running a killed merge skips finished buckets and rewrites the rest identically.
 
 This module reads and writes storage only: the layouts are data (:mod:`ckptd.writer.layout`), every
@@ -32,9 +32,9 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 import numpy as np
@@ -43,20 +43,27 @@ from zarr.abc.store import Store
 from ckptd.writer.arrays import (
     ChunkSink,
     array_metadata,
-    open_array,
-    read_region,
+    read_bucket,
     write_control_doc,
     write_group,
     write_metadata,
 )
 from ckptd.writer.backends import Backend
-from ckptd.writer.errors import CheckpointNotFoundError, ShardLayoutError
+from ckptd.writer.errors import (
+    CheckpointNotFoundError,
+    CkptdError,
+    CorruptCheckpointError,
+    ShardLayoutError,
+    first_leaf,
+)
 from ckptd.writer.format import (
     CHUNK_SEPARATOR,
+    CONTROL_LAYOUTS,
     FORMAT_VERSION,
     LAYOUT_FIELD,
     MERGED_CONTENT,
     MERGED_DIR,
+    MERGED_SOURCE_FIELD,
     ArrayRecord,
     ChunkRecord,
     ChunkSeparator,
@@ -284,41 +291,55 @@ def merge(root: str, step: int | str = "latest", *, workers: int = 2,
 
 
 async def run_merge(
-    ckpt: CheckpointRoot, step: int | str = "latest", *, workers: int = 2, progress: bool = True
+    ckpt: CheckpointRoot, step: int | str = "latest", *, workers: int = 2, progress: bool = True,
+    bar_out: TextIO | None = sys.stderr,
 ) -> MergeSummary:
+    """Merge one committed step; ``progress`` reports the bytes done (a bar on ``bar_out`` when it is a
+    terminal, else log lines)."""
     t0 = time.monotonic()
     store, backend = ckpt.store, ckpt.backend
     n = await ckpt.resolve(step)
     commit = await ckpt.read_commit(n)
     prefix = step_dir(n)
-    done = await ckpt.read_merged_manifest(n)  # either format version's marker
-    if done is not None:
+    if (done := await ckpt.read_merged_manifest(n, source=commit)) is not None:
         return MergeSummary(n, len(done.arrays), 0, 0, 0, 0, time.monotonic() - t0, already_merged=True)
+    if await ckpt.read_merged_manifest(n) is not None:  # of an earlier commit of this step number: merged anew
+        for version in CONTROL_LAYOUTS:
+            await backend.delete(merged_marker(n, version))
     names = layout_names(commit.objects)
     layouts = [decode_layout(await ckpt.read_sidecar(s)) for s in sorted(set(names.values()))]
     plan = plan_merge(commit, layouts)
-    finished = await _finished_tasks(backend, n)
+    tag = source_tag(commit)
+    finished = await _finished_tasks(backend, n, tag, {t.name for t in plan.tasks})
     todo = [t for t in plan.tasks if t.name not in finished]
-    bar = ByteProgress(f"merge of step {n}", sum(t.nbytes for t in todo), out=sys.stderr, every_s=0.0,
+    bar = ByteProgress(f"merge of step {n}", sum(t.nbytes for t in todo), out=bar_out, every_s=0.0,
                        logger=log) if progress else None
-    sink = ChunkSink(backend, fsync_each=False)  # many small pieces: one filesystem sync per bucket instead
+    # many small pieces: one filesystem sync per bucket instead; each chunk whole (another run may write it)
+    sink = ChunkSink(backend, fsync_each=False, aside=True)
+    sources = {rec.name: rec for rec in commit.arrays}
     sem = asyncio.Semaphore(max(1, workers))
     records: dict[str, list[ShardRecord]] = {name: list(recs) for name, recs in _records_of(finished).items()}
     written = 0
+    overtaken = False  # another merge of the step committed while this one ran
 
     async def one(task: MergeTask) -> None:
-        nonlocal written
+        nonlocal written, overtaken
         async with sem:
-            out = await _merge_task(store, sink, prefix, task, plan)
+            if overtaken or await backend.exists(merged_marker(n)):
+                overtaken = True
+                return
+            try:
+                out = await _merge_task(store, sink, prefix, task, plan, sources, bar)
+            except CkptdError:
+                await _still_committed(ckpt, n)  # a step deleted meanwhile: say so, not what went missing
+                raise
         doc = {name: [msgspec.to_builtins(r) for r in recs] for name, recs in out.items()}
         await backend.sync_all()  # the bucket's chunks are durable before its progress note claims them
         # created whole or not at all (a merge killed mid-write leaves no torn note)
-        await backend.create(f"{merged_progress_dir(n)}/{task.name}.json", encode_json(doc))
+        await backend.create(f"{merged_progress_dir(n)}/{task.name}.{tag}.json", encode_json(doc))
         for name, recs in out.items():
             records.setdefault(name, []).extend(recs)
             written += sum(c.nbytes for r in recs for c in r.chunks)
-        if bar is not None:
-            bar.advance(task.nbytes, task.name)
 
     merged_all = False
     try:
@@ -326,12 +347,30 @@ async def run_merge(
             for task in todo:
                 tg.create_task(one(task))
         merged_all = True
+    except* CkptdError as group:
+        raise first_leaf(group) from None
     finally:
         if bar is not None:
             bar.close(merged_all)
+    if overtaken and (theirs := await ckpt.read_merged_manifest(n, source=commit)) is not None:
+        return MergeSummary(n, len(theirs.arrays), 0, 0, 0, 0, time.monotonic() - t0, already_merged=True)
+    await _still_committed(ckpt, n)  # retention or gc may have deleted the step meanwhile
     manifest = await _commit_merge(backend, commit, plan, records)
     return MergeSummary(n, len(manifest.arrays), len(todo), len(plan.tasks) - len(todo),
                         sum(t.nbytes for t in todo), written, time.monotonic() - t0)
+
+
+def source_tag(commit: CommitManifest) -> str:
+    """The commit a merge's progress notes belong to, for their names: its ``committed_at`` in microseconds."""
+    return f"{round(commit.committed_at * 1e6):x}"
+
+
+async def _still_committed(ckpt: CheckpointRoot, step: int) -> None:
+    if not await ckpt.is_committed(step):
+        raise CheckpointNotFoundError(
+            f"step {step} was deleted while it was being merged (retention --keep or `ckptd gc`): nothing merged; "
+            f"what the merge wrote under {step_dir(step)}/{MERGED_DIR}/ is left for `ckptd gc` to remove"
+        )
 
 
 def piece_of(flat: np.ndarray, pl: Placement) -> np.ndarray:
@@ -352,36 +391,55 @@ def piece_of(flat: np.ndarray, pl: Placement) -> np.ndarray:
 
 
 async def _merge_task(
-    store: Store, sink: ChunkSink, prefix: str, task: MergeTask, plan: MergePlan
+    store: Store, sink: ChunkSink, prefix: str, task: MergeTask, plan: MergePlan,
+    sources: Mapping[str, ArrayRecord], bar: ByteProgress | None,
 ) -> dict[str, list[ShardRecord]]:
     out: dict[str, list[ShardRecord]] = {}
     for state in task.states:
-        arr = await open_array(store, f"{prefix}/{task.source_prefix}{state}")
-        bucket = await read_region(arr, [0], [task.padded_numel])  # one bucket in memory
-        flat = np.ascontiguousarray(bucket).reshape(-1)
-        for pl in task.placements[state]:
-            merged = plan.arrays[pl.array]
-            piece = piece_of(flat, pl)
-            chunks: list[ChunkRecord] = []
-            for coords in region_chunks(pl.piece.global_offset, piece.shape, merged.chunks):
-                sel = chunk_selection_of(coords, merged.chunks, merged.shape, pl.piece.global_offset)
-                # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
-                key = f"{prefix}/{pl.array}/{chunk_key(coords, plan.separator)}"
-                crc, pieces = await sink.put(key, piece[sel], merged.chunks)
-                chunks.append(ChunkRecord(list(coords), math.prod(merged.chunks) * piece.itemsize, crc, pieces))
-            out.setdefault(pl.array, []).append(
-                ShardRecord(-1, list(pl.piece.global_offset), list(piece.shape), chunks)
-            )
-        del bucket, flat
+        name = f"{task.source_prefix}{state}"
+        rec = sources.get(name)
+        if rec is None:
+            raise CorruptCheckpointError(f"{prefix}: the commit manifest has no array {name}")
+        flat = await read_bucket(store, prefix, rec, task.padded_numel)  # one bucket in memory
+        await _place_state(sink, prefix, flat, task.placements[state], plan, out)
+        del flat  # freed before the next state's bucket is read (no view of it outlives _place_state)
+        if bar is not None:
+            bar.advance(task.padded_numel * task.itemsize, f"{task.name} {state}")
     return out
 
 
-async def _finished_tasks(backend: Backend, step: int) -> dict[str, dict[str, list[ShardRecord]]]:
+async def _place_state(
+    sink: ChunkSink, prefix: str, flat: np.ndarray, placements: Sequence[Placement], plan: MergePlan,
+    out: dict[str, list[ShardRecord]],
+) -> None:
+    """Write each placement's piece of one state's bucket into its merged array."""
+    for pl in placements:
+        merged = plan.arrays[pl.array]
+        piece = piece_of(flat, pl)
+        chunks: list[ChunkRecord] = []
+        for coords in region_chunks(pl.piece.global_offset, piece.shape, merged.chunks):
+            sel = chunk_selection_of(coords, merged.chunks, merged.shape, pl.piece.global_offset)
+            # an edge chunk is stored whole (zarr v3), padded in the sink's worker thread
+            key = f"{prefix}/{pl.array}/{chunk_key(coords, plan.separator)}"
+            crc, pieces = await sink.put(key, piece[sel], merged.chunks)
+            chunks.append(ChunkRecord(list(coords), math.prod(merged.chunks) * piece.itemsize, crc, pieces))
+        out.setdefault(pl.array, []).append(ShardRecord(-1, list(pl.piece.global_offset), list(piece.shape), chunks))
+
+
+async def _finished_tasks(
+    backend: Backend, step: int, tag: str, tasks: Collection[str]
+) -> dict[str, dict[str, list[ShardRecord]]]:
+    """The progress notes of this commit's merge (``<task>.<tag>.json``; ``<task>.json`` from a release that
+    did not tag them) of tasks in this plan; notes of another commit of the step number are not this one's."""
     folder = merged_progress_dir(step)
     done: dict[str, dict[str, list[ShardRecord]]] = {}
     for name in await backend.list_dir(folder):
+        stem = name.removesuffix(".json")
+        task = stem.removesuffix(f".{tag}") if stem.endswith(f".{tag}") else stem
+        if stem == name or task not in tasks:
+            continue
         data = await backend.get(f"{folder}/{name}")
-        if data is None or not name.endswith(".json"):
+        if data is None:
             continue
         try:
             raw = msgspec.json.decode(data, type=dict[str, list[ShardRecord]])
@@ -391,7 +449,7 @@ async def _finished_tasks(backend: Backend, step: int) -> dict[str, dict[str, li
                         name, exc)
             await backend.delete(f"{folder}/{name}")
             continue
-        done[name.removesuffix(".json")] = raw
+        done[task] = raw
     return done
 
 
@@ -425,7 +483,8 @@ async def _commit_merge(
     await write_control_doc(backend.store, merged_control_dir(commit.step))
     manifest = CommitManifest(
         format=FORMAT_VERSION, step=commit.step, num_nodes=commit.num_nodes, world_size=commit.world_size,
-        arrays=arrays, objects={"content": MERGED_CONTENT, "source": "dp_layout"},
+        arrays=arrays,
+        objects={"content": MERGED_CONTENT, "source": "dp_layout", MERGED_SOURCE_FIELD: commit.committed_at},
         nbytes=sum(c.nbytes for a in arrays for s in a.shards for c in s.chunks), committed_at=time.time(),
     )
     await backend.sync_all()  # metadata durable before the marker

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from ckptd.writer.format import (
     COMMIT_MARKER,
     CONTROL_LAYOUTS,
     FORMAT_VERSION,
+    MERGED_SOURCE_FIELD,
     PART_FILE_RE,
     CommitManifest,
     PartManifest,
@@ -49,6 +51,8 @@ from ckptd.writer.format import (
 
 if TYPE_CHECKING:
     from ckptd.writer.backends.s3 import S3Options
+
+log = logging.getLogger(__name__)
 
 #: small reads (markers, part manifests) in flight at once
 READ_CONCURRENCY = 16
@@ -195,15 +199,28 @@ class CheckpointRoot:
             return {"step": step, "code": "StepFailedError", "at": 0.0,
                     "message": f"the step failed; its failure note is unreadable ({len(data)} bytes)"}
 
-    async def read_merged_manifest(self, step: int) -> CommitManifest | None:
-        """The merge manifest of ``step`` (``ckptd merge``), or ``None`` if it was never merged."""
+    async def read_merged_manifest(self, step: int, source: CommitManifest | None = None) -> CommitManifest | None:
+        """The merge manifest of ``step`` (``ckptd merge``), or ``None`` if it was never merged. With ``source``
+        (the step's commit), a merge of another commit under the same step number — the step deleted part-way
+        (its ``COMMITTED`` first) and saved again — counts as none."""
         data = await self._get_any([merged_marker(step, v) for v in CONTROL_LAYOUTS[::-1]])
         if data is None:
             return None
         try:
-            return decode_commit(data)
+            manifest = decode_commit(data)
         except msgspec.DecodeError as exc:
             raise CorruptCheckpointError(f"step {step}: unreadable merge manifest: {exc}") from exc
+        if source is not None and not merged_from(manifest, source):
+            log.warning("step %d under %s: its merged layout was built from an earlier commit of this step number "
+                        "(the step was deleted and saved again); not used: run `ckptd merge` again", step, self.url)
+            return None
+        return manifest
+
+
+def merged_from(manifest: CommitManifest, commit: CommitManifest) -> bool:
+    """Whether a merge manifest was built from ``commit`` (merges before this check was recorded: assumed)."""
+    source = manifest.objects.get(MERGED_SOURCE_FIELD)
+    return source is None or source == commit.committed_at
 
 
 @contextlib.asynccontextmanager

@@ -171,7 +171,7 @@ async def load_checkpoint_async(
         if not any(rec[LAYOUT_FIELD] for rec in records.values()):
             raise _saved_without_optimizer(commit.step)
         logger.info("step %d: params sit elsewhere than at save time (%s); resharding on read", commit.step, reason)
-        manifest = await ckpt.read_merged_manifest(commit.step)
+        manifest = await ckpt.read_merged_manifest(commit.step, source=commit)
         if manifest is not None:
             return await _load_merged(ckpt, commit, manifest, records, template, model_chunks, optimizer, layout,
                                       rng=rng)
