@@ -189,3 +189,26 @@ def test_a_second_save_call_of_a_step_in_flight_is_refused(start_daemon, tmp_pat
         assert torch.equal(got[f"r{r}/w"], _state("D1", r)[f"r{r}/w"].data)
     for c in ranks.values():
         c.close()
+
+
+def test_a_second_megatron_style_save_call_of_a_step_in_flight_is_refused(start_daemon, tmp_path, monkeypatch):
+    """The same through the Megatron save's way in: a plan's static bytes copied ahead into the lease granted
+    with the previous save, and the step announced (``PrepareStep``) before the save proper. The second call
+    must be refused before it announces a new attempt, which would give up the first one rank 1 joins."""
+    from ckptd.client.early import copied_ahead
+    from ckptd.client.planbuild import build_stage_plan
+
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", "--stage-grace", "0", arena="64MiB")
+    ranks = {r: _client(monkeypatch, "runE", d.socket, Placement(r, 2, 2, 0)) for r in (0, 1)}
+    plans = {r: build_stage_plan(list(_state("E", r).values())) for r in (0, 1)}
+    assert plans[0].has_static
+    for r in (0, 1):  # step 4 committed through the plans: each rank holds a lease granted ahead
+        ranks[r].save_staged(4, plans[r], [], {})
+    first = ranks[0].save_staged(5, plans[0], [], {})  # rank 1 has not saved step 5 yet
+    with (pytest.raises(DuplicateSaveError, match="step 5 is already being saved by this process"),
+          ranks[0].one_save_call(5), copied_ahead(ranks[0], plans[0], 5, prepare=True) as early):
+        ranks[0].save_staged(5, plans[0], [], {}, early=early)
+    second = ranks[1].save_staged(5, plans[1], [], {})
+    assert first.wait(60).state is StepState.COMMITTED and second.wait(60).state is StepState.COMMITTED
+    for c in ranks.values():
+        c.close()

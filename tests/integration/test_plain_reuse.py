@@ -250,3 +250,27 @@ def test_a_dict_shaped_like_a_planned_one_skips_planning_and_saves_its_current_v
                 h.wait(60)
     for c in clients:
         c.close()
+
+
+def test_a_refused_pipelined_save_leaves_its_sidecars_to_the_next_save(start_daemon, tmp_path):
+    """Sidecars count as sent once the daemon accepted the save that carried them: a pipelined save refused
+    (its step committed already) left them unsent, and the next save, which names them, must carry them, or
+    its step commits naming a sidecar never stored."""
+    from ckptd.client.planbuild import build_stage_plan
+    from ckptd.writer.format import sidecar_key, sidecar_name
+
+    root = str(tmp_path / "ckpt")
+    d = start_daemon(root)
+    doc = '{"layout": "rank0"}'
+    t = torch.randn(1 << 14)
+    plan = build_stage_plan([Shard("w", t, tuple(t.shape), (0,))])
+    first = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    first.save_staged(3, plan, [], {}, pipelined=False).wait(30)
+    first.close()
+    again = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))  # a trainer restarted from step 2
+    refused = again.save_staged(3, plan, [], {"ref": sidecar_name(doc)}, sidecars=[doc], pipelined=True)
+    with pytest.raises(StepCommittedError):
+        refused.wait(30)
+    again.save_staged(4, plan, [], {"ref": sidecar_name(doc)}, sidecars=[doc], pipelined=True).wait(30)
+    again.close()
+    assert (Path(root) / sidecar_key(sidecar_name(doc))).read_text() == doc

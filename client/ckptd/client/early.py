@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckptd.client.handle import refuse_repeat
 from ckptd.client.pipeline import send_prepare
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ def begin(client: CheckpointClient, plan: StagePlan, step: int, prepare: bool) -
     if not plan.has_static or client._sock is None:
         return None
     client._drop_if_dead()  # as the save itself does first: the lease's answer, and those before it, read
+    refuse_repeat(client, step)  # before a new attempt is announced: it would give up the one in flight
     grant = client._pipe.take(client, plan.span)
     if grant is None:
         return None

@@ -76,6 +76,7 @@ class _Owed:
     polled: SaveHandle | None = None  # an earlier save whose step's state was asked for
     prepared: bool = False  # a PrepareStep's: ``reply`` keeps it for the save that sent it
     reply: Any = None
+    docs: tuple[str, ...] = ()  # the sidecars the save carried: sent once the daemon accepted it
 
 
 @dataclass
@@ -122,7 +123,9 @@ class Pipeline:
                 self.held = _Held(reply, o.size, client._sock) if isinstance(reply, LeaseGranted) else None  # type: ignore[arg-type]
             elif isinstance(reply, ErrorReply):
                 self._refused(client, o, reply)
-            elif not isinstance(reply, SaveAccepted):
+            elif isinstance(reply, SaveAccepted):
+                client._sidecars_sent.update(o.docs)  # a refused save's sidecars go with the next save again
+            else:
                 client._close_socket()
                 o.handle._fail(ProtocolError(f"the daemon answered a save with {type(reply).__name__}"))
 
@@ -133,6 +136,7 @@ class Pipeline:
         if reply.code == "PlanUnknownError":  # the daemon dropped the plan: the staged bytes are still in the lease
             try:
                 client._request(msgspec.structs.replace(o.request, plan_id=client._register_plan(o.plan)))
+                client._sidecars_sent.update(o.docs)
                 return
             except CkptdError as exc:
                 error = exc
@@ -231,12 +235,12 @@ def save_span(
         except OSError as exc:
             client._close_socket()
             raise DaemonUnavailableError(f"lost the connection to the daemon at {client.socket_path}: {exc}") from exc
-        client._sidecars_sent.update(docs)
     except BaseException:
         client._release(grant)
         raise
     handle = SaveHandle(client, step, plan.nbytes, time.perf_counter() - t0, attempt=client._attempt)
     handle._polled = True
-    pipe.owed += [_Owed(handle, grant, req, plan), _Owed(size=plan.span)] + [_Owed(polled=h) for h in polls]
+    pipe.owed += [_Owed(handle, grant, req, plan, docs=tuple(docs)), _Owed(size=plan.span)]
+    pipe.owed += [_Owed(polled=h) for h in polls]
     client._handles.append(handle)
     return handle

@@ -316,26 +316,85 @@ async def read_chunk_checked(
     return data
 
 
-async def read_bucket(store: Store, prefix: str, rec: ArrayRecord, numel: int) -> np.ndarray:
-    """The first ``numel`` elements of a stored 1-D array, every chunk checked against the commit manifest
-    (:func:`~ckptd.writer.arrays.read_chunk_checked`: it exists, with the recorded size and crc32c). zarr
-    alone reads a missing chunk as zeros, and accepts a valid chunk of another step."""
+async def read_bucket(backend: Backend, prefix: str, rec: ArrayRecord, numel: int) -> np.ndarray:
+    """The first ``numel`` elements of a stored 1-D array, every chunk checked against the commit manifest: it
+    exists, with the recorded size and crc32c (zarr alone reads a missing chunk as zeros, and accepts a valid
+    chunk of another step). A whole raw chunk is read straight into the result and checked there (its crc32c
+    trailer too); others go through zarr (:func:`read_chunk_checked`)."""
+    store = backend.store
     arr = await open_array(store, f"{prefix}/{rec.name}")
     grid = {tuple(ch.coords): ch for shard in rec.shards for ch in shard.chunks}
     step = rec.chunks[0]
     flat = np.empty(numel, dtype=arr.dtype)
+    whole = step * flat.itemsize  # a whole chunk's bytes
+    raw = rec.codec == "raw" and sys.byteorder == "little"
 
     async def one(i: int) -> None:
         ch = grid.get((i,))
+        lo, hi = i * step, min((i + 1) * step, numel)
+        if ch is not None and raw and ch.nbytes == whole and hi - lo == step:
+            await _read_raw_chunk(backend, f"{prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}", rec.name,
+                                  ch, flat[lo:hi].data.cast("B"))
+            return
         data = None if ch is None else await read_chunk_checked(store, arr, prefix, rec, ch)
         if data is None:  # not in the manifest, or a format-2 edge chunk stored cut (zarr cannot decode it)
             raise CorruptCheckpointError(f"{rec.name}: chunk [{i}] under {prefix} cannot be read through zarr (not "
                                          "in the manifest, or stored cut by format 2)")
-        lo, hi = i * step, min((i + 1) * step, numel)
         flat[lo:hi] = data.reshape(-1)[: hi - lo]
 
     await bounded_map(one, range(-(-numel // step)), limit=CHUNKS_IN_FLIGHT)
     return flat
+
+
+async def _read_raw_chunk(backend: Backend, key: str, name: str, ch: ChunkRecord, dst: memoryview) -> None:
+    """A whole raw chunk (its bytes, then their crc32c) read into ``dst``, checked against ``ch``."""
+    trailer = bytearray(4)
+    root = backend.local_root
+    size: int | None
+    try:
+        if root is not None:
+            got, size = await in_thread_settled(_pread_whole, os.path.join(root, key), [dst, memoryview(trailer)])
+        else:
+            got, size = await backend.read_into(key, 0, [dst, memoryview(trailer)])
+    except FileNotFoundError as exc:  # StorageNotFoundError too
+        raise CorruptCheckpointError(f"{name}: chunk {ch.coords} missing ({key})") from exc
+    except OSError as exc:
+        raise backend.error(exc) from exc
+    crc = await in_thread_settled(crc32c, dst) if dst.nbytes >= _CRC_THREAD_MIN else crc32c(dst)
+    stored = got if size is None else size
+    if stored != ch.nbytes + 4 or crc != ch.crc32c or crc != int.from_bytes(trailer, "little"):
+        raise CorruptCheckpointError(
+            f"{name}: chunk {ch.coords} holds {stored - 4} bytes with crc32c {crc:#010x}; the manifest recorded "
+            f"{ch.nbytes} bytes with crc32c {ch.crc32c:#010x}"
+        )
+
+
+def _pread_whole(path: str, bufs: list[memoryview]) -> tuple[int, int]:
+    """``preadv`` of a file from its start into ``bufs``; (bytes read, the file's size)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        got, want = 0, sum(b.nbytes for b in bufs)
+        while got < want:
+            n = os.preadv(fd, _after(bufs, got), got)
+            if n == 0:
+                break
+            got += n
+        return got, size
+    finally:
+        os.close(fd)
+
+
+def _after(bufs: list[memoryview], skip: int) -> list[memoryview]:
+    """``bufs`` less their first ``skip`` bytes."""
+    out = []
+    for b in bufs:
+        if skip >= b.nbytes:
+            skip -= b.nbytes
+            continue
+        out.append(b[skip:])
+        skip = 0
+    return out
 
 
 async def _verify_cut_chunk(store: Store, key: str, name: str, ch: ChunkRecord) -> None:

@@ -17,7 +17,8 @@ Output, next to the step's model arrays (which are in model space already):
     step_N/merged/_ckptd/MERGED                          manifest, written last: the merge's commit
 
 Memory is bounded by the work in flight: each worker holds one bucket's state array (plus the few chunks
-being read into it and the chunk being written), whatever the model size. Workers run over (model-parallel rank, buffer, bucket).
+being read into it and the chunk being written), whatever the model size. Workers run over
+(model-parallel rank, buffer, bucket).
 Re-running a killed merge skips finished buckets and rewrites the rest identically.
 
 This module reads and writes storage only: the layouts are data (:mod:`ckptd.writer.layout`), every
@@ -38,7 +39,6 @@ from typing import Any, TextIO
 
 import msgspec
 import numpy as np
-from zarr.abc.store import Store
 
 from ckptd.writer.arrays import (
     ChunkSink,
@@ -297,7 +297,7 @@ async def run_merge(
     """Merge one committed step; ``progress`` reports the bytes done (a bar on ``bar_out`` when it is a
     terminal, else log lines)."""
     t0 = time.monotonic()
-    store, backend = ckpt.store, ckpt.backend
+    backend = ckpt.backend
     n = await ckpt.resolve(step)
     commit = await ckpt.read_commit(n)
     prefix = step_dir(n)
@@ -329,7 +329,7 @@ async def run_merge(
                 overtaken = True
                 return
             try:
-                out = await _merge_task(store, sink, prefix, task, plan, sources, bar)
+                out = await _merge_task(backend, sink, prefix, task, plan, sources, bar)
             except CkptdError:
                 await _still_committed(ckpt, n)  # a step deleted meanwhile: say so, not what went missing
                 raise
@@ -391,7 +391,7 @@ def piece_of(flat: np.ndarray, pl: Placement) -> np.ndarray:
 
 
 async def _merge_task(
-    store: Store, sink: ChunkSink, prefix: str, task: MergeTask, plan: MergePlan,
+    backend: Backend, sink: ChunkSink, prefix: str, task: MergeTask, plan: MergePlan,
     sources: Mapping[str, ArrayRecord], bar: ByteProgress | None,
 ) -> dict[str, list[ShardRecord]]:
     out: dict[str, list[ShardRecord]] = {}
@@ -400,7 +400,7 @@ async def _merge_task(
         rec = sources.get(name)
         if rec is None:
             raise CorruptCheckpointError(f"{prefix}: the commit manifest has no array {name}")
-        flat = await read_bucket(store, prefix, rec, task.padded_numel)  # one bucket in memory
+        flat = await read_bucket(backend, prefix, rec, task.padded_numel)  # one bucket in memory
         await _place_state(sink, prefix, flat, task.placements[state], plan, out)
         del flat  # freed before the next state's bucket is read (no view of it outlives _place_state)
         if bar is not None:
