@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ckptd.daemon.commands import COMMANDS, add_commands, run_command
-from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, ConfigError
+from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, ConfigError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from ckptd.writer.root import CheckpointRoot
@@ -28,6 +28,10 @@ _QUIET_BELOW_INFO = ("botocore", "aiobotocore", "boto3", "s3fs", "urllib3", "aio
 # `gc` leaves an unfinished step written to more recently alone: a daemon writing it has given up by then
 # (the default --part-timeout plus --commit-timeout)
 GC_GRACE_S = 1200.0
+# exit codes (docs/operations.md, "Checking and cleaning a root"): 2 is any typed error (main)
+EXIT_CORRUPT = 1  # verify: a step failed its checks (or there was nothing to verify)
+EXIT_ERROR = 2
+EXIT_UNREADABLE = 3  # verify: no step is corrupt, but a step (or part of one) could not be read
 
 
 def _setup_logging(level: str) -> None:
@@ -151,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("gc", help="delete old and unfinished steps, keeping the newest N committed")
     g.add_argument("root")
-    g.add_argument("--keep", type=int, required=True)
+    g.add_argument("--keep", type=_count, required=True,
+                   help="committed steps to keep, newest first; 0 keeps them all (as `serve --keep 0`) and "
+                   "removes only failed and unfinished steps")
     g.add_argument("--dry-run", action="store_true")
     g.add_argument("--grace", type=float, default=GC_GRACE_S, metavar="SECONDS",
                    help="keep unfinished steps written to within SECONDS: a daemon may still be writing one "
@@ -159,6 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_flags(g, config=True)
     add_commands(sub)
     return parser
+
+
+def _count(text: str) -> int:
+    """An integer >= 0 (argparse type: anything else is a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 keeps every committed step), got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except CkptdError as exc:
         print(f"ckptd {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ckptd ls ROOT | head`: the reader left; no traceback for it
@@ -238,16 +255,10 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
             raise CheckpointNotFoundError(f"no step {wanted} under {root.url}")
     for step in steps:
         row: dict[str, Any] = {"step": step, "committed": step in committed, "merged": False}
-        if step in committed:
-            row["merged"] = await root.read_merged_manifest(step) is not None
-            c = await root.read_commit(step)
-            row.update(bytes=c.nbytes, arrays=len(c.arrays), nodes=c.num_nodes, world_size=c.world_size,
-                       layout=_parallel_layout(c.objects),
-                       committed_at=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)))
-        else:  # a failure note: the step failed (or its daemon died and a successor abandoned it)
-            failed = await root.read_failed(step)
-            if failed is not None:
-                row["failed"] = f"{failed.get('code')}: {failed.get('message')}"
+        try:
+            await _ls_row(root, row)
+        except Exception as exc:  # one step that cannot be read is a row saying so, not the end of the listing
+            row["state"], row["error"] = _failure(root, exc)
         rows.append(row)
     if as_json:
         print(json.dumps(rows))
@@ -255,16 +266,41 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
     print(f"{'step':>8}  {'state':<17} {'size':>10} {'arrays':>7} {'nodes':>5} {'world':>5}  {'saved at':<14} "
           "committed at")
     for r in rows:
-        state = ("committed+merged" if r["merged"] else "committed") if r["committed"] else "incomplete"
-        if "failed" in r:
-            state = "failed"
         size = f"{r['bytes'] / 2**20:.1f}MiB" if "bytes" in r else "-"
         p = r.get("layout")
         saved_at = f"TP{p['tp']} PP{p['pp']} DP{p['dp']}" if p else "-"
-        print(f"{r['step']:>8}  {state:<17} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
-              f"{r.get('world_size', '-'):>5}  {saved_at:<14} "
-              f"{r.get('committed_at', '-') if r['committed'] else r.get('failed', '')}")
+        last = r.get("error") or (r.get("committed_at", "-") if r["committed"] else r.get("failed", ""))
+        print(f"{r['step']:>8}  {r['state']:<17} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
+              f"{r.get('world_size', '-'):>5}  {saved_at:<14} {last}")
     return 0
+
+
+async def _ls_row(root: CheckpointRoot, row: dict[str, Any]) -> None:
+    """Fill ``row`` (one step of ``ckptd ls``) from the step's manifests; ``state`` is what the table shows."""
+    step = row["step"]
+    if row["committed"]:
+        row["state"] = "committed"
+        c = await root.read_commit(step)
+        row.update(bytes=c.nbytes, arrays=len(c.arrays), nodes=c.num_nodes, world_size=c.world_size,
+                   layout=_parallel_layout(c.objects),
+                   committed_at=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)))
+        row["merged"] = await root.read_merged_manifest(step, source=c) is not None
+        if row["merged"]:
+            row["state"] = "committed+merged"
+        return
+    row["state"] = "incomplete"
+    failed = await root.read_failed(step)  # the step failed (or its daemon died and a successor abandoned it)
+    if failed is not None:
+        row["state"], row["failed"] = "failed", f"{failed.get('code')}: {failed.get('message')}"
+
+
+def _failure(root: CheckpointRoot, exc: Exception) -> tuple[str, str]:
+    """How a step that could not be read is reported: ``("corrupt" | "unreadable", "Type: message")``. An
+    untyped error (an ``OSError``, an s3fs or botocore error) is typed by the root's backend first."""
+    err = root.backend.error(exc)  # typed errors pass through
+    if err is not exc:
+        log.debug("%s typed as %s", type(exc).__name__, type(err).__name__, exc_info=exc)
+    return ("corrupt" if isinstance(err, CorruptCheckpointError) else "unreadable"), f"{type(err).__name__}: {err}"
 
 
 def _parallel_layout(objects: dict[str, Any]) -> dict[str, int] | None:
@@ -280,11 +316,6 @@ def _parallel_layout(objects: dict[str, Any]) -> dict[str, int] | None:
 
 
 async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int:
-    from ckptd.writer.arrays import verify_array
-    from ckptd.writer.errors import CorruptCheckpointError
-    from ckptd.writer.format import step_dir
-    from ckptd.writer.progress import ByteProgress
-
     results: list[dict[str, Any]] = []
     if which is None:
         steps = await root.committed_steps()
@@ -293,37 +324,59 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
         steps = [await root.resolve(which)]  # a number, 'latest', step_N or Megatron-LM's iter_NNNNNNN
     if not steps:
         print("no committed steps to verify", file=sys.stderr)
-        return 1
-    failures = 0
-    for step in steps:
-        commit = await root.read_commit(step)
-        merged = await root.read_merged_manifest(step)
-        t0 = time.perf_counter()
-        verified, errors = 0, []
-        records = [*commit.arrays, *(merged.arrays if merged else [])]
-        todo = sum(ch.nbytes for rec in records for sh in rec.shards for ch in sh.chunks)
-        bar = ByteProgress(f"verify step {step}", todo, out=None if as_json else sys.stderr)
-        try:
-            for rec in records:
-                try:
-                    verified += await verify_array(root.store, step_dir(step), rec, bar.advance)
-                except (CorruptCheckpointError, CkptdError) as exc:
-                    errors.append(f"{type(exc).__name__}: {exc}")
-        finally:
-            bar.close(not errors)
-        failures += bool(errors)
-        n_arrays = len(commit.arrays) + (len(merged.arrays) if merged else 0)
-        results.append({"step": step, "ok": not errors, "bytes": verified, "arrays": n_arrays, "merged": bool(merged),
-                        "seconds": round(time.perf_counter() - t0, 3), "errors": errors})
-        if not as_json:
-            status = "OK" if not errors else f"CORRUPT ({len(errors)} array(s))"
-            what = f"{n_arrays} arrays" + (" (incl. merged layout)" if merged else "")
-            print(f"step {step}: {status}: {what}, {verified / 2**20:.1f} MiB re-read and checked")
-            for e in errors:
-                print(f"  {e}")
+        return EXIT_CORRUPT
+    for step in steps:  # a step that cannot be read is reported as such; the next ones are still checked
+        results.append(await _verify_step(root, step, as_json, named=which is not None))
     if as_json:
         print(json.dumps(sorted(results, key=lambda r: int(r["step"]))))
-    return 1 if failures else 0
+    states = {r.get("state") for r in results}
+    return EXIT_CORRUPT if "corrupt" in states else EXIT_UNREADABLE if "unreadable" in states else 0
+
+
+async def _verify_step(root: CheckpointRoot, step: int, as_json: bool, *, named: bool) -> dict[str, Any]:
+    """Re-read and check one committed step: its JSON row. What fails its checks is ``corrupt``; what could
+    not be read at all (permissions, a storage error that outlived its retries) is ``unreadable``."""
+    from ckptd.writer.arrays import verify_array
+    from ckptd.writer.format import step_dir
+    from ckptd.writer.progress import ByteProgress
+
+    t0 = time.perf_counter()
+    found: dict[str, list[str]] = {"corrupt": [], "unreadable": []}
+    records, merged = [], False
+    try:
+        commit = await root.read_commit(step)
+        records = list(commit.arrays)
+        manifest = await root.read_merged_manifest(step, source=commit)
+        if manifest is not None:
+            records, merged = records + list(manifest.arrays), True
+    except Exception as exc:
+        if named and isinstance(exc, CheckpointNotFoundError):
+            raise  # `--step` names no committed step: a usage error (exit 2), not damage
+        kind, why = _failure(root, exc)
+        found[kind].append(why)
+    verified = 0
+    todo = sum(ch.nbytes for rec in records for sh in rec.shards for ch in sh.chunks)
+    bar = ByteProgress(f"verify step {step}", todo, out=None if as_json else sys.stderr)
+    try:
+        for rec in records:
+            try:
+                verified += await verify_array(root.store, step_dir(step), rec, bar.advance)
+            except Exception as exc:  # typed and reported per array; the other arrays are still checked
+                kind, why = _failure(root, exc)
+                found[kind].append(why if kind == "corrupt" else f"{why} (array {rec.name} not checked)")
+    finally:
+        bar.close(not (found["corrupt"] or found["unreadable"]))
+    corrupt, unread = found["corrupt"], found["unreadable"]
+    state = "corrupt" if corrupt else "unreadable" if unread else "ok"
+    if not as_json:
+        verdict = [f"CORRUPT ({len(corrupt)} failed check(s))"] if corrupt else []
+        verdict += [f"UNREADABLE ({len(unread)} could not be read)"] if unread else []
+        what = f"{len(records)} arrays" + (" (incl. merged layout)" if merged else "")
+        print(f"step {step}: {', '.join(verdict) or 'OK'}: {what}, {verified / 2**20:.1f} MiB re-read and checked")
+        for e in corrupt + unread:
+            print(f"  {e}")
+    return {"step": step, "ok": state == "ok", "state": state, "bytes": verified, "arrays": len(records),
+            "merged": merged, "seconds": round(time.perf_counter() - t0, 3), "errors": corrupt + unread}
 
 
 async def _failed_steps(root: CheckpointRoot, committed: set[int], as_json: bool) -> list[dict[str, Any]]:
@@ -343,7 +396,7 @@ async def _failed_steps(root: CheckpointRoot, committed: set[int], as_json: bool
 async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) -> int:
     from ckptd.writer.merge import run_merge
 
-    summary = await run_merge(root, which, workers=workers, progress=not as_json)
+    summary = await run_merge(root, which, workers=workers, bar_out=None if as_json else sys.stderr)
     if as_json:
         print(json.dumps(msgspec.to_builtins(summary)))
     elif summary.already_merged:
@@ -360,6 +413,9 @@ async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float) ->
     from ckptd.writer.commit import CheckpointWriter
 
     writer = CheckpointWriter(root.backend)
+    # --keep 0 keeps every committed step, as `serve --keep 0` does (retention itself keeps max(1, keep)):
+    # then only failed and unfinished steps older than the newest commit go
+    keep = keep or sys.maxsize
     lately = await writer.written_lately(grace_s) if grace_s > 0 else []
     if lately:
         print(f"kept unfinished steps written to within {grace_s:.0f}s (--grace):", lately)

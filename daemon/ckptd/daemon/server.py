@@ -57,9 +57,11 @@ from ckptd.writer.backends import Backend, open_backend
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
+    ConfigError,
     DaemonShuttingDownError,
     InvalidRequestError,
     ProtocolError,
+    first_leaf,
 )
 
 log = logging.getLogger(__name__)
@@ -68,14 +70,32 @@ MAX_STATUS_WAIT_S = 5.0
 
 
 def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory ``0700`` (or insist an existing one is ours and private)."""
+    """Create the socket's directory ``0700`` (or insist an existing one is ours and private); a directory
+    this user cannot make, or one of another user, is a :class:`ConfigError` (the ``--socket`` to change)."""
     d = os.path.dirname(path) or "."
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"socket directory {d} belongs to uid {st.st_uid}, not to this user")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(d, 0o700)
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.stat(d)
+        if st.st_uid != os.getuid():
+            raise ConfigError(
+                f"socket directory {d} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): give "
+                "--socket (or CKPTD_SOCKET) a path in a directory of this user's, or one the daemon may create "
+                "(it makes a missing one 0700)"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(d, 0o700)
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare the socket directory {d} (--socket {path}): {exc}") from exc
+
+
+def _renice(increment: int) -> None:
+    """``os.nice(increment)``; a negative increment this process may not take (it needs root or
+    ``CAP_SYS_NICE``) is a :class:`ConfigError`."""
+    try:
+        os.nice(increment)
+    except OSError as exc:
+        raise ConfigError(f"--nice {increment}: cannot change the daemon's CPU niceness ({exc}); a negative "
+                          "increment needs root or CAP_SYS_NICE: use 0 or a positive one") from exc
 
 
 def _peer_uid(sock: socket.socket) -> int:
@@ -120,12 +140,20 @@ class Daemon:
     async def run(self, ready: asyncio.Event | None = None) -> int:
         """Serve until shut down (see :func:`serve`); the storage backend is opened first and closed last."""
         cfg = self.config
+        prepare_socket_dir(cfg.socket)  # before anything is opened: a socket it cannot use fails at once, typed
+        if cfg.nice:
+            _renice(cfg.nice)  # before any worker thread exists, so they all inherit it
         stale = remove_stale_arenas()
         if stale:
             log.info("removed %d stale arena file(s) of dead daemons: %s", len(stale), ", ".join(stale))
         backend = await open_backend(cfg.root, cfg.storage_options)  # checks the bucket: fails loudly, typed
         try:
             return await self._run(backend, ready)
+        except BaseExceptionGroup as group:  # a typed startup failure inside the task group: raise it bare
+            leaf = first_leaf(group)
+            if isinstance(leaf, CkptdError):
+                raise leaf from group
+            raise
         finally:
             if backend.metrics is not None:
                 log.info("S3 requests retried since start: %s", backend.metrics.describe())
@@ -133,8 +161,6 @@ class Daemon:
 
     async def _run(self, backend: Backend, ready: asyncio.Event | None) -> int:
         cfg = self.config
-        if cfg.nice:
-            os.nice(cfg.nice)  # before any worker thread exists, so they all inherit it
         self.arena = Arena(cfg.arena_size, prefault=cfg.prefault)
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT) if self._handle_signals else ()

@@ -14,6 +14,7 @@ import ctypes
 import errno
 import functools
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 
@@ -54,11 +55,19 @@ class LocalBackend(Backend):
 
     @classmethod
     def open(cls, path: str, *, create: bool = True) -> LocalBackend:
-        """The backend at absolute ``path``; with ``create`` the directory is made if missing."""
-        if create:
-            os.makedirs(path, exist_ok=True)
-        elif not os.path.isdir(path):
-            raise StorageNotFoundError(f"checkpoint root {path} does not exist")
+        """The backend at absolute ``path``; with ``create`` the directory is made if missing. A root that
+        cannot be made or reached (a parent without search permission) is a typed :class:`StorageError`."""
+        try:
+            if create:
+                os.makedirs(path, exist_ok=True)
+            st = os.stat(path)  # not os.path.isdir: it takes a parent we may not search (EACCES) for "missing"
+        except FileNotFoundError as exc:
+            raise StorageNotFoundError(f"checkpoint root {path} does not exist") from exc
+        except OSError as exc:
+            what = "create" if create else "open"
+            raise _typed_error(f"cannot {what} checkpoint root {path}", exc) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise StorageNotFoundError(f"checkpoint root {path} is not a directory")
         return cls(path)
 
     @property
@@ -123,16 +132,22 @@ class LocalBackend(Backend):
             raise self.error(exc) from exc
 
     def error(self, exc: BaseException) -> CkptdError:
-        if isinstance(exc, CkptdError):
-            return exc
-        if isinstance(exc, FileNotFoundError):
-            return StorageNotFoundError(f"{self.url}: {exc}")
-        if isinstance(exc, PermissionError):
-            return StoragePermissionError(f"{self.url}: {exc}")
-        full = _no_space(exc)
-        if full is not None:
-            return StorageFullError(f"{self.url}: no space left ({errno.errorcode.get(full, full)}): {exc}")
-        return StorageError(f"{self.url}: {type(exc).__name__}: {exc}")
+        return _typed_error(self.url, exc)
+
+
+def _typed_error(what: str, exc: BaseException) -> CkptdError:
+    """The typed error for a failure of the local filesystem; ``what`` (the root, or what was being done to
+    it) starts the message. Typed errors pass through."""
+    if isinstance(exc, CkptdError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return StorageNotFoundError(f"{what}: {exc}")
+    if isinstance(exc, PermissionError):
+        return StoragePermissionError(f"{what}: {exc}")
+    full = _no_space(exc)
+    if full is not None:
+        return StorageFullError(f"{what}: no space left ({errno.errorcode.get(full, full)}): {exc}")
+    return StorageError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 def _no_space(exc: BaseException | None) -> int | None:

@@ -1,0 +1,242 @@
+"""The offline commands and ``serve`` on damaged roots and bad setups: ``verify`` and ``ls`` report a step that
+cannot be read (or whose ``COMMITTED`` does not decode) and go on with the others, ``verify`` tells "corrupt"
+(exit 1) from "could not read" (exit 3); ``gc --keep 0`` keeps every committed step, as ``serve --keep 0``
+does, and a negative ``--keep`` is a usage error; ``serve``'s startup failures are one typed line, exit 2.
+
+Steps are written by the real writer (no daemon). Permission failures are simulated (the suite may run as
+root, which file modes do not stop)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from zarr.storage import FsspecStore
+
+from ckptd.daemon import server
+from ckptd.daemon.cli import EXIT_CORRUPT, EXIT_ERROR, EXIT_UNREADABLE, main
+from ckptd.writer import format as fmt
+from ckptd.writer.arrays import ChunkSink
+from ckptd.writer.backends import open_backend
+from ckptd.writer.commit import CheckpointWriter
+from ckptd.writer.errors import StorageError
+
+pytestmark = pytest.mark.timeout(120)
+N, GRID = 8, 4  # one float32 array "x" of two chunks per step
+
+
+def write_steps(root: str, *steps: int) -> None:
+    """Committed steps with one array ``x`` of two chunks each (``step_N/x/c.0``, ``c.1``)."""
+
+    async def one(step: int) -> None:
+        async with await open_backend(root, None, create=True) as backend:
+            ckpt, sink = CheckpointWriter(backend), ChunkSink(backend)
+            data = np.arange(N, dtype=np.float32) + step
+            chunks = []
+            for coords in fmt.region_chunks([0], [N], [GRID]):
+                block = data[fmt.chunk_selection_of(coords, [GRID], [N], [0])]
+                crc, pieces = await sink.put(f"step_{step}/x/{fmt.chunk_key(coords, fmt.CHUNK_SEPARATOR)}", block)
+                chunks.append(fmt.ChunkRecord(list(coords), block.nbytes, crc, pieces))
+            rec = fmt.ArrayRecord("x", "float32", [N], [GRID], [fmt.ShardRecord(0, [0], [N], chunks)],
+                                  separator=fmt.CHUNK_SEPARATOR)
+            await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, step, 0, 1, 1, [0], [rec], {}, 0, 0.0))
+            await ckpt.commit(step, 1, timeout=5)
+
+    for step in steps:
+        asyncio.run(one(step))
+
+
+def fail_reads(monkeypatch: pytest.MonkeyPatch, failing: dict[str, BaseException]) -> None:
+    """Reads of these keys (relative to the root) through the zarr store raise the given error."""
+    real_get = FsspecStore.get
+
+    async def get(self: FsspecStore, key: str, *args: Any, **kwargs: Any) -> Any:
+        if key in failing:
+            raise failing[key]
+        return await real_get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(FsspecStore, "get", get)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def denied(key: str) -> PermissionError:
+    return PermissionError(13, "Permission denied", key)
+
+
+# --- verify -------------------------------------------------------------------------------------------
+def test_verify_reports_an_unreadable_chunk_and_checks_the_other_steps(tmp_path: Path, monkeypatch, capsys) -> None:
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 2, 3)
+    fail_reads(monkeypatch, {"step_2/x/c.0": denied("step_2/x/c.0")})
+    rc, out, err = run(capsys, "verify", root, "--json")
+    assert rc == EXIT_UNREADABLE == 3, err
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert [rows[s]["state"] for s in (1, 2, 3)] == ["ok", "unreadable", "ok"]
+    assert rows[3]["bytes"] == N * 4 and not rows[2]["ok"]
+    (error,) = rows[2]["errors"]
+    assert error.startswith("StoragePermissionError:") and "step_2/x/c.0" in error and "x not checked" in error
+    assert "Traceback" not in err
+
+    rc, out, _ = run(capsys, "verify", root)  # the text report goes on past the step too
+    lines = out.splitlines()
+    assert rc == 3 and lines[0].startswith("step 1: OK") and lines[-1].startswith("step 3: OK"), out
+    assert lines[1].startswith("step 2: UNREADABLE (1 could not be read)"), out
+
+
+def test_verify_types_a_storage_library_error_as_a_storage_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    """An error that is not an ``OSError`` (as botocore's are) is typed by the root's backend."""
+
+    class ReadTimeoutError(Exception):
+        pass
+
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 2)
+    fail_reads(monkeypatch, {"step_1/x/c.1": ReadTimeoutError("read timeout on endpoint")})
+    rc, out, _ = run(capsys, "verify", root, "--json")
+    rows = json.loads(out)
+    assert rc == 3 and [r["state"] for r in rows] == ["unreadable", "ok"]
+    assert rows[0]["errors"][0].startswith("StorageError:") and "ReadTimeoutError" in rows[0]["errors"][0]
+
+
+def test_verify_corrupt_wins_over_unreadable(tmp_path: Path, monkeypatch, capsys) -> None:
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 2, 3)
+    chunk = Path(root, "step_3", "x", "c.1")
+    chunk.write_bytes(b"\x01" + chunk.read_bytes()[1:])  # a flipped byte: fails its crc32c
+    fail_reads(monkeypatch, {"step_1/x/c.0": denied("step_1/x/c.0")})
+    rc, out, _ = run(capsys, "verify", root, "--json")
+    assert rc == EXIT_CORRUPT == 1
+    assert [r["state"] for r in json.loads(out)] == ["unreadable", "ok", "corrupt"]
+
+
+def test_a_garbage_commit_marker_is_one_corrupt_step(tmp_path: Path, capsys) -> None:
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 2, 3)
+    Path(root, fmt.commit_marker(2)).write_bytes(b"garbage\n")
+
+    rc, out, err = run(capsys, "verify", root, "--json")
+    assert rc == EXIT_CORRUPT, err
+    rows = json.loads(out)
+    assert [(r["step"], r["state"]) for r in rows] == [(1, "ok"), (2, "corrupt"), (3, "ok")]
+    assert "CorruptCheckpointError" in rows[1]["errors"][0] and "COMMITTED" in rows[1]["errors"][0]
+
+    rc, out, err = run(capsys, "ls", root, "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert [(r["step"], r["state"]) for r in rows] == [(1, "committed"), (2, "corrupt"), (3, "committed")]
+    assert rows[1]["error"].startswith("CorruptCheckpointError:") and rows[2]["arrays"] == 1
+
+    rc, out, _ = run(capsys, "ls", root)
+    row2 = [ln for ln in out.splitlines() if ln.split()[0] == "2"]
+    assert rc == 0 and len(out.splitlines()) == 4 and "corrupt" in row2[0] and "CorruptCheckpointError" in row2[0]
+
+
+def test_ls_shows_a_step_it_cannot_read_and_goes_on(tmp_path: Path, monkeypatch, capsys) -> None:
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 2)
+    fail_reads(monkeypatch, {fmt.commit_marker(1): denied(fmt.commit_marker(1))})
+    rc, out, _ = run(capsys, "ls", root, "--json")
+    rows = json.loads(out)
+    assert rc == 0 and [(r["step"], r["state"]) for r in rows] == [(1, "unreadable"), (2, "committed")]
+    assert rows[0]["error"].startswith("StoragePermissionError:")
+    rc, out, _ = run(capsys, "verify", root, "--json")
+    assert rc == 3 and [r["state"] for r in json.loads(out)] == ["unreadable", "ok"]
+
+
+def test_verify_of_a_step_that_is_not_there_is_still_a_usage_error(tmp_path: Path, capsys) -> None:
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1)
+    rc, _, err = run(capsys, "verify", root, "--step", "7")
+    assert rc == EXIT_ERROR and "CheckpointNotFoundError" in err
+
+
+# --- gc -----------------------------------------------------------------------------------------------
+def _steps(root: str) -> list[str]:
+    return sorted(p.name for p in Path(root).iterdir() if p.name.startswith("step_"))
+
+
+def test_gc_keep_zero_keeps_every_committed_step(tmp_path: Path, capsys) -> None:
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 2, 4)
+    Path(root, "step_3", "x").mkdir(parents=True)  # an unfinished step older than the newest commit
+    Path(root, "step_3", "x", "c.0").write_bytes(b"\0" * 20)
+    rc, out, _ = run(capsys, "gc", root, "--keep", "0", "--dry-run", "--grace", "0")
+    assert rc == 0 and "would remove steps: [3]" in out, out
+    rc, out, _ = run(capsys, "gc", root, "--keep", "0", "--grace", "0")
+    assert rc == 0 and "removed steps: [3]" in out and _steps(root) == ["step_1", "step_2", "step_4"], out
+    rc, out, _ = run(capsys, "gc", root, "--keep", "2")
+    assert rc == 0 and "removed steps: [1]" in out and _steps(root) == ["step_2", "step_4"], out
+
+
+@pytest.mark.parametrize("keep", ["-5", "-1", "two"])
+def test_gc_refuses_a_negative_keep(tmp_path: Path, keep: str, capsys) -> None:
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 2)
+    with pytest.raises(SystemExit) as info:
+        main(["gc", root, "--keep", keep])
+    assert info.value.code == 2 and "--keep" in capsys.readouterr().err
+    assert _steps(root) == ["step_1", "step_2"]
+
+
+# --- serve: startup failures --------------------------------------------------------------------------
+def _serve(tmp_path: Path, sockdir: str, capsys: pytest.CaptureFixture[str], *flags: str,
+           root: str | None = None) -> tuple[int, str]:
+    rc = main(["serve", "--root", root or str(tmp_path / "ckpt"), "--socket", os.path.join(sockdir, "s", "d.sock"),
+               "--arena-size", "4MiB", "--no-prefault", *flags])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return rc, err.strip().splitlines()[-1]
+
+
+def test_serve_with_a_negative_nice_it_may_not_take(tmp_path: Path, sockdir: str, monkeypatch, capsys) -> None:
+    def nice(increment: int) -> int:
+        if increment < 0:
+            raise PermissionError(1, "Operation not permitted")
+        return 0
+
+    monkeypatch.setattr(os, "nice", nice)
+    rc, line = _serve(tmp_path, sockdir, capsys, "--nice", "-5")
+    assert rc == 2 and line.startswith("ckptd serve: ConfigError: --nice -5") and "CAP_SYS_NICE" in line, line
+
+
+def test_serve_with_a_socket_directory_of_another_user(tmp_path: Path, sockdir: str, monkeypatch, capsys) -> None:
+    os.makedirs(os.path.join(sockdir, "s"), mode=0o700)
+    other = os.stat(sockdir).st_uid + 4242
+    monkeypatch.setattr(os, "getuid", lambda: other)
+    rc, line = _serve(tmp_path, sockdir, capsys, "--nice", "0")
+    assert rc == 2 and line.startswith("ckptd serve: ConfigError: socket directory") and "belongs to uid" in line
+
+
+def test_serve_with_a_root_it_cannot_create(tmp_path: Path, sockdir: str, monkeypatch, capsys) -> None:
+    root = str(tmp_path / "locked" / "ckpt")
+    real = os.makedirs
+
+    def makedirs(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path) == root:
+            raise PermissionError(13, "Permission denied", root)
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    rc, line = _serve(tmp_path, sockdir, capsys, "--nice", "0", root=root)
+    assert rc == 2 and line.startswith("ckptd serve: StoragePermissionError: cannot create checkpoint root"), line
+
+
+def test_serve_reports_a_typed_error_of_its_startup_bare(tmp_path: Path, sockdir: str, monkeypatch, capsys) -> None:
+    """A typed error raised inside the daemon's task group reaches the command as itself, not as a group."""
+
+    async def broken(*_args: Any) -> None:
+        raise StorageError("the journal's root is unreachable")
+
+    monkeypatch.setattr(server, "abandon_predecessor_steps", broken)
+    rc, line = _serve(tmp_path, sockdir, capsys, "--nice", "0")
+    assert rc == 2 and line == "ckptd serve: StorageError: the journal's root is unreachable", line
