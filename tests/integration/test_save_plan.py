@@ -281,3 +281,47 @@ def test_an_optimizer_moved_away_and_back_is_not_kept_alive_by_the_plan(
         # re-home them (that would copy every state once more at each save, for a plan the next move makes
         # stale); under the promise the first plan served two saves before the move, so the next one re-homes
         assert r["rehomed"] == [constant, False], r
+
+
+def _copied(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
+    """A model whose ``sharded_state_dict()`` hands out a copy of a param (as megatron-core's legacy
+    ``GroupedMLP`` does for its experts' weights): a plan reads its sources at every save, so it would store
+    the copy's first values forever, and a load cannot write into a copy. Both saves refuse it, typed."""
+    from megatron.core.utils import unwrap_model
+
+    from ckptd.writer.errors import InvalidRequestError
+
+    client = CheckpointClient(socket)
+    model, optimizer, train_step = build_gpt(**BUILD)
+    train_step(0)
+    module = unwrap_model(model[0])
+    made = module.sharded_state_dict
+
+    def with_a_copy(*args: Any, **kwargs: Any) -> Any:
+        sd = made(*args, **kwargs)
+        key = next(k for k in sd if k.endswith("final_layernorm.weight"))
+        sd[key].data = sd[key].data.clone()  # memory of its own: no param's or buffer's
+        return sd
+
+    module.sharded_state_dict = with_a_copy
+    refused = []
+    for opt in (optimizer, None):  # with the optimizer, and the model alone
+        with pytest.raises(InvalidRequestError, match=r"copies, not views of a param or buffer \(model/decoder"):
+            save_checkpoint(client, 1, model, opt)
+        refused.append(cached(optimizer) is None)
+    del module.sharded_state_dict  # the model's own again: saved and reloaded bit-exact
+    handle = save_checkpoint(client, 1, model, optimizer)
+    at_save = _live(model, optimizer)
+    handle.wait(60)
+    _scramble(model, optimizer)
+    load_checkpoint(root, 1, model, optimizer)
+    _assert_same(at_save, _live(model, optimizer), f"rank{rank}")
+    client.close()
+    return {"refused": refused}
+
+
+def test_a_model_tensor_that_is_a_copy_is_refused_at_save(tmp_path: Path, module_sockdir: str) -> None:
+    root = str(tmp_path / "root")
+    results = spawn_with_daemon(_copied, 2, root, os.path.join(module_sockdir, "copied.sock"),
+                                log_path=str(tmp_path / "daemon.log"))
+    assert results == [{"refused": [True, True]}] * 2, results

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -97,6 +97,23 @@ def model_template(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Shard]:
     if model_chunks:
         _TEMPLATES[model_chunks[0]] = (signature, template)
     return dict(template)
+
+
+def refuse_copies(model_chunks: Sequence[torch.nn.Module], shards: Mapping[str, Shard]) -> None:
+    """Refuse model shards whose memory is no param's or buffer's of the chunks: tensors the modules'
+    ``sharded_state_dict()`` made anew (megatron-core's legacy ``GroupedMLP`` transposes its experts' weights
+    into copies). A save plan reads its sources at every save, so it would store such a tensor's values of the
+    first save forever; and a load cannot write into it (:func:`model_template`)."""
+    modules = [introspect.unwrap(c) for c in model_chunks]  # (DDP's ``buffers`` attribute shadows Module.buffers)
+    held = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *torch.nn.Module.buffers(m))}
+    copies = sorted(s.key for s in shards.values()
+                    if s.data.numel() and s.data.untyped_storage().data_ptr() not in held)
+    if copies:
+        raise InvalidRequestError(
+            f"{len(copies)} model tensor(s) of sharded_state_dict() are copies, not views of a param or buffer "
+            f"({', '.join(copies[:3])}): ckptd saves and loads model tensors in place, so it cannot checkpoint "
+            "them (megatron-core's legacy GroupedMLP makes such copies: use SequentialMLP or TEGroupedMLP)"
+        )
 
 
 _TEMPLATES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, dict[str, Shard]]] = weakref.WeakKeyDictionary()

@@ -16,7 +16,7 @@ from ckptd.client.megatron import introspect
 from ckptd.client.megatron.constant import capture
 from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_modules, extra_states
 from ckptd.client.megatron.layout import Binding, bind, get_layout, rank_plan
-from ckptd.client.megatron.model import model_state
+from ckptd.client.megatron.model import model_state, refuse_copies
 from ckptd.client.megatron.optimizer import optimizer_shards, state_names
 from ckptd.client.megatron.rehome import rehome_states
 from ckptd.client.megatron.rng import rng_state
@@ -104,6 +104,7 @@ def save_plan(
         logger.warning("rank %d: model ShardedObjects %s are not saved by ckptd", rank, sorted(objects)[:5])
     # detached views: staging reads them after the optimizer has updated the params in place
     state: dict[str, Shard] = {k: replace(v, data=v.data.detach()) for k, v in model.items() if isinstance(v, Shard)}
+    refuse_copies(model_chunks, state)
     state.update(optimizer_shards(optimizer, layout))
     planned = plan_state(state, rank)  # validates keys, dtypes and chunk grids; sets replicas apart
     shards = planned.shards
@@ -134,6 +135,7 @@ def model_only_plan(model_chunks: Sequence[torch.nn.Module], rank: int) -> SaveP
         "pp": ranks.pp_rank, "pp_size": ranks.pp_size, "dp": ranks.dp_rank, "dp_size": ranks.dp_size,
         "megatron_core": introspect.megatron_version(),
     }
+    refuse_copies(model_chunks, state)
     planned = plan_state(state, rank)
     plan = SavePlan(chunk_ids, signature, (), "", record, planned.shards, planned.replicas)
     cache.save = plan
