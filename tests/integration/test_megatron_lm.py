@@ -260,3 +260,107 @@ def test_megatron_step_names_on_the_command_line(full_run: tuple[str, list[dict[
     assert json.loads(capsys.readouterr().out)["step"] == N
     assert main(["ls", root, "--step", "iter_0000009"]) == 2  # no such step: a typed error, exit code 2
     assert "no step 9" in capsys.readouterr().err
+
+
+# --- a save lost with its daemon ---------------------------------------------------------------------
+def _refuses(sock: str) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(sock)
+        except OSError:
+            return True
+    return False
+
+
+def _kill_after_staging(caught: dict[int, bool], killed: list[int]) -> None:
+    """Wrap the ckptd save the adapter calls: once a step is staged, stop its daemon; if the step has not
+    committed (``caught[step]``), SIGKILL the daemon (its pid into ``killed``), else let it go on (the race
+    was lost: try the next)."""
+    import signal
+
+    import ckptd.client.megatron.save as cms
+    from ckptd.writer.format import commit_marker
+
+    real = cms.save_checkpoint
+
+    def staged_then_killed(client: Any, step: int, *a: Any, **kw: Any) -> Any:
+        handle = real(client, step, *a, **kw)
+        pid = client._welcome.daemon_pid
+        os.kill(pid, signal.SIGSTOP)  # from here on the step commits never, or it already has
+        caught[step] = not os.path.exists(os.path.join(client.root, commit_marker(step)))
+        killed.extend([pid] if caught[step] else [])
+        os.kill(pid, signal.SIGKILL if caught[step] else signal.SIGCONT)
+        cms.save_checkpoint = real
+        return handle
+
+    cms.save_checkpoint = staged_then_killed
+
+
+def _lost_daemon_run(rank: int, world: int, root: str, sock: str) -> dict[str, Any]:
+    """Synchronous saves, then ``--async-save``: in each, a good iteration, one whose daemon is killed after
+    staging, and one more (a new embedded daemon)."""
+    import logging
+
+    from ckptd.client.client import CheckpointClient
+    from ckptd.testing.fixtures import wait_for
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptd.client.megatron.megatron_lm").addHandler(handler)
+    model, optimizer, train_step, scheduler, fp8 = _setup(seed=1234)
+    client = CheckpointClient(sock, root=root, start_daemon=True, timeout_s=60,
+                              daemon_args=["--arena-size", "64MiB", "--no-prefault"])  # default on_daemon_lost
+    ctx: dict[str, Any] = {}
+    iteration, nfp, out = 0, 0.0, []
+    for async_save in (False, True):
+        args = _args(root, async_save=async_save)
+        for kill in (False, True, False):
+            caught: dict[int, bool] = {}
+            killed: list[int] = []
+            while True:
+                iteration, nfp, _, _ = _train(iteration, 1, args, train_step, scheduler, fp8, nfp)
+                if kill:
+                    _kill_after_staging(caught, killed)
+                handle = save_checkpoint(iteration, model, optimizer, scheduler, nfp, ctx, args=args, client=client)
+                maybe_finalize_async_save(blocking=True, checkpointing_context=ctx)  # no raise: training goes on
+                if not kill or caught.get(iteration):
+                    break
+            if killed:  # the next save must not find the dead daemon's socket still accepting for a moment
+                wait_for(lambda: _refuses(sock) or client._welcome.daemon_pid != killed[0],  # noqa: B023
+                         "the killed daemon's socket to refuse, or a new daemon to serve")
+            out.append({"async": async_save, "iteration": iteration, "killed": kill, "state": handle.state.name,
+                        "tracker": read_tracker(root), "pending": len(ctx["ckptd"].pending)})
+    client.close()
+    return {"saves": out, "warned": warned}
+
+
+def test_a_step_lost_with_its_daemon_gets_no_tracker(tmp_path: Path, sockdir: str) -> None:
+    import psutil
+
+    from ckptd.writer.format import commit_marker
+
+    root = str(tmp_path / "ck")
+    try:
+        got = run_ranks(_lost_daemon_run, 1, root, os.path.join(sockdir, "lost.sock"))[0]
+    finally:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if "serve" in (p.info["cmdline"] or []) and any(sockdir in a for a in p.info["cmdline"] or [])]
+        for p in left:
+            p.terminate()
+        psutil.wait_procs(left, timeout=20)
+    saves = got["saves"]
+    for mode in (False, True):
+        good, lost, again = (s for s in saves if s["async"] is mode)
+        assert (good["state"], good["tracker"]) == ("COMMITTED", good["iteration"])
+        # the lost iteration: FAILED (no raise under on_daemon_lost="warn"), the tracker still names the last
+        # committed one, nothing left pending; the next save commits on a new daemon and moves the tracker on
+        assert (lost["state"], lost["tracker"], lost["pending"]) == ("FAILED", good["iteration"], 0), lost
+        assert (again["state"], again["tracker"]) == ("COMMITTED", again["iteration"]), again
+        assert any(f"iteration {lost['iteration']} did not commit" in w for w in got["warned"]), got["warned"]
+    committed = [s for s in saves if s["state"] == "COMMITTED"]
+    assert [read_commit(root, s["iteration"]).step for s in committed] == [s["iteration"] for s in committed]
+    lost_steps = [s["iteration"] for s in saves if s["killed"]]
+    assert not any(Path(root, commit_marker(n)).exists() for n in lost_steps)

@@ -34,7 +34,9 @@ from ckptd.client.client import CheckpointClient
 from ckptd.client.handle import SaveHandle
 from ckptd.client.paths import default_socket_path
 from ckptd.client.placement import Placement
-from ckptd.writer.errors import CheckpointNotFoundError, InvalidRequestError
+from ckptd.client.protocol import StepState
+from ckptd.client.storage_env import storage_options_for
+from ckptd.writer.errors import CheckpointNotFoundError, InvalidRequestError, StepFailedError
 from ckptd.writer.root import open_root
 from ckptd.writer.sync import run_sync
 
@@ -80,6 +82,14 @@ def step_of(local_path: str) -> int:
     return int(m.group(1))
 
 
+def storage_options(root: str, env: Mapping[str, str] = os.environ) -> dict[str, object]:
+    """The S3 options of ``root`` as the daemons the integration starts read them: ``CKPTD_STORAGE_<KEY>``,
+    ``$CKPTD_CONFIG``'s ``[storage]`` table and the storage flags in ``$CKPTD_DAEMON_ARGS``
+    (:mod:`ckptd.client.storage_env`); the worker's own calls (existence check, retention, load) use them,
+    so they reach the endpoint the daemon writes to. ``{}`` for a local root."""
+    return storage_options_for(root, env, shlex.split(env.get(ENV_DAEMON_ARGS, "")))
+
+
 def placement_from_env(env: Mapping[str, str] = os.environ) -> Placement:
     """Ranks under Ray: verl sets ``RANK``, ``WORLD_SIZE`` and ``RAY_LOCAL_WORLD_SIZE`` (not torchrun's
     ``LOCAL_WORLD_SIZE``) and numbers ranks node by node; :meth:`Placement.detect` reads exactly that."""
@@ -91,12 +101,14 @@ def install() -> None:
     """Make verl build :class:`CkptdMegatronCheckpointManager` wherever it builds its Megatron manager.
 
     Meant as Ray's ``worker_process_setup_hook`` (runs in every worker before verl's code); calling it
-    again is harmless. In a process without megatron-core or verl it logs and does nothing.
+    again is harmless. In a process without megatron-core or verl it warns (saves then stay on verl's
+    own path) and does nothing.
     """
     try:
         cls = manager_class()
     except ImportError as exc:  # a worker that does not train with Megatron (or has no verl)
-        log.info("ckptd.integrations.verl: not installed in pid %d (%s)", os.getpid(), exc)
+        log.warning("ckptd.integrations.verl: not installed in pid %d, verl's own checkpointing stays (%s)",
+                    os.getpid(), exc)
         return
     for name in _VERL_MODULES:
         module = sys.modules.get(name)
@@ -172,9 +184,11 @@ class _CkptdMixin:
             self._ckptd_client.close()
             self._ckptd_client = None
         if self._ckptd_client is None:
+            # on_daemon_lost="raise": a step lost with its daemon raises like any failed step (see _committed)
             self._ckptd_client = CheckpointClient(
                 socket_for(root), root=root, placement=placement_from_env(), start_daemon=True,
-                daemon_args=shlex.split(os.environ.get(ENV_DAEMON_ARGS, "")),
+                daemon_args=shlex.split(os.environ.get(ENV_DAEMON_ARGS, "")), storage_options=storage_options(root),
+                on_daemon_lost="raise",
             )
         return self._ckptd_client
 
@@ -210,15 +224,28 @@ class _CkptdMixin:
     def _drop_abandoned(self, root: str, step: int) -> None:
         """A step being saved again was committed by a run that died before the trainer wrote its tracker
         (the trainer resumed from an older step): verl overwrites its folder, so rank 0 deletes the stale
-        ckptd step before anyone stages. All ranks meet at a barrier (verl's save has several anyway)."""
+        ckptd step before anyone stages. Rank 0 then broadcasts how that went (the other ranks wait for it,
+        as at a barrier): if it failed, every rank raises, none is left waiting."""
         import torch.distributed as dist
 
         v: Any = self
-        if v.rank == 0 and _has_step(root, step):
-            log.warning("ckptd: %s: step %d of %s was committed by an earlier run; replacing it", v.role, step, root)
-            run_sync(_delete_step(root, step))
+        error: Exception | None = None
+        failed: list[str | None] = [None]
+        if v.rank == 0:
+            try:
+                if _has_step(root, step, storage_options(root)):
+                    log.warning("ckptd: %s: step %d of %s was committed by an earlier run; replacing it",
+                                v.role, step, root)
+                    run_sync(_delete_step(root, step, storage_options(root)))
+            except Exception as exc:  # told to every rank below, then raised here
+                error, failed[0] = exc, f"{type(exc).__name__}: {exc}"
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            dist.broadcast_object_list(failed, src=0)
+        if error is not None:
+            raise error
+        if failed[0] is not None:
+            raise StepFailedError(f"step {step}: rank 0 could not replace the earlier run's step of {root}: "
+                                  f"{failed[0]}")
 
     def _build_model_sharded_state_dict(self, metadata: dict[str, Any]) -> dict[str, Any]:
         if self._ckptd_saving is not None:
@@ -244,22 +271,21 @@ class _CkptdMixin:
             self._ckptd_pending.append((handle, finalize_save_fn))  # tracker once committed
             self.finalize_pending(blocking=False)
         else:
-            handle.wait()  # committed on every node; the trainer writes the tracker when we return
+            _committed(handle)  # on every node, else it raises: the trainer writes the tracker when we return
             finalize_save_fn()
 
     def finalize_pending(self, blocking: bool = False) -> int:
         """Run verl's finalize (manifest, tracker in async mode, retention) for every async save that
         committed; with ``blocking`` wait for them. Called at each save, at exit, and by whoever polls.
-        Returns the number finalized. A failed step raises its error and its tracker is never written."""
+        Returns the number finalized. A step that did not commit (failed, or lost with its daemon) raises
+        its error once, and verl's finalize (manifest, tracker, retention) never runs for it."""
         done = 0
         while self._ckptd_pending:
             handle, fn = self._ckptd_pending[0]
-            if blocking:
-                handle.wait()
-            elif not handle.done():
+            if not blocking and not handle.done():
                 break
-            self._ckptd_pending.pop(0)
-            handle.wait(0)  # raises if the step failed
+            self._ckptd_pending.pop(0)  # before it may raise: the next call goes on with the next save
+            _committed(handle)
             fn()
             done += 1
         return done
@@ -270,7 +296,7 @@ class _CkptdMixin:
         keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) else 0
         if v.rank == 0 and keep > 0 and self.ckptd_supported() is None:
             root = ckptd_root(local_path, v.role)
-            removed = run_sync(_retain(root, keep))
+            removed = run_sync(_retain(root, keep, storage_options(root)))
             if removed:
                 log.info("ckptd: %s: retention removed steps %s of %s", v.role, removed, root)
 
@@ -314,12 +340,14 @@ class _CkptdMixin:
         if not self._ckptd_load_wanted(local_path, manifest or {}):
             return  # nothing ckptd holds was asked for (the HF weights, if asked for, are loaded)
         root = ckptd_root(local_path, v.role)
-        if not _has_step(root, step) and _has_step(str(held["root"]), step):
-            root = str(held["root"])  # CKPTD_ROOT changed since the save: use where it went
+        saved = str(held["root"])
+        if not _has_step(root, step, storage_options(root)) and _has_step(saved, step, storage_options(saved)):
+            root = saved  # CKPTD_ROOT changed since the save: use where it went
         from ckptd.client.megatron import load_checkpoint
 
         optimizer = v.optimizer if v.should_load_optimizer else None  # None: the model alone
-        loaded = load_checkpoint(root, step, v.model, optimizer, rng=v.should_load_extra)
+        loaded = load_checkpoint(root, step, v.model, optimizer, rng=v.should_load_extra,
+                                 storage_options=storage_options(root))
         extra = loaded.extra if isinstance(loaded.extra, dict) else {}
         if v.should_load_optimizer and v.use_checkpoint_opt_param_scheduler and v.lr_scheduler is not None:
             if "lr_scheduler" not in extra:
@@ -356,6 +384,14 @@ class _CkptdMixin:
         return True
 
 
+def _committed(handle: SaveHandle) -> None:
+    """Wait until ``handle``'s step committed on every node; raise why it did not (its error: a failed
+    step, its daemon lost). Only then may verl's finalize (manifest, tracker, retention) run for it."""
+    handle.wait()  # raises a failed step's error (the client's on_daemon_lost="raise": a lost daemon too)
+    if handle.state is not StepState.COMMITTED:  # lost under another policy, or skipped: never committed
+        raise handle.exception() or StepFailedError(f"step {handle.step} did not commit ({handle.state})")
+
+
 def _finalize_at_exit(ref: weakref.ref[Any]) -> None:
     manager = ref()
     if manager is not None:
@@ -374,9 +410,9 @@ def _read_manifest(local_path: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _has_step(root: str, step: int) -> bool:
+def _has_step(root: str, step: int, options: Mapping[str, object]) -> bool:
     async def run() -> bool:
-        async with open_root(root) as ckpt:
+        async with open_root(root, options) as ckpt:
             return await ckpt.is_committed(step)
 
     with contextlib.suppress(CheckpointNotFoundError, FileNotFoundError):
@@ -384,15 +420,15 @@ def _has_step(root: str, step: int) -> bool:
     return False
 
 
-async def _delete_step(root: str, step: int) -> None:
+async def _delete_step(root: str, step: int, options: Mapping[str, object]) -> None:
     from ckptd.writer.commit import CheckpointWriter
 
-    async with open_root(root) as ckpt:
+    async with open_root(root, options) as ckpt:
         await CheckpointWriter(ckpt.backend).delete_step(step)
 
 
-async def _retain(root: str, keep: int) -> list[int]:
+async def _retain(root: str, keep: int, options: Mapping[str, object]) -> list[int]:
     from ckptd.writer.commit import CheckpointWriter
 
-    async with open_root(root) as ckpt:
+    async with open_root(root, options) as ckpt:
         return await CheckpointWriter(ckpt.backend).retain(keep)

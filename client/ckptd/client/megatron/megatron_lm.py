@@ -12,7 +12,10 @@ saves besides tensors is saved as plain data in each rank's ``extra["megatron_lm
 and (rank 0) ``args`` as a plain dict. The ckptd step number is the iteration. After the step committed,
 rank 0 writes Megatron-LM's tracker ``<args.save>/latest_checkpointed_iteration.txt``: at once with a
 synchronous save, or from :func:`finalize_async_saves` with ``--async-save`` (Megatron-LM's
-``maybe_finalize_async_save``). ``args`` is Megatron-LM's ``get_args()`` namespace; pass ``args=`` to
+``maybe_finalize_async_save``); never for a step that did not commit (a failed step raises, one lost with
+its daemon only warns under the client's default ``on_daemon_lost="warn"``). S3 options: the client's,
+else those the node daemon reads (``CKPTD_STORAGE_<KEY>``, ``$CKPTD_CONFIG``; see
+:mod:`ckptd.client.storage_env`). ``args`` is Megatron-LM's ``get_args()`` namespace; pass ``args=`` to
 avoid the global. Megatron-LM's step names are read wherever a step is given (``--load
 <root>/iter_0000100``, ``--ckpt-step iter_0000100``: :func:`resolve_load`); storage keeps ckptd's
 ``step_100`` (:func:`ckptd.writer.format.parse_step` reads both).
@@ -91,9 +94,12 @@ def _session(
         return session
     if client is None:
         from ckptd.client.client import CheckpointClient
+        from ckptd.client.storage_env import storage_options_for
 
-        # the per-root default socket: a `ckptd serve --root <args.save>` on the node, else an embedded one
-        client = CheckpointClient(root=args.save, start_daemon=getattr(args, "ckptd_start_daemon", True))
+        # the per-root default socket: a `ckptd serve --root <args.save>` on the node, else an embedded one;
+        # the daemon's S3 options, for the tracker (write_tracker) and loads through this client
+        client = CheckpointClient(root=args.save, start_daemon=getattr(args, "ckptd_start_daemon", True),
+                                  storage_options=storage_options_for(str(args.save)))
     session = _Session(client, str(args.save))
     ctx[_CONTEXT_KEY] = session
     _DEFAULT_CONTEXT[_CONTEXT_KEY] = session  # maybe_finalize_async_save() is called without the context
@@ -161,22 +167,27 @@ def finalize_async_saves(
 
     ``blocking`` waits for every pending save (Megatron-LM calls it before the next save and, with
     ``terminate=True``, at exit; ckptd needs no worker to terminate); otherwise only what already finished
-    is handled. A save that failed raises its error here. Without ``checkpointing_context`` it finalizes
-    the saves of the last context used.
+    is handled. A save that failed raises its error here (once). A save lost with its daemon raises only
+    under the client's ``on_daemon_lost="raise"``; under the default ``"warn"`` training goes on with a
+    warning. Either way no tracker names a step that did not commit. Without ``checkpointing_context`` it
+    finalizes the saves of the last context used.
     """
+    from ckptd.client.protocol import StepState
+
     ctx = _DEFAULT_CONTEXT if checkpointing_context is None else checkpointing_context
     session = ctx.get(_CONTEXT_KEY)
     if not isinstance(session, _Session):
         return
     while session.pending:
         iteration, handle = session.pending[0]
-        if blocking:
-            handle.wait()
-        elif not handle.done():
+        if not blocking and not handle.done():
             return
-        else:
-            handle.wait(0)  # raises the error of a failed save
-        session.pending.pop(0)
+        session.pending.pop(0)  # before it may raise: the next call goes on with the next save
+        handle.wait()  # raises the error of a failed save (a lost daemon: per the client's on_daemon_lost)
+        if handle.state is not StepState.COMMITTED:
+            logger.warning("iteration %d did not commit (%s: %s); %s is not written for it", iteration,
+                           handle.state, handle.exception(), TRACKER)
+            continue
         if session.client.placement.rank == 0 and (session.tracked is None or iteration > session.tracked):
             write_tracker(session.save_dir, iteration, session.client.storage_options)
             session.tracked = iteration
@@ -246,7 +257,8 @@ def load_checkpoint(
     """Megatron-LM's ``load_checkpoint``: returns ``(iteration, num_floating_point_operations_so_far)``.
 
     Loads the newest committed step of ``getattr(args, load_arg)``, or ``args.ckpt_step``, or the step
-    the path names (``<root>/iter_0000100``, see :func:`resolve_load`); ``(0, 0)`` when there is none
+    the path names (``<root>/iter_0000100``, see :func:`resolve_load`), through ``storage_options`` (default:
+    the S3 options the node daemon reads, :mod:`ckptd.client.storage_env`); ``(0, 0)`` when there is none
     (an error with ``args.exit_on_missing_checkpoint``). Sets ``args.consumed_train_samples``,
     ``skipped_train_samples`` and ``consumed_valid_samples`` and the scheduler's state. ``args.finetune``
     loads the model alone and starts at iteration 0 with the data position at 0; ``args.no_load_optim``
@@ -262,6 +274,10 @@ def load_checkpoint(
     finetune = _flag(args, "finetune")
     load_optim = optimizer is not None and not finetune and not _flag(args, "no_load_optim")
     load_dir, step = resolve_load(str(load_dir), getattr(args, "ckpt_step", None))
+    if storage_options is None:
+        from ckptd.client.storage_env import storage_options_for
+
+        storage_options = storage_options_for(load_dir)
     try:
         loaded = ckptd_load(
             load_dir, step, list(model), optimizer if load_optim else None, strict=strict,
