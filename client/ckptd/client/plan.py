@@ -101,6 +101,17 @@ _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 
 
+def sync_streams(devices: Sequence[torch.device] = ()) -> None:
+    """Wait for the copies queued on the current stream of each of ``devices`` and of the current device (a
+    copy is queued on its source's device's stream: where a rank never called ``set_device``, not the
+    current device's)."""
+    current = torch.cuda.current_device()
+    torch.cuda.current_stream(current).synchronize()
+    for device in devices:
+        if device.index is not None and device.index != current:
+            torch.cuda.current_stream(device).synchronize()
+
+
 class _Column(NamedTuple):
     """One state name looked up for several params of one optimizer: ``state[keys[i]][name]`` for each
     ``i`` in ``rows``, with the dtype and element count planned for each, or (held) the plan's own views."""
@@ -190,6 +201,9 @@ class StagePlan:
     _gap_zeros: list[torch.Tensor] = field(default_factory=list)
     registered: tuple[Welcome, int] | None = None  # (the daemon's Welcome, plan id) it is registered under
     cuda: bool = False
+    # the CUDA devices its sources are on (set by compile_copies): a D2H copy is queued on its source's device's
+    # current stream, which is not the current device's where a rank never set it (sync_streams)
+    devices: tuple[torch.device, ...] = ()
     static_bytes: int = 0  # what the static sources hold (set by compile_copies)
     replicas: list[ReplicaMeta] = field(default_factory=list)  # non-main replica regions, sent on registration
 
@@ -219,6 +233,9 @@ class StagePlan:
         looked = [(src, d) for _, src, d in self._fetched] + self._dynamic
         self._dynamic_types = ([d.dtype for d, _ in self._dynamic], [d.shape for d, _ in self._dynamic])
         if self.cuda:
+            planned = [t() if isinstance(t, WeakBytes) else t for t, _ in self._static]
+            planned += [t for _, ref in self._held if (t := ref()) is not None]
+            self.devices = tuple(dict.fromkeys(t.device for t in planned if t.is_cuda))
             self._static_rest, self._looked_rest = list(range(len(static_dst))), list(range(len(looked)))
             self._find_weak()
             return
@@ -385,7 +402,7 @@ class StagePlan:
                 self._copy_looked(views, sources)
         finally:  # on a failure too: a span given back must not receive a queued device copy afterwards
             if self.cuda:
-                torch.cuda.current_stream().synchronize()
+                sync_streams(self.devices)
         # after the static copies landed (on a GPU, after the sync): a static run may cross a gap that is zeroed.
         # The zeroed gaps are padding, never a looked-up source's slot, so the looked-up copies cannot touch them
         if views.zeros and (static or self.cuda):
@@ -404,7 +421,7 @@ class StagePlan:
                     torch._foreach_zero_(views.zeros)
         except BaseException:
             if self.cuda:
-                torch.cuda.current_stream().synchronize()
+                sync_streams(self.devices)
             raise
 
     def _copy_static(self, views: _Views) -> None:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ckptd.client.pinned import pin_host_memory
-from ckptd.client.plan import StalePlanError
+from ckptd.client.pinned import pin_host_memory, unpin_host_memory
+from ckptd.client.plan import StalePlanError, sync_streams
 from ckptd.writer.errors import DaemonUnavailableError
 
 if TYPE_CHECKING:
@@ -55,8 +55,10 @@ class StagingArena:
     def __init__(self, threaded: bool = False) -> None:
         self.mm: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
-        self.pinned = False
-        self._queued: torch.cuda.Stream | None = None  # a stream with device copies into the arena not waited for
+        self.pinned = False  # page-locking tried for this mapping
+        self._registered = False  # ... and done: undone before the unmap
+        # the devices with copies into the arena queued on their current streams and not waited for (sync_streams)
+        self._queued: tuple[torch.device, ...] | None = None
         self.threaded = threaded  # copy CPU static sources on a worker thread (:func:`spare_core`)
         self._worker: ThreadPoolExecutor | None = None
         self._copying: Future[None] | None = None  # a static copy running on the worker, not waited for
@@ -81,6 +83,9 @@ class StagingArena:
             self._worker = None
         self._tensor = None
         if self.mm is not None:
+            if self._registered:  # before the unmap: the driver must not keep the old pages locked and registered
+                unpin_host_memory(self.mm)
+                self._registered = False
             with contextlib.suppress(BufferError):  # a view still exported: the GC unmaps it later
                 self.mm.close()
             self.mm = None
@@ -89,7 +94,7 @@ class StagingArena:
         if self._tensor is None or self.mm is None:
             raise DaemonUnavailableError("no staging arena mapped: the client is closed")
         if cuda and not self.pinned:
-            pin_host_memory(self.mm)  # once per mapping
+            self._registered = pin_host_memory(self.mm)  # once per mapping (a failure warned: pageable copies)
             self.pinned = True
         return self._tensor
 
@@ -103,7 +108,7 @@ class StagingArena:
                 shard.stage_into(dst, non_blocking=cuda)
         finally:  # on a failure too: slots given back must not receive a queued device copy afterwards
             if cuda:
-                torch.cuda.current_stream().synchronize()
+                sync_streams(tuple({s.data.device for s in shards if s.data.is_cuda}))
 
     def stage_plan(self, plan: StagePlan, base: int, sources: list[torch.Tensor], static: bool = True) -> None:
         """Copy a registered plan's sources into its span at ``base`` (``static=False``: its static sources
@@ -137,14 +142,14 @@ class StagingArena:
             return
         plan.stage_static(arena, base)
         if plan.cuda:
-            self._queued = torch.cuda.current_stream()
+            self._queued = plan.devices
 
     def settle(self) -> None:
         """Wait for the copies :meth:`stage_static` started and did not wait for (before their span is given
         back); a worker's copy that failed is logged (the span is given up anyway)."""
         queued, self._queued = self._queued, None
         if queued is not None:
-            queued.synchronize()
+            sync_streams(queued)
         copying, self._copying = self._copying, None
         if copying is not None and (err := copying.exception()) is not None:
             # a stale plan (the optimizer let a re-homed state go) is what the save's checks found too: it plans again
