@@ -240,3 +240,23 @@ def test_serve_reports_a_typed_error_of_its_startup_bare(tmp_path: Path, sockdir
     monkeypatch.setattr(server, "abandon_predecessor_steps", broken)
     rc, line = _serve(tmp_path, sockdir, capsys, "--nice", "0")
     assert rc == 2 and line == "ckptd serve: StorageError: the journal's root is unreachable", line
+
+
+def test_verify_reports_an_unreadable_failure_note_and_goes_on(tmp_path: Path, monkeypatch, capsys) -> None:
+    """An uncommitted step's failure note that cannot be read (not a damaged one: a storage error) is a row
+    saying so, exit 3; the committed steps are still checked."""
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1, 3)
+
+    async def failed_step() -> None:
+        async with await open_backend(root, None) as backend:
+            await CheckpointWriter(backend).mark_failed(2, StorageError("disk gone"))
+
+    asyncio.run(failed_step())
+    key = fmt.failed_marker(2)
+    fail_reads(monkeypatch, {key: denied(key)})
+    rc, out, _ = run(capsys, "verify", root, "--json")
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert rc == EXIT_UNREADABLE, (rc, rows)
+    assert rows[2]["state"] == "unreadable" and "StoragePermissionError" in rows[2]["errors"][0], rows[2]
+    assert rows[1]["ok"] and rows[3]["ok"]

@@ -381,9 +381,16 @@ async def _verify_step(root: CheckpointRoot, step: int, as_json: bool, *, named:
 
 async def _failed_steps(root: CheckpointRoot, committed: set[int], as_json: bool) -> list[dict[str, Any]]:
     """Uncommitted steps with a failure note: reported (not checkpoints, nothing to verify), not errors."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step in await root.steps():
-        failed = None if step in committed else await root.read_failed(step)
+        try:
+            failed = None if step in committed else await root.read_failed(step)
+        except Exception as exc:  # its note unreadable: said so, and the next steps still looked at
+            state, why = _failure(root, exc)
+            rows.append({"step": step, "ok": False, "committed": False, "state": state, "errors": [why]})
+            if not as_json:
+                print(f"step {step}: {state.upper()}: its failure note: {why}")
+            continue
         if failed is not None:
             why = f"{failed.get('code')}: {failed.get('message')}"
             rows.append({"step": step, "ok": True, "committed": False, "failed": why})
