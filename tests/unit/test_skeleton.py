@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ckptd.client.plan import StagePlan
+from ckptd.client.reuse import RepeatedPlans
 from ckptd.client.skeleton import Skeleton
 from ckptd.client.state import Shard, plan_state
 
@@ -200,3 +201,43 @@ def test_a_skeleton_keeps_no_tensor_alive(sharded: bool) -> None:
     del state
     gc.collect()
     assert ref() is None
+
+
+def _aliased(t: torch.Tensor, u: torch.Tensor, order: str) -> dict[str, Any]:
+    """One tensor under two keys when ``t is u``: written under one, held as a non-main replica under the other."""
+    replica, main = Shard("x", t, (4,), (0,), replica_id=1), Shard("y", u, (4,), (0,))
+    states: dict[str, dict[str, Any]] = {
+        "replica first": {"a": replica, "b": main},
+        "main first": {"a": main, "b": replica},
+        "plain then main": {"a": t, "b": Shard("y", u, (4,), (0,))},  # rank 1: the plain tensor is a replica
+        "replica then plain": {"a": Shard("x", t, (4,), (0,), replica_id=1), "b": u},  # rank 0 writes "b"
+        "plain twice": {"a": t, "b": u},
+    }
+    return states[order]
+
+
+_ORDERS = ["replica first", "main first", "plain then main", "replica then plain", "plain twice"]
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_under_two_keys_when_planned_maps_each_key_to_its_own_position(order: str, rank: int) -> None:
+    t = torch.zeros(4)
+    sk = _of(_aliased(t, t, order), rank)
+    assert sk is not None
+    # later saves with distinct tensors: each key's own tensor is staged, never the other key's
+    _check_like_plan_state(sk, _aliased(torch.full((4,), 1.0), torch.full((4,), 2.0), order), rank)
+    _check_like_plan_state(sk, _aliased(t, t, order), rank)
+
+
+def test_repeated_plans_stage_the_written_keys_tensor_after_an_aliased_first_save() -> None:
+    rp = RepeatedPlans()
+    t = torch.zeros(4)
+    for _ in range(2):  # the second save of the structure makes the plan and remembers the dict
+        rp.route(_aliased(t, t, "replica first"), 0)
+    u, v = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    route = rp.route(_aliased(u, v, "replica first"), 0)
+    assert isinstance(route, tuple)
+    plan, tensors, _ = route
+    assert [m.key for m in plan.metas] == ["y"]
+    assert len(tensors) == 1 and tensors[0] is v

@@ -119,23 +119,26 @@ class _Runs:
 
 def _compile_pieces(plan: StagePlan, runs: _Runs, pieces: list[Piece], base: int, dtype: torch.dtype) -> None:
     """A described shard's pieces: static ones of the slot's dtype join runs (zeros are filled after every
-    copy, so a run may cross a gap), others copy converting into the slot's dtype."""
+    copy, so a run may cross a gap), others copy converting into the slot's dtype. A piece that does not
+    join the run ends it: a run merged across that piece's slot would copy the source's bytes over it."""
     for p in pieces:
         rel = base + p.lo
         if p.src is not None:
             held = _hold(plan, p)
             span = byte_span(p.src) if p.src.dtype == dtype else None
+            if span is not None and not (held or p.live):
+                runs.add(p.src, rel)
+                continue
+            runs.flush()
             if held and span is not None:  # a re-homed state's flat tensor: held weakly, a copy of its own,
                 # through the tensor the states are views of (what keeps the memory while they are the states)
                 anchor, n = held[0]._base if held[0]._base is not None else held[0], nbytes_of(p.src)
                 plan._static.append((WeakBytes(anchor, span[1], n), _Dst(rel, torch.uint8, (n,))))
-                plan.cuda |= p.src.is_cuda
-            elif span is not None and not p.live:
-                runs.add(p.src, rel)
             else:
                 plan._static.append((p.src, _Dst(rel, dtype, tuple(p.src.shape))))
-                plan.cuda |= p.src.is_cuda
+            plan.cuda |= p.src.is_cuda
         elif p.fetch is not None:
+            runs.flush()  # copied after the static ones, so it would win; still, no run spans its slot
             t = p.fetch.owner.state.get(p.fetch.key, {}).get(p.fetch.name)
             if not isinstance(t, torch.Tensor):
                 raise StalePlanError(f"no optimizer state {p.fetch.name!r} to plan a save of")

@@ -128,7 +128,7 @@ class Skeleton:
             return None
         leaves: list[Any] = []
         _take(root, state, leaves, {})
-        main = _split([leaf.data if type(leaf) is Shard else leaf for leaf in leaves], shards, replicas)
+        main = _split(leaves, shards, replicas)
         if main is None:
             return None
         return cls(root, leaves, None if len(main) == len(leaves) else main, plan)
@@ -161,17 +161,24 @@ class Skeleton:
         return Checked(data if self._main is None else map(data.__getitem__, self._main)), objects
 
 
-def _split(data: list[torch.Tensor], shards: Sequence[Shard], replicas: Sequence[Shard]) -> list[int] | None:
-    """Where ``shards``' tensors are in ``data`` (in order), the rest being ``replicas``' in order; None
-    when ``data`` is not that. (One tensor both written and held as a replica may be matched either way
-    round: the lists it gives are the same.)"""
+def _split(leaves: list[Any], shards: Sequence[Shard], replicas: Sequence[Shard]) -> list[int] | None:
+    """Where ``shards`` are among ``leaves`` (in order), the rest being ``replicas`` in order; None when the
+    leaves are not that. Each leaf is matched to the shard :func:`~ckptd.client.state.plan_state` made of it,
+    never by its tensor alone (one tensor under two keys, written under one and held as a replica under the
+    other, must map each key to its own position): a ``Shard`` leaf is that shard itself, a tensor leaf a
+    shard of that tensor that is no ``Shard`` leaf (all of those are written, or all held, on a rank)."""
+    own = {id(leaf) for leaf in leaves if type(leaf) is Shard}
+
+    def made_of(shard: Shard, leaf: Any) -> bool:
+        return shard is leaf if type(leaf) is Shard else shard.data is leaf and id(shard) not in own
+
     main: list[int] = []
     si = ri = 0
-    for i, d in enumerate(data):
-        if si < len(shards) and shards[si].data is d:
+    for i, leaf in enumerate(leaves):
+        if si < len(shards) and made_of(shards[si], leaf):
             main.append(i)
             si += 1
-        elif ri < len(replicas) and replicas[ri].data is d:
+        elif ri < len(replicas) and made_of(replicas[ri], leaf):
             ri += 1
         else:
             return None
