@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient, DaemonUnavailableError, Placement, StepState
+from ckptd.client.daemon_lost import DaemonUnresponsiveError
 from ckptd.client.reader import load
 from ckptd.testing.fixtures import wait_for
 from ckptd.writer.format import commit_marker, failed_marker
@@ -128,3 +129,107 @@ def test_embedded_daemon_restarts_on_the_next_save(tmp_path, sockdir):
         client.close()
         for pid in pids[1:]:
             os.kill(pid, signal.SIGTERM)
+
+
+def _maps(path: str) -> bool:
+    """Whether this process (the rank) maps the file at ``path`` (deleted or not)."""
+    with open("/proc/self/maps") as f:
+        return any(path in line for line in f)
+
+
+def test_lost_daemon_arena_is_unmapped_and_a_restarted_daemon_serves(start_daemon, tmp_path):
+    """The connection lost, the dead daemon's arena is unmapped at once (its tmpfs pages are freed: a restarted
+    daemon's free-space check must not count them); the plan's views of the old mapping are not used."""
+    root = str(tmp_path / "ckpt")
+    d = start_daemon(root, "d0", arena="64MiB")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=TIMEOUT_S)
+    base = torch.arange(4096.0)
+    for step in (1, 2, 3):  # the structure repeats: steps 2 and 3 go through a registered plan (views cached)
+        client.save(step, {"x": base + step}).wait(60)
+    assert client._welcome is not None
+    old = client._welcome.arena_path
+    assert _maps(old)
+    d.kill()
+    lost = client.save(4, {"x": base + 4})  # the daemon is gone: no raise, and the old arena is let go
+    assert lost.state is StepState.FAILED and isinstance(lost.exception(), DaemonUnavailableError)
+    assert client._sock is None and client._staging.mm is None
+    assert not _maps(old)
+
+    start_daemon(root, "d0", arena="64MiB")  # the same size: its mapping may land where the old one was
+    for step in (5, 6):
+        client.save(step, {"x": base + step}).wait(60)
+    assert client._welcome.arena_path != old and _maps(client._welcome.arena_path) and not _maps(old)
+    for step in (1, 5, 6):
+        _loads(root, step, {"x": base + step})
+    client.close()
+    assert not _maps(client._welcome.arena_path)
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_missing_arena_file_is_a_lost_daemon(start_daemon, tmp_path, policy):
+    """An arena file removed under a live daemon (another daemon's stale-arena cleanup) cannot be mapped on
+    the next connect: a typed DaemonUnavailableError under the policy, never a raw FileNotFoundError."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=TIMEOUT_S, on_daemon_lost=policy)
+    client.save(1, {"x": torch.zeros(4)}).wait(60)
+    assert client._welcome is not None
+    path = client._welcome.arena_path
+    os.unlink(path)
+    client._close_socket()  # the connection drops: the next save connects and maps the arena again
+    if policy == "warn":
+        lost = client.save(2, {"x": torch.ones(4)})
+        assert lost.state is StepState.FAILED
+        assert isinstance(lost.exception(), DaemonUnavailableError) and path in str(lost.exception())
+    else:
+        with pytest.raises(DaemonUnavailableError, match="cannot map the daemon's staging arena"):
+            client.save(2, {"x": torch.ones(4)})
+    assert client._sock is None  # not left connected to a daemon whose arena it has not mapped
+    with pytest.raises(DaemonUnavailableError, match="stale-arena cleanup"):
+        CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=TIMEOUT_S)
+    client.close()
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_hung_daemon_is_a_lost_daemon(start_daemon, tmp_path, caplog, monkeypatch, policy):
+    """A daemon that does not answer within the client's timeout_s (SIGSTOPped) is lost: the connection is
+    closed, the arena unmapped, the handle FAILED with DaemonUnresponsiveError and a warning (``"warn"``) or
+    that error raised (``"raise"``); a hung daemon is not replaced by an embedded one; once it resumes, the
+    next save connects again."""
+    root = str(tmp_path / "ckpt")
+    d = start_daemon(root, "d0", *SLOW, arena="128MiB")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=TIMEOUT_S, lease_timeout_s=1,
+                              on_daemon_lost=policy)
+    client.save(1, {"x": torch.arange(10.0)}).wait(60)
+    pending = client.save(2, {"x": torch.arange(10.0) + 2, "big": torch.randn(BIG)})
+    wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
+    spawned: list[int] = []
+    monkeypatch.setattr(client, "_start_daemon", True)  # as the embedded mode: a hung daemon must not be replaced
+    monkeypatch.setattr(client, "_spawn_daemon", lambda replacing=0: spawned.append(replacing))
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        assert client._sock is not None
+        client.timeout_s = 1.0  # short from here on (the setup above ran with a generous one)
+        client._sock.settimeout(1.0)
+        with caplog.at_level(logging.WARNING, logger="ckptd.client.client"):
+            if policy == "warn":
+                assert pending.wait(60) is pending
+                assert pending.state is StepState.FAILED and isinstance(pending.exception(), DaemonUnresponsiveError)
+                lost = client.save(3, {"x": torch.arange(10.0) + 3})  # connects again: no answer to its Hello
+                assert lost.state is StepState.FAILED and isinstance(lost.exception(), DaemonUnresponsiveError)
+                assert "did not answer within 1s" in str(lost.exception())
+            else:
+                with pytest.raises(DaemonUnresponsiveError, match="did not answer within"):
+                    pending.wait(60)
+                with pytest.raises(DaemonUnavailableError):
+                    client.save(3, {"x": torch.arange(10.0) + 3})
+        assert client._sock is None and client._staging.mm is None
+        assert spawned == []
+        warned = [r.getMessage() for r in caplog.records if "training goes on" in r.getMessage()]
+        assert len(warned) == (2 if policy == "warn" else 0), warned
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    client.timeout_s = TIMEOUT_S
+    fourth = {"x": torch.arange(10.0) + 4}
+    assert client.save(4, fourth).wait(60).state is StepState.COMMITTED
+    _loads(root, 4, fourth)
+    client.close()

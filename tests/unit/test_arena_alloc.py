@@ -6,6 +6,8 @@ import asyncio
 import mmap
 import os
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -374,3 +376,61 @@ def test_remove_stale_arenas_keeps_a_running_arena(tmp_path: Path) -> None:
         assert os.path.exists(a.path)
     finally:
         a.close()
+
+
+def _holder(code: str, *args: str) -> subprocess.Popen[str]:
+    """A Python child running ``code`` (it prints one line once ready, then waits for its stdin to close)."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip(), "the child did not start"
+    return proc
+
+
+_HOLD_FLOCK = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH); "
+               "print('locked', flush=True); sys.stdin.read()")
+
+
+def test_remove_stale_arenas_judges_by_the_lock_not_by_the_pid(tmp_path: Path) -> None:
+    """A daemon holds its arena file under flock: a held file stays whatever its pid says (a daemon of
+    another PID namespace sharing /dev/shm looks dead here), an unheld one goes whatever its pid says (a
+    pid reused after kill -9 looks alive). An arena of an earlier version (no ``.lk``, never locked) keeps
+    the pid rule, and a lock protects it too."""
+    uid = os.getuid()
+    names = {
+        "held_dead_pid": f"ckptd-{uid}-{_dead_pid()}-0a1b2c3d.lk",
+        "held_old_dead_pid": f"ckptd-{uid}-{_dead_pid()}-1a1b2c3d",
+        "free_live_pid": f"ckptd-{uid}-{os.getppid()}-2a1b2c3d.lk",
+        "free_dead_pid": f"ckptd-{uid}-{_dead_pid()}-3a1b2c3d.lk",
+        "free_old_live_pid": f"ckptd-{uid}-{os.getppid()}-4a1b2c3d",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    holders = [_holder(_HOLD_FLOCK, str(tmp_path / names[k])) for k in ("held_dead_pid", "held_old_dead_pid")]
+    try:
+        assert remove_stale_arenas(str(tmp_path)) == sorted([names["free_live_pid"], names["free_dead_pid"]])
+        left = {"held_dead_pid", "held_old_dead_pid", "free_old_live_pid"}
+        assert sorted(os.listdir(tmp_path)) == sorted(names[k] for k in left)
+    finally:
+        for proc in holders:
+            proc.communicate(timeout=30)
+    # the holders are gone (their locks with them): the unheld new-style arena goes; the old one's pid lives
+    assert remove_stale_arenas(str(tmp_path)) == sorted([names["held_dead_pid"], names["held_old_dead_pid"]])
+
+
+def test_an_arena_is_locked_while_its_daemon_lives_and_removed_after_kill_9(tmp_path: Path) -> None:
+    """The whole life of an arena file: locked from the moment its name appears, kept by another process's
+    cleanup while its daemon runs, removed once that daemon was killed (SIGKILL: no cleanup of its own)."""
+    proc = _holder("import sys; from ckptd.daemon.arena import Arena; "
+                   "a = Arena(4096, shm_dir=sys.argv[1], prefault=False); print(a.path, flush=True); sys.stdin.read()",
+                   str(tmp_path))
+    try:
+        (name,) = os.listdir(tmp_path)  # no temporary file left next to it
+        assert name.endswith(".lk")
+        assert remove_stale_arenas(str(tmp_path)) == []
+        assert os.listdir(tmp_path) == [name]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert remove_stale_arenas(str(tmp_path)) == [name]
+    assert os.listdir(tmp_path) == []

@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CkptdError",
     "DaemonUnavailableError",
+    "DaemonUnresponsiveError",
     "InvalidKeyError",
     "JobMismatchError",
     "Placement",
@@ -52,6 +53,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient, StateDict
+    from ckptd.client.daemon_lost import DaemonUnresponsiveError
     from ckptd.client.handle import SaveHandle
     from ckptd.client.placement import Placement
     from ckptd.client.protocol import StepState
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "CheckpointClient": "ckptd.client.client",
+    "DaemonUnresponsiveError": "ckptd.client.daemon_lost",
     "Placement": "ckptd.client.placement",
     "SaveHandle": "ckptd.client.handle",
     "StateDict": "ckptd.client.client",

@@ -21,7 +21,14 @@ import torch
 
 from ckptd.client.attempts import Attempts
 from ckptd.client.collector import paused
-from ckptd.client.daemon_lost import DAEMON_LOST_POLICIES, DaemonLostPolicy, must_raise, peer_hung_up, warn_lost
+from ckptd.client.daemon_lost import (
+    DAEMON_LOST_POLICIES,
+    DaemonLostPolicy,
+    DaemonUnresponsiveError,
+    must_raise,
+    peer_hung_up,
+    warn_lost,
+)
 from ckptd.client.early import EarlyCopy
 from ckptd.client.embedded import ensure_daemon
 from ckptd.client.handle import SaveHandle, raise_background_errors, refuse_repeat, track
@@ -64,7 +71,6 @@ from ckptd.writer.errors import (
     PlanUnknownError,
     ProtocolError,
     RootMismatchError,
-    SaveTimeoutError,
     StaleDaemonError,
     error_classes,
 )
@@ -173,6 +179,8 @@ class CheckpointClient:
                 raise
             self._spawn_daemon(replacing=exc.daemon_pid)
             self._open_socket()
+        except DaemonUnresponsiveError:  # a daemon is there and hung: another one must not write its root
+            raise
         except DaemonUnavailableError:
             if not self._start_daemon:
                 raise
@@ -200,11 +208,11 @@ class CheckpointClient:
         try:
             check_daemon_job(self.job_id, welcome.job_id, daemon_pid=welcome.daemon_pid, owner=welcome.owner_pid,
                              draining=welcome.draining, socket_path=self.socket_path)
+            self._staging.map(welcome.arena_path, welcome.arena_bytes)  # its file gone: DaemonUnavailableError
         except CkptdError:
             self._close_socket()
             raise
         self._welcome = welcome
-        self._staging.map(welcome.arena_path, welcome.arena_bytes)
 
     def _spawn_daemon(self, replacing: int = 0) -> None:
         if not self._root:
@@ -222,11 +230,14 @@ class CheckpointClient:
             self._close_socket()
 
     def _close_socket(self) -> None:
+        """End the connection and unmap the arena (after the copies queued into it): a dead daemon's tmpfs pages
+        stay allocated while a rank maps them (a restarted daemon may lack the space); a new connection maps anew."""
         self._pipe.reset()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
+        self._staging.close()
 
     def read_answers(self) -> None:
         """Read now the daemon's answers that pipelined saves (``assume_constant_structure``) left owed: a
@@ -238,7 +249,6 @@ class CheckpointClient:
         """Close the socket and unmap the arena (saves already handed over go on in the daemon)."""
         self._pipe.drain(self)  # a save's refusal still reaches its handle
         self._close_socket()
-        self._staging.close()
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -268,9 +278,10 @@ class CheckpointClient:
             reply = decode_reply(self._recv_exactly(frame_length(header)))
             if wait_s:
                 sock.settimeout(self.timeout_s)
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # a hung daemon is a lost one (the on_daemon_lost policy decides)
             self._close_socket()
-            raise SaveTimeoutError(f"the daemon did not answer within {limit}s") from exc
+            why = f"the daemon at {self.socket_path} did not answer within {limit:g}s (stopped or stuck?)"
+            raise DaemonUnresponsiveError(why + ": the connection is closed, the next save connects again") from exc
         except (OSError, ProtocolError) as exc:
             self._close_socket()
             raise DaemonUnavailableError(f"lost the connection to the daemon at {self.socket_path}: {exc}") from exc
@@ -285,7 +296,7 @@ class CheckpointClient:
 
     def _status(self, step: int, wait_s: float, attempt: str = "") -> StepStatus:
         ask = StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=wait_s, attempt=attempt)
-        return _expect(self._request(ask), StepStatus)
+        return _expect(self._request(ask, wait_s=wait_s), StepStatus)  # the daemon may hold it up to wait_s
 
     # --- save -------------------------------------------------------------------------------------
     @paused
@@ -459,6 +470,8 @@ class CheckpointClient:
         return {n: t for n, t in docs.items() if n not in self._sidecars_sent}
 
     def _release(self, grant: LeaseGranted) -> None:
+        if self._sock is None:  # the connection it was granted on is gone, and the lease with it: no reconnect
+            return
         with contextlib.suppress(CkptdError):
             self._request(ReleaseRequest(v=PROTOCOL_VERSION, lease_id=grant.lease_id))
 

@@ -3,6 +3,11 @@
 A checkpointer must never be the reason training stops. Under ``"warn"`` (the default) a save whose
 daemon died or restarted ends ``FAILED`` with :class:`~ckptd.writer.errors.DaemonUnavailableError`
 and one warning, and nothing raises into the training loop; ``"raise"`` is the strict choice.
+
+A daemon that is there but does not answer (stopped, stuck in the kernel, its accept queue full) is lost
+the same way once the client's ``timeout_s`` has passed: :class:`DaemonUnresponsiveError`, a
+:class:`~ckptd.writer.errors.DaemonUnavailableError` (and a ``TimeoutError``). The connection is closed and
+the arena unmapped; the next save connects again.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ log = logging.getLogger("ckptd.client.client")  # the client's logger: users fil
 
 DaemonLostPolicy = Literal["warn", "raise"]
 DAEMON_LOST_POLICIES: tuple[DaemonLostPolicy, ...] = ("warn", "raise")
+
+
+class DaemonUnresponsiveError(DaemonUnavailableError, TimeoutError):
+    """The daemon took the connection but did not answer within the client's ``timeout_s``, or accepts no
+    connection at all (a stopped or stuck daemon): treated as lost. If it resumes, a step it accepted may
+    still commit (``ckptd ls`` tells); the client's handle of it says ``FAILED`` all the same."""
 
 
 def must_raise(error: CkptdError | None, policy: DaemonLostPolicy) -> bool:

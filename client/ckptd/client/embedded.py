@@ -29,22 +29,39 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ckptd.client.daemon_lost import DaemonUnresponsiveError
 from ckptd.client.ownership import pid_alive
 from ckptd.writer.errors import DaemonUnavailableError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_EXIT_S = 30.0
+ACCEPT_WAIT_S = 5.0  # how long a listener whose accept queue is full may take to make room (a live one: ms)
 _STARTED: list[subprocess.Popen[bytes]] = []  # held so they are reaped (poll) once they exit, not left zombies
 
 
-def _answers(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-        return True
+def _answers(path: str, timeout_s: float = ACCEPT_WAIT_S) -> bool:
+    """Whether a daemon listens on ``path``: True once it takes a connection, False when nothing listens there
+    (no socket file, or refused: a dead daemon's). A listener whose accept queue stays full for ``timeout_s``
+    (stopped or stuck) raises :class:`DaemonUnresponsiveError`: it is neither waited for without end (the
+    caller holds the node's lock) nor replaced (a second daemon would write the same root)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(max(0.01, min(1.0, deadline - time.monotonic())))  # never blocks: EAGAIN when full
+            try:
+                s.connect(path)
+                return True
+            except (BlockingIOError, TimeoutError):
+                pass  # it listens, its queue is full: it may be busy accepting a burst of ranks
+            except OSError:
+                return False
+        if time.monotonic() >= deadline:
+            raise DaemonUnresponsiveError(
+                f"the daemon at {path} accepts no connection (its accept queue stayed full for {timeout_s:g}s: "
+                "stopped or stuck?); not starting another one for its root"
+            )
+        time.sleep(0.05)
 
 
 def ensure_daemon(
@@ -73,7 +90,7 @@ def ensure_daemon(
         if replacing:
             _wait_gone(replacing, timeout_s, rank)
         _STARTED[:] = [p for p in _STARTED if p.poll() is None]
-        if _answers(socket_path):
+        if _answers(socket_path, min(timeout_s, ACCEPT_WAIT_S)):
             return None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)  # a dead daemon's socket: never mistaken for a live one below
@@ -86,7 +103,7 @@ def ensure_daemon(
         proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
         _STARTED.append(proc)
         deadline = time.monotonic() + timeout_s
-        while not _answers(socket_path):
+        while not _answers(socket_path, max(0.0, min(deadline - time.monotonic(), ACCEPT_WAIT_S))):
             if proc.poll() is not None:
                 raise DaemonUnavailableError(f"the embedded daemon exited with code {proc.returncode}")
             if time.monotonic() > deadline:

@@ -6,6 +6,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from ckptd.client.daemon_lost import DaemonUnresponsiveError
 from ckptd.client.protocol import StepState, StepStatus
 from ckptd.writer.errors import (
     CkptdError,
@@ -53,8 +54,9 @@ class SaveHandle:
             return
         try:
             st = self._client._status(self.step, wait_s, self.attempt)
-        except DaemonUnavailableError as exc:  # the daemon died or restarted: this save is lost with it
-            self._fail(DaemonUnavailableError(f"step {self.step}: lost the daemon before the commit: {exc}"))
+        except DaemonUnavailableError as exc:  # the daemon died, restarted or hangs: this save is lost with it
+            cls = DaemonUnresponsiveError if isinstance(exc, DaemonUnresponsiveError) else DaemonUnavailableError
+            self._fail(cls(f"step {self.step}: lost the daemon before the commit: {exc}"))
             return
         self._apply(st)
 
@@ -85,9 +87,11 @@ class SaveHandle:
         """Block until the step committed; raise its error if it failed, SaveTimeoutError on timeout.
 
         A failure is delivered once: after ``wait()`` raised it, the next ``save()`` does not raise it
-        again. A lost daemon (:class:`DaemonUnavailableError`) is raised only under the client's
-        ``on_daemon_lost="raise"``; under ``"warn"`` it is logged once and ``wait()`` returns the handle
-        in state ``FAILED`` (see :meth:`exception`).
+        again. A lost daemon (:class:`DaemonUnavailableError`; one that does not answer within the client's
+        ``timeout_s`` is lost too: :class:`~ckptd.client.daemon_lost.DaemonUnresponsiveError`) is raised only
+        under the client's ``on_daemon_lost="raise"``; under ``"warn"`` it is logged once and ``wait()``
+        returns the handle in state ``FAILED`` (see :meth:`exception`). ``SaveTimeoutError``: ``timeout``
+        passed before the commit, or the step itself timed out in the daemons.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -64,19 +64,30 @@ class StagingArena:
         self._copying: Future[None] | None = None  # a static copy running on the worker, not waited for
 
     def map(self, path: str, nbytes: int) -> None:
-        """Map the arena file at ``path`` (dropping an earlier mapping) and fault its pages in."""
+        """Map the arena file at ``path`` (dropping an earlier mapping) and fault its pages in.
+
+        An arena that cannot be mapped (its file removed: another daemon's stale-arena cleanup; shorter than
+        the daemon said) is a daemon this client cannot use: :class:`DaemonUnavailableError`."""
         self.close()
-        fd = os.open(path, os.O_RDWR)
         try:
-            self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:  # ValueError: the file is shorter than ``nbytes``
+            raise DaemonUnavailableError(
+                f"cannot map the daemon's staging arena {path} ({nbytes} bytes): {exc}; if the file is gone, "
+                "another daemon's stale-arena cleanup may have removed it: restart this daemon"
+            ) from exc
         with contextlib.suppress(OSError, AttributeError):
             self.mm.madvise(_MADV_POPULATE_WRITE)  # map the daemon's pages now, not during save()
         self._tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned = False
 
     def close(self) -> None:
+        """Drop the mapping (when the client closes, or loses its daemon: a dead daemon's tmpfs pages are
+        freed only once no rank maps them), after the copies queued into it; a no-op when none."""
         self.settle()  # no queued device copy (or worker's copy) may land in memory unmapped (or mapped anew)
         if self._worker is not None:
             self._worker.shutdown(wait=True)
@@ -92,7 +103,7 @@ class StagingArena:
 
     def _bytes(self, cuda: bool) -> torch.Tensor:
         if self._tensor is None or self.mm is None:
-            raise DaemonUnavailableError("no staging arena mapped: the client is closed")
+            raise DaemonUnavailableError("no staging arena mapped: the client is closed or lost its daemon")
         if cuda and not self.pinned:
             self._registered = pin_host_memory(self.mm)  # once per mapping (a failure warned: pageable copies)
             self.pinned = True

@@ -4,6 +4,11 @@ Ranks copy their shards into slots of it; the daemon writes the slots to storage
 as its shard is durable. Space is granted as byte credits (leases): a lease is all its slots or nothing,
 and a request that cannot fit waits up to its timeout. The file is created
 ``0600`` by the daemon's user, so no other user can map it.
+
+The daemon holds an exclusive ``flock`` on its arena file for its whole life (the kernel drops it when the
+process ends, ``kill -9`` included): :func:`remove_stale_arenas` removes only files nobody holds locked. A
+lock, unlike the pid in the file's name, means the same in every PID namespace sharing ``/dev/shm``
+(containers run with ``--ipc=host``) and cannot be inherited by a later process that reuses the pid.
 """
 
 from __future__ import annotations
@@ -11,10 +16,14 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
+import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,6 +37,8 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 SHM_DIR = "/dev/shm"
 _PREFIX = "ckptd-"
+_LOCKED = ".lk"  # names of arenas held under flock (earlier versions' arenas, unlocked, have no suffix)
+_NAME_RE = re.compile(r"^(\d+)-[0-9a-f]+(\.lk)?$")  # after ckptd-<uid>-: <pid>-<token>[.lk]
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
@@ -137,14 +148,16 @@ class Arena:
             raise ArenaError(f"arena size {size} is below one page")
         self.size = _align(size)
         check_shm_capacity(self.size, shm_dir)
-        self.path = os.path.join(shm_dir, f"{_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # held open (and locked) until close(): the lock tells other daemons' cleanup this arena is live
+        self.path, self._fd = _create_locked(shm_dir)
         try:
-            os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
-            os.ftruncate(fd, self.size)
-            self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            os.ftruncate(self._fd, self.size)
+            self.mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            raise
         self.view = memoryview(self.mm)
         if prefault:
             self._prefault()
@@ -325,23 +338,87 @@ class Arena:
             self.mm.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self._fd)  # ends the lock (with the mapping's own descriptor, if still mapped)
+
+
+def _create_locked(shm_dir: str) -> tuple[str, int]:
+    """A new, empty arena file ``0600``, already under this process's exclusive ``flock`` when its name
+    appears: it is made under a hidden temporary name, locked, then linked to its name (``link`` never
+    replaces a file), so no other daemon's :func:`remove_stale_arenas` can find it unlocked. Returns its
+    path and the open descriptor that holds the lock."""
+    base = f"{_PREFIX}{os.getuid()}-{os.getpid()}-"
+    for _ in range(8):
+        token = secrets.token_hex(4)
+        tmp = os.path.join(shm_dir, f".{base}{token}.new")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file only this process has opened
+            path = os.path.join(shm_dir, f"{base}{token}{_LOCKED}")
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                os.close(fd)
+                continue
+            return path, fd
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    raise ArenaError(f"could not pick an unused arena file name in {shm_dir}")
 
 
 def remove_stale_arenas(shm_dir: str = SHM_DIR) -> list[str]:
-    """Delete arena files of this user whose daemon process is gone (left by ``kill -9``)."""
+    """Delete arena files of this user that no live daemon holds (left by ``kill -9``).
+
+    A daemon holds its arena file under ``flock`` while it runs, so a file that can be locked here is
+    nobody's, whatever the pid in its name says (the pid may be another PID namespace's, or reused since).
+    A file held locked is never removed. The pid is consulted only for an arena of an earlier version
+    (no ``.lk`` suffix: it was never locked): kept while a process of that pid runs here, as before.
+    """
     removed = []
     prefix = f"{_PREFIX}{os.getuid()}-"
-    for name in os.listdir(shm_dir):
-        if not name.startswith(prefix):
+    for name in sorted(os.listdir(shm_dir)):
+        m = _NAME_RE.match(name[len(prefix) :]) if name.startswith(prefix) else None
+        if m is None:
             continue
-        try:
-            pid = int(name[len(prefix) :].split("-")[0])
-        except ValueError:
+        pid, locking = int(m.group(1)), bool(m.group(2))
+        if not locking and (pid == os.getpid() or pid_alive(pid)):
             continue
-        if pid == os.getpid() or pid_alive(pid):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(shm_dir, name))
+        if _unlink_unlocked(os.path.join(shm_dir, name)):
             removed.append(name)
     return removed
 
+
+def _unlink_unlocked(path: str) -> bool:
+    """Unlink ``path`` if it is a regular file of this user that no process holds under ``flock``: the lock
+    is taken (without waiting) and kept until the name is gone, and the name must still be that file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # gone meanwhile, a symlink, not ours to open
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                log.warning("cannot tell whether arena file %s is in use (flock: %s): left in place", path, exc)
+            return False  # held: a live daemon's, in this PID namespace or another
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nice", type=int, help="CPU niceness increment of the daemon (default 10: ranks come first)")
     s.add_argument("--exit-when-idle", dest="exit_when_idle_s", type=float,
                    help="exit once no client has been connected and no step in flight for this many seconds")
+    s.add_argument("--restore-hold", dest="restore_hold_s", type=float,
+                   help="with --exit-when-idle: while a committed step is kept for an in-memory restore, stay "
+                        "this many idle seconds instead, for restarted ranks to restore it (default 300)")
     s.add_argument("--job-id", help="the job this daemon serves: clients of another job refuse it (embedded mode)")
     s.add_argument("--owner-pid", type=int,
                    help="drain and exit once this process is gone (embedded mode: the job's launcher)")

@@ -120,6 +120,8 @@ class _Options(BaseSettings):
     nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
     # an embedded daemon ends with its job: no client and no step in flight for this long -> exit
     exit_when_idle_s: float | None = Field(default=None, gt=0)
+    # ... but while it holds a committed step for an in-memory restore it waits this long (restarted ranks)
+    restore_hold_s: float = Field(default=300.0, ge=0)
     # the job an embedded daemon belongs to (clients of other jobs refuse it) and the process whose end
     # ends it: drain, keep what committed, exit (ckptd.client.ownership)
     job_id: str | None = None

@@ -3,18 +3,22 @@
 After a crash of the training processes (the node and its daemon live) the restarted ranks can copy the
 newest committed step back from the daemon's shared memory instead of reading it from storage. When a
 shard's chunks are written, :class:`Retention` keeps its arena slot (instead of freeing it) under the
-step; when a step commits, every older step's slots are freed; when a lease does not fit, everything kept
-is freed at once (:meth:`Retention.evict`, hooked to :attr:`Arena.on_pressure`): saves always win the
-space. A :class:`~ckptd.client.protocol.RestoreRequest` is answered with the arena ranges of the step's
-shards only while that step is the newest commit and still whole; the client checks every chunk
-against the commit manifest's crc32c (an evicted and reused range fails the check and is read from
-storage).
+step; when a step commits it becomes the kept commit and every older step's slots are freed (the previous
+commit's too). "Newest" is by commit order, not by step number: after a rollback (newer steps deleted,
+training resumed from an older one) the resumed steps' commits replace a larger kept number; only a step
+that was already in flight when a larger one committed (steps may commit out of order) does not. When a
+lease does not fit, everything kept is freed at once (:meth:`Retention.evict`, hooked to
+:attr:`Arena.on_pressure`): saves always win the space. A :class:`~ckptd.client.protocol.RestoreRequest`
+is answered with the arena ranges of the step's shards only while that step is the kept commit and still
+whole; the client checks every chunk against the commit manifest's crc32c (an evicted and reused range
+fails the check and is read from storage).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 from ckptd.client.protocol import PROTOCOL_VERSION, RestoreReply, RestoreShard, ShardMeta
@@ -37,7 +41,8 @@ class Retention:
         self.arena = arena
         self.enabled = enabled
         self.kept: dict[int, _Kept] = {}
-        self.committed: int | None = None
+        self.committed: int | None = None  # the kept commit: the newest by commit order (see the module doc)
+        self.committed_at = 0.0  # when it committed (time.monotonic())
         self.served = 0  # restore replies with shards (a counter for tests and logs)
         self.evictions = 0
         if enabled:
@@ -80,11 +85,25 @@ class Retention:
         """Arena bytes held for an in-memory restore (given back to any save that needs them)."""
         return sum(size for _o, size in self.ranges())
 
-    def step_committed(self, step: int) -> None:
-        """``step`` is the newest commit: free every older step's slots."""
-        self.committed = step if self.committed is None else max(self.committed, step)
-        for old in [s for s in self.kept if s < self.committed]:
+    def step_committed(self, step: int, started: float | None = None) -> None:
+        """``step`` committed; ``started``: when its job began (``time.monotonic()``; None: before any
+        commit). It becomes the kept commit unless a larger step committed while it was in flight (it
+        lagged behind: that one stays); a smaller step started after the kept commit replaces it (training
+        was rolled back and resumed from an older step). Every step below the kept commit is freed."""
+        c = self.committed
+        if c is None or step >= c or (started is not None and started > self.committed_at):
+            if c is not None and c != step:
+                self._free(c)
+            c, self.committed_at = step, time.monotonic()
+            self.committed = c
+        for old in [s for s in self.kept if s < c]:
             self._free(old)
+
+    @property
+    def held(self) -> int | None:
+        """The committed step kept for a restore now (None: nothing held)."""
+        c = self.committed
+        return c if c is not None and c in self.kept else None
 
     def step_failed(self, step: int) -> None:
         self._free(step)

@@ -98,10 +98,11 @@ def _renice(increment: int) -> None:
                           "increment needs root or CAP_SYS_NICE: use 0 or a positive one") from exc
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """The connected process's pid (0 where it is in a PID namespace this one cannot see) and uid."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
 
 
 async def serve(
@@ -135,7 +136,9 @@ class Daemon:
         self.service: CheckpointService | None = None
         self.arena: Arena | None = None
         self._clients = 0  # open connections, for --exit-when-idle
+        self._client_seen = 0.0  # when a connection last began or ended (loop time): a short one counts too
         self._conn_since: dict[int, float] = {}  # when each open connection began (monotonic)
+        self._owner_is_rank = False  # the owner process connected as a client: no launcher restarts ranks
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
         """Serve until shut down (see :func:`serve`); the storage backend is opened first and closed last."""
@@ -226,16 +229,34 @@ class Daemon:
         return 0
 
     async def _exit_when_idle(self, idle_s: float) -> None:
-        """Stop once no client has been connected and no step in flight for ``idle_s`` (the embedded mode)."""
+        """Stop once no client has been connected and no step in flight for ``idle_s`` (the embedded mode);
+        while a committed step is kept for an in-memory restore, for ``restore_hold_s`` (if longer): ranks
+        a launcher restarts after a crash (torchrun's, the model built again) can still restore it. Not when
+        the owner (``--owner-pid``) is a rank itself (it connected): no launcher, so no restarted ranks (the
+        daemon ends with that process), and one that lives on without a client gets the memory back."""
         loop = asyncio.get_running_loop()
         idle_since = loop.time()
+        holding: int | None = None  # the kept step this idle spell was extended for (logged once)
         while not self._stop.is_set():
             await asyncio.sleep(min(0.2, idle_s))
-            if self._clients or self._service().in_flight():
-                idle_since = loop.time()
-            elif loop.time() - idle_since >= idle_s:
-                log.info("no client and no step in flight for %.1fs: exiting (--exit-when-idle)", idle_s)
-                self._stop.set()
+            service = self._service()
+            if self._clients or service.in_flight():
+                idle_since, holding = loop.time(), None
+                continue
+            if self._client_seen > idle_since:  # a connection came and went between two looks
+                idle_since, holding = self._client_seen, None
+            idle, held = loop.time() - idle_since, None if self._owner_is_rank else service.retention.held
+            if idle < idle_s:
+                continue
+            if held is not None and idle < self.config.restore_hold_s:
+                if holding != held:
+                    holding = held
+                    log.info("idle for %.1fs but holding step %d for an in-memory restore: exiting after %.0fs "
+                             "idle unless a client comes (--restore-hold)", idle, held, self.config.restore_hold_s)
+                continue
+            log.info("no client and no step in flight for %.1fs: exiting (--exit-when-idle%s)", idle,
+                     ", --restore-hold" if held is not None else "")
+            self._stop.set()
 
     async def _exit_with_owner(self, pid: int) -> None:
         """Stop once the owner process is gone (``--owner-pid``): its job is over; drain, then exit."""
@@ -296,11 +317,14 @@ class Daemon:
         sock = writer.get_extra_info("socket")
         arena = self._arena()
         self._clients += 1
+        self._client_seen = asyncio.get_running_loop().time()
         self._conn_since[conn] = time.monotonic()
         try:
-            if sock is not None and _peer_uid(sock) != os.getuid():
+            pid, uid = _peer(sock) if sock is not None else (0, os.getuid())
+            if uid != os.getuid():
                 log.warning("conn=%d: refused a peer of another user", conn)
                 return
+            self._owner_is_rank |= pid == self.config.owner_pid
             while True:
                 try:
                     header = await reader.readexactly(HEADER.size)
@@ -320,6 +344,7 @@ class Daemon:
             log.debug("conn=%d: connection lost: %s", conn, exc)
         finally:
             self._clients -= 1
+            self._client_seen = asyncio.get_running_loop().time()
             self._conn_since.pop(conn, None)
             if self.service is not None:
                 self.service.plans.forget(conn)

@@ -189,8 +189,6 @@ class CheckpointService:
         note): the new one, writing the same keys, starts once they ended."""
         async with self._job_lock:
             job = self.jobs.get(req.step)
-            if job is not None and job.state is StepState.COMMITTED:
-                raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
             if _another_in_flight(job, req):
                 if not _waits_for_ranks(job):
                     if not waited:
@@ -204,7 +202,8 @@ class CheckpointService:
                 raise job.error
             if job is not None and job.state is StepState.FAILED and (busy := job.unsettled()):
                 return busy
-            if job is None or job.state is StepState.FAILED:  # a failed step may be saved again
+            # A failed step may be saved again; one committed here, once its marker is gone (deleted: a rollback)
+            if job is None or job.state in (StepState.FAILED, StepState.COMMITTED):
                 left = await self.root.leftovers(req.step, req.node)
                 if left.committed:
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
@@ -317,7 +316,7 @@ class CheckpointService:
                 await self._note_failure(job, err)
         else:
             job.mark_committed()
-            self.retention.step_committed(job.step)
+            self.retention.step_committed(job.step, job.started)
         if job.error is not None:  # failed: its kept slots serve no restore
             self.retention.step_failed(job.step)
         self._log_step(job)
