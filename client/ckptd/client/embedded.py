@@ -8,7 +8,8 @@ job does not cut its drain short. It belongs to the job: it is started with ``--
 - the owner process (the ranks' launcher, or the rank itself without one) is gone: it stops taking
   saves, drains what is in flight (committed steps stay) and exits; or
 - ``--exit-when-idle``: no client has been connected and every step it holds is committed or failed
-  for that long.
+  for that long; while it keeps a committed step for an in-memory restore and its owner is a launcher
+  (restarted ranks may come back to it), for ``--restore-hold`` (default 300 s) instead.
 
 Reuse is safe by construction: the socket is per root (:func:`ckptd.client.paths.default_socket_path`)
 and the client checks the daemon's root and job on connect, so a live daemon found on the socket serves
