@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from ckptd.client import CheckpointClient, DaemonUnavailableError, Placement, StepState
 from ckptd.client.daemon_lost import DaemonUnresponsiveError
 from ckptd.client.reader import load
+from ckptd.testing.daemon_kill import socket_refuses
 from ckptd.testing.fixtures import wait_for
 from ckptd.writer.format import commit_marker, failed_marker
 
@@ -39,15 +39,6 @@ TIMEOUT_S = 60.0  # client request timeouts, and the embedded daemon's start: ge
 def _writing(root: Path, step: int) -> Callable[[], bool]:
     """True once the daemon wrote some chunks of ``step``'s big array (and so has not finished it)."""
     return lambda: any((root / f"step_{step}" / "big").glob("c.*"))
-
-
-def _refuses(sock: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(sock)
-        except OSError:
-            return True
-    return False
 
 
 def _loads(root: str, step: int, state: dict[str, torch.Tensor]) -> None:
@@ -112,7 +103,7 @@ def test_embedded_daemon_restarts_on_the_next_save(tmp_path, sockdir):
         pending = client.save(2, {"x": torch.arange(10.0) + 2, "big": torch.randn(BIG)})
         wait_for(_writing(tmp_path / "ckpt", 2), "step 2's first chunks")
         os.kill(pids[0], signal.SIGKILL)
-        wait_for(lambda: _refuses(sock), "the killed daemon's socket to refuse connections")
+        wait_for(lambda: socket_refuses(sock), "the killed daemon's socket to refuse connections")
         third = {"x": torch.arange(10.0) + 3}
         handle = client.save(3, third)  # a new daemon starts here; the training loop never sees an error
         pids.append(client._welcome.daemon_pid)

@@ -263,47 +263,14 @@ def test_megatron_step_names_on_the_command_line(full_run: tuple[str, list[dict[
 
 
 # --- a save lost with its daemon ---------------------------------------------------------------------
-def _refuses(sock: str) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(sock)
-        except OSError:
-            return True
-    return False
-
-
-def _kill_after_staging(caught: dict[int, bool], killed: list[int]) -> None:
-    """Wrap the ckptd save the adapter calls: once a step is staged, stop its daemon; if the step has not
-    committed (``caught[step]``), SIGKILL the daemon (its pid into ``killed``), else let it go on (the race
-    was lost: try the next)."""
-    import signal
-
-    import ckptd.client.megatron.save as cms
-    from ckptd.writer.format import commit_marker
-
-    real = cms.save_checkpoint
-
-    def staged_then_killed(client: Any, step: int, *a: Any, **kw: Any) -> Any:
-        handle = real(client, step, *a, **kw)
-        pid = client._welcome.daemon_pid
-        os.kill(pid, signal.SIGSTOP)  # from here on the step commits never, or it already has
-        caught[step] = not os.path.exists(os.path.join(client.root, commit_marker(step)))
-        killed.extend([pid] if caught[step] else [])
-        os.kill(pid, signal.SIGKILL if caught[step] else signal.SIGCONT)
-        cms.save_checkpoint = real
-        return handle
-
-    cms.save_checkpoint = staged_then_killed
-
-
 def _lost_daemon_run(rank: int, world: int, root: str, sock: str) -> dict[str, Any]:
     """Synchronous saves, then ``--async-save``: in each, a good iteration, one whose daemon is killed after
     staging, and one more (a new embedded daemon)."""
     import logging
 
+    import ckptd.client.megatron.save as cms
     from ckptd.client.client import CheckpointClient
+    from ckptd.testing.daemon_kill import kill_after_staging, socket_refuses
     from ckptd.testing.fixtures import wait_for
 
     warned: list[str] = []
@@ -323,13 +290,13 @@ def _lost_daemon_run(rank: int, world: int, root: str, sock: str) -> dict[str, A
             while True:
                 iteration, nfp, _, _ = _train(iteration, 1, args, train_step, scheduler, fp8, nfp)
                 if kill:
-                    _kill_after_staging(caught, killed)
+                    kill_after_staging(cms, caught, killed)
                 handle = save_checkpoint(iteration, model, optimizer, scheduler, nfp, ctx, args=args, client=client)
                 maybe_finalize_async_save(blocking=True, checkpointing_context=ctx)  # no raise: training goes on
                 if not kill or caught.get(iteration):
                     break
             if killed:  # the next save must not find the dead daemon's socket still accepting for a moment
-                wait_for(lambda: _refuses(sock) or client._welcome.daemon_pid != killed[0],  # noqa: B023
+                wait_for(lambda: socket_refuses(sock) or client._welcome.daemon_pid != killed[0],  # noqa: B023
                          "the killed daemon's socket to refuse, or a new daemon to serve")
             out.append({"async": async_save, "iteration": iteration, "killed": kill, "state": handle.state.name,
                         "tracker": read_tracker(root), "pending": len(ctx["ckptd"].pending)})

@@ -13,8 +13,6 @@ committed before that or never.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,46 +23,15 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("verl.utils.checkpoint.megatron_checkpoint_manager")
 
 from ckptd.integrations.verl import ckptd_root
+from ckptd.testing.daemon_kill import kill_after_staging, socket_refuses
 from ckptd.testing.fixtures import wait_for
 from ckptd.testing.launch import run_ranks
 from ckptd.testing.verl_job import HOOK, PRELOAD, TRACKER, build_managers, committed, train
 from ckptd.writer.errors import DaemonUnavailableError
-from ckptd.writer.format import commit_marker
 
 pytestmark = [pytest.mark.megatron, pytest.mark.verl, pytest.mark.timeout(300)]
 
 ROLE = {"actor": 1234}
-
-
-def _refuses(sock: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(sock)
-        except OSError:
-            return True
-    return False
-
-
-def _kill_after_staging(caught: dict[int, bool], killed: list[int]) -> Any:
-    """Wrap the Megatron save verl's manager calls: once a step is staged, stop its daemon; if the step has not
-    committed (``caught[step]``), SIGKILL the daemon (its pid into ``killed``), else let it go on (the race
-    was lost: the caller tries the next step)."""
-    import ckptd.client.megatron as cm
-
-    real = cm.save_checkpoint
-
-    def staged_then_killed(client: Any, step: int, *args: Any, **kwargs: Any) -> Any:
-        handle = real(client, step, *args, **kwargs)
-        pid = client._welcome.daemon_pid
-        os.kill(pid, signal.SIGSTOP)  # from here on the step commits never, or it already has
-        caught[step] = not os.path.exists(os.path.join(client.root, commit_marker(step)))
-        killed.extend([pid] if caught[step] else [])
-        os.kill(pid, signal.SIGKILL if caught[step] else signal.SIGCONT)
-        cm.save_checkpoint = real
-        return handle
-
-    cm.save_checkpoint = staged_then_killed
-    return real
 
 
 def _files(ckpt_dir: str, step: int) -> dict[str, Any]:
@@ -83,6 +50,8 @@ def _lost_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     finalize writes it): in each, one good step, one whose daemon is killed, one more good step."""
     from verl.workers.config.checkpoint import McoreCheckpointConfig
 
+    import ckptd.client.megatron as cm
+
     managers = build_managers(HOOK, 0, async_save=False, roles=ROLE)
     mgr = managers["actor"].manager
     out: dict[str, Any] = {}
@@ -97,7 +66,7 @@ def _lost_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
             step += 2
             train(managers, step, 1)
             if kill:
-                _kill_after_staging(caught, killed)
+                kill_after_staging(cm, caught, killed)
             try:
                 mgr.save_checkpoint(os.path.join(ckpt_dir, f"global_step_{step}", "actor"), None, step,
                                     max_ckpt_to_keep=1)
@@ -113,7 +82,7 @@ def _lost_job(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
             assert error is None, error  # the race was lost (committed before the stop): a normal step
         if killed:  # the next save must not find the dead daemon's socket still accepting for a moment
             client = mgr._ckptd_client
-            wait_for(lambda: _refuses(client.socket_path) or client._welcome.daemon_pid != killed[0],
+            wait_for(lambda: socket_refuses(client.socket_path) or client._welcome.daemon_pid != killed[0],
                      "the killed daemon's socket to refuse, or a new daemon to serve")
         return step, error
 
