@@ -21,6 +21,7 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ckptd.writer.errors import ConfigError
 
@@ -80,15 +81,20 @@ def _env_table(env: Mapping[str, str]) -> dict[str, object]:
     return {**table, **nested}
 
 
-def _config_table(path: str) -> dict[str, object]:
+def read_config_file(path: str) -> dict[str, Any]:
+    """The daemon's TOML config file as a dict (its reader too: ``ckptd.daemon.config``); :class:`ConfigError`
+    when it cannot be read or parsed."""
     try:
         with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
+            return tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    table = doc.get("storage", {})
+
+
+def _config_table(path: str) -> dict[str, object]:
+    table = read_config_file(path).get("storage", {})
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [storage] must be a table")
     return {str(k).replace("-", "_"): v for k, v in table.items()}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -23,6 +22,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 from pydantic_settings.sources.utils import parse_env_vars
 
 from ckptd.client.paths import default_socket_path
+from ckptd.client.storage_env import read_config_file
 from ckptd.writer.arrays import CODECS
 from ckptd.writer.errors import ConfigError
 from ckptd.writer.format import DEFAULT_CHUNK_BYTES
@@ -195,13 +195,7 @@ def _keys(table: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _read_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    doc = read_config_file(path)
     storage = doc.pop(_STORAGE_TABLE, {})
     if not isinstance(storage, dict):
         raise ConfigError(f"{path}: [{_STORAGE_TABLE}] must be a table")
