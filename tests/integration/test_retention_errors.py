@@ -86,3 +86,30 @@ def test_gc_removes_its_steps_when_the_store_refuses_to_abort_uploads(s3: S3Serv
     template = {"x": torch.zeros(4)}
     load(root, "latest", template, storage_options=options(s3.endpoint_url))
     assert torch.equal(template["x"], torch.full((4,), 4.0))
+
+
+def test_a_store_without_batch_delete_still_retains_and_collects(s3: S3Server, proxy: FaultProxy,
+                                                                             start_daemon) -> None:
+    """A server that answers every ``DeleteObjects`` (a POST ``?delete``) with 501: the single deletes (a
+    marker; also a stale part, a failure note) are ``DeleteObject``s, and the prefix deletes fall back to
+    them, so retention and ``gc`` remove old steps as on a full S3 (before: the marker's delete failed, and
+    with it every retention and gc)."""
+    prefix = "no-batch-delete"
+    root = f"s3://{BUCKET}/{prefix}"
+    proxy.set_faults(fail_all=Fault.ERROR, methods=["POST"], path_regex="\\?delete", error_status=501,
+                     error_code="NotImplemented", error_message="A header you provided implies functionality "
+                     "that is not implemented")
+    d = start_daemon(root, "d0", *s3_flags(proxy.url), "--keep", "1", env=aws_env(s3))
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0))
+    for step in (1, 2, 3):
+        client.save(step, {"x": torch.full((4,), float(step))}).wait(60)
+    client.close()
+    assert _steps(s3, prefix) == ["step_3"]
+    assert proxy.stats().faults.get("error", 0) >= 1  # the batch deletes were refused, and got round
+    s3.client().put_object(Bucket=BUCKET, Key=f"{prefix}/step_2/{commit_marker(2).split('/', 1)[1]}", Body=b"{}")
+    out = cli("gc", root, "--keep", "1", "--grace", "0", *s3_flags(proxy.url), env=aws_env(s3))
+    assert out.returncode == 0, out.stderr
+    assert _steps(s3, prefix) == ["step_3"], out.stdout
+    template = {"x": torch.zeros(4)}
+    load(root, "latest", template, storage_options=options(s3.endpoint_url))
+    assert torch.equal(template["x"], torch.full((4,), 3.0))

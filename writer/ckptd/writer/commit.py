@@ -35,10 +35,12 @@ from ckptd.writer.errors import (
     StepAbandonedError,
     StepCommittedError,
     StepFailedError,
+    StorageError,
     error_classes,
 )
 from ckptd.writer.fanout import bounded_map
 from ckptd.writer.format import (
+    COMMIT_MARKER,
     CONTROL_LAYOUTS,
     FORMAT_VERSION,
     ArrayRecord,
@@ -168,6 +170,8 @@ class CheckpointWriter(CheckpointRoot):
         if await self.is_committed(step):
             raise StepCommittedError(f"step {step} already committed under {self.url}")
         parts = await self.wait_parts(step, num_nodes, timeout, attempt=attempt)
+        if await self.is_committed(step):  # while it waited: a late coordinator must not rewrite its metadata
+            raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
         merged = merge_parts(parts)
         check_replicas(parts, {rec.name: rec for rec in merged.arrays})  # someone wrote every replica region
         prefix = step_dir(step)
@@ -224,7 +228,15 @@ class CheckpointWriter(CheckpointRoot):
         # commits; the other learns it here instead of overwriting the manifest. Backends without an
         # atomic create say so in their capabilities (an explicit opt-out, logged when opened).
         key = commit_marker(step)
-        if not await self.backend.create(key, data):
+        try:
+            created = await self.backend.create(key, data)
+        except StorageError:  # every try's answer lost: the marker may have landed all the same
+            if await self.backend.get(key) != data:
+                raise
+            log.warning("step %d: the %s write under %s failed, but the marker stored is ours: committed",
+                        step, COMMIT_MARKER, self.url)
+            created = True
+        if not created:
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
         try:  # only a hint: the step is committed whatever happens to it (readers trust the markers)
             current = await self.latest_hint()
@@ -316,6 +328,9 @@ class CheckpointWriter(CheckpointRoot):
         prefix = step_dir(step)
         for version in CONTROL_LAYOUTS:  # every marker first (a step of either format)
             await self.backend.delete(commit_marker(step, version))
+        if await self.is_committed(step):  # a store that answered the delete without doing it: touch nothing
+            raise StorageError(f"step {step}: its {COMMIT_MARKER} under {self.url} is still there after its "
+                               "delete; nothing else of the step was deleted")
         await self.backend.delete_prefix(prefix)
         if self.backend.capabilities.multipart_cleanup:
             aborted = await self.backend.abort_uploads(prefix)

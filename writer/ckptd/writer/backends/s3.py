@@ -23,7 +23,6 @@ import asyncio
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any, Literal
 
 import msgspec
@@ -31,10 +30,10 @@ import s3fs
 from zarr.storage import FsspecStore
 
 from ckptd.writer.backends import Backend, Capabilities, RetryMetrics
+from ckptd.writer.backends.s3_cleanup import abort_incomplete_uploads, delete_one_by_one
 from ckptd.writer.backends.s3_compat import (
     BATCH_DELETE,
     CONDITIONAL_PUT,
-    MULTIPART_LISTING,
     lacks,
     mark_lacking,
     not_implemented,
@@ -56,8 +55,6 @@ from ckptd.writer.errors import (
     ConfigError,
     StorageError,
     StorageNotFoundError,
-    StoragePermissionError,
-    first_leaf,
 )
 
 __all__ = [
@@ -73,8 +70,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_ABORT_CONCURRENCY = 8
 
 
 class S3Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -229,6 +224,16 @@ class S3Backend(Backend):
         """One ranged GET whose body is read straight into ``bufs`` (:func:`~.s3_read.read_range_into`)."""
         return await read_range_into(self.fs, f"{self._path}/{key}", start, bufs, self.url)
 
+    async def delete(self, key: str) -> None:
+        """One ``DeleteObject``: a refusal is an error. (A batch ``DeleteObjects``, what the store's delete
+        sends, answers 200 with the key's refusal inside, which s3fs drops: a marker "deleted" that stays.)"""
+        bucket, path, _version = self.fs.split_path(f"{self._path}/{key}")
+        try:
+            await self.fs._call_s3("delete_object", Bucket=bucket, Key=path)
+        except Exception as exc:
+            raise self.error(exc) from exc
+        self.fs.invalidate_cache(f"{bucket}/{path}")
+
     async def delete_prefix(self, prefix: str) -> None:
         """Batch deletes (``DeleteObjects``) where the server has them, else one DELETE per object."""
         if not lacks(self.fs, BATCH_DELETE):
@@ -336,77 +341,6 @@ async def check_bucket(fs: s3fs.S3FileSystem, url: str) -> None:
 
 
 
-async def abort_incomplete_uploads(
-    fs: s3fs.S3FileSystem,
-    bucket: str,
-    prefix: str,
-    *,
-    initiated_before: datetime | None = None,
-) -> int:
-    """Abort the unfinished multipart uploads under ``prefix`` in ``bucket``; return how many.
-
-    Parts of an upload that never completed are invisible to listings but billed and kept until
-    aborted. ``initiated_before`` (timezone-aware) spares uploads started later, e.g. by a save still
-    in flight; pass it whenever anything may be writing under ``prefix``. An upload that vanished
-    meanwhile (completed or aborted by someone else) is not counted.
-    """
-    url = f"s3://{bucket}/{prefix}"
-    aborted = 0
-    sem = asyncio.Semaphore(_ABORT_CONCURRENCY)
-
-    async def abort(key: str, upload_id: str) -> None:
-        nonlocal aborted
-        async with sem:
-            try:
-                await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            except Exception as exc:
-                err = classify_error(exc, url)
-                if isinstance(err, StorageNotFoundError) and error_code(exc) == "NoSuchUpload":
-                    return
-                if isinstance(err, StoragePermissionError):  # a policy without s3:AbortMultipartUpload
-                    mark_lacking(fs, MULTIPART_LISTING, exc)  # optional: never fails the retention or gc
-                    return
-                raise err from exc
-            aborted += 1
-
-    key_marker: str | None = None
-    upload_marker: str | None = None
-    while True:
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-        if key_marker is not None:
-            kwargs["KeyMarker"] = key_marker
-            if upload_marker is not None:
-                kwargs["UploadIdMarker"] = upload_marker
-        if lacks(fs, MULTIPART_LISTING):
-            return aborted
-        try:
-            page = await fs._call_s3("list_multipart_uploads", **kwargs)
-        except Exception as exc:
-            if not_implemented(exc):  # optional: never fail the retention or gc that asked
-                mark_lacking(fs, MULTIPART_LISTING, exc)
-                return aborted
-            raise classify_error(exc, url) from exc
-        todo = [
-            (u["Key"], u["UploadId"])
-            for u in page.get("Uploads", [])
-            if initiated_before is None or u["Initiated"] < initiated_before
-        ]
-        try:
-            async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
-                for key, upload_id in todo:
-                    tg.create_task(abort(key, upload_id))
-        except* Exception as group:
-            raise first_leaf(group) from group
-        if lacks(fs, MULTIPART_LISTING):  # refused: the rest would be refused too
-            return aborted
-        if not page.get("IsTruncated"):
-            break
-        key_marker, upload_marker = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
-    if aborted:
-        logger.info("aborted %d incomplete multipart uploads under %s", aborted, url)
-    return aborted
-
-
 async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, conditional: bool = True) -> bool:
     """Create object ``path`` (``bucket/key``) holding ``data`` only if it does not exist yet.
 
@@ -444,31 +378,6 @@ async def put_if_absent(fs: s3fs.S3FileSystem, path: str, data: bytes, *, condit
             raise classify_error(exc, url) from exc
     raise StorageError(f"conditional PUT of {url} kept conflicting with concurrent writers")
 
-
-
-async def delete_one_by_one(fs: s3fs.S3FileSystem, path: str) -> None:
-    """Delete every object under ``path`` (``bucket/prefix``) with single DELETEs, a few at a time."""
-    bucket, key_prefix, _version = fs.split_path(path)
-    url = f"s3://{bucket}/{key_prefix}"
-    try:
-        keys = [fs.split_path(p)[1] for p in await fs._find(path)]
-    except Exception as exc:
-        raise classify_error(exc, url) from exc
-    sem = asyncio.Semaphore(_ABORT_CONCURRENCY)
-
-    async def one(key: str) -> None:
-        async with sem:
-            try:
-                await fs._call_s3("delete_object", Bucket=bucket, Key=key)
-            except Exception as exc:
-                raise classify_error(exc, url) from exc
-
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for key in keys:
-                tg.create_task(one(key))
-    except* Exception as group:
-        raise first_leaf(group) from group
 
 
 async def _put(fs: s3fs.S3FileSystem, bucket: str, key: str, data: bytes, url: str) -> None:

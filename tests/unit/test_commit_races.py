@@ -1,0 +1,88 @@
+"""What the commit protocol does when storage answers ambiguously or another coordinator is late: a marker
+write whose answer was lost but whose bytes landed is a commit; a coordinator that finds the step committed
+while it waited for parts rewrites none of its metadata; a step whose marker survived its delete is left
+whole, not emptied under a marker that still says committed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ckptd.writer import format as fmt
+from ckptd.writer.backends import open_backend
+from ckptd.writer.commit import CheckpointWriter
+from ckptd.writer.errors import StepCommittedError, StorageError
+
+
+def _part(step: int, node: int, num_nodes: int = 1, attempt: str = "") -> fmt.PartManifest:
+    return fmt.PartManifest(format=fmt.FORMAT_VERSION, step=step, node=node, num_nodes=num_nodes, world_size=num_nodes,
+                            ranks=[node], arrays=[], objects={}, nbytes=0, written_at=0.0, attempt=attempt)
+
+
+def test_a_marker_whose_answer_was_lost_but_landed_is_a_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            real = backend.create
+
+            async def landed_then_lost(key: str, data: bytes) -> bool:
+                await real(key, data)
+                raise StorageError(f"{key}: read timeout (every retry)")
+
+            await w.write_part(_part(1, 0))
+            monkeypatch.setattr(backend, "create", landed_then_lost)
+            assert (await w.commit(1, 1, timeout=1.0)).step == 1
+            assert await w.is_committed(1) and await w.latest() == 1
+
+            async def lost(key: str, data: bytes) -> bool:  # this time it did not land
+                raise StorageError(f"{key}: read timeout (every retry)")
+
+            await w.write_part(_part(2, 0))
+            monkeypatch.setattr(backend, "create", lost)
+            with pytest.raises(StorageError, match="read timeout"):
+                await w.commit(2, 1, timeout=1.0)
+            assert not await w.is_committed(2)
+
+    asyncio.run(go())
+
+
+def test_a_coordinator_that_finds_the_step_committed_while_it_waited_rewrites_nothing(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            await w.write_part(_part(3, 0, num_nodes=2))
+            late = asyncio.create_task(w.commit(3, 2, timeout=5.0))  # waits for node 1's part
+            await asyncio.sleep(0.2)
+            await backend.put(f"{fmt.step_dir(3)}/zarr.json", b"the winner's")
+            assert await backend.create(fmt.commit_marker(3), b"{}")  # another coordinator committed it
+            await w.write_part(_part(3, 1, num_nodes=2))
+            with pytest.raises(StepCommittedError, match="committed by another coordinator"):
+                await late
+            assert await backend.get(f"{fmt.step_dir(3)}/zarr.json") == b"the winner's"
+
+    asyncio.run(go())
+
+
+def test_a_marker_that_survives_its_delete_leaves_the_step_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            await backend.put(f"{fmt.step_dir(4)}/x/c.0", b"chunk")
+            await w.write_part(_part(4, 0))
+            await w.commit(4, 1, timeout=1.0)
+            real = backend.delete
+
+            async def keeps_markers(key: str) -> None:  # a store that answers the delete and keeps the object
+                if not key.endswith(fmt.COMMIT_MARKER):
+                    await real(key)
+
+            monkeypatch.setattr(backend, "delete", keeps_markers)
+            with pytest.raises(StorageError, match="still there after its delete"):
+                await w.delete_step(4)
+            assert await w.is_committed(4) and await backend.get(f"{fmt.step_dir(4)}/x/c.0") == b"chunk"
+
+    asyncio.run(go())
