@@ -341,6 +341,14 @@ def _check_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mappin
             raise StateMismatchError(
                 f"optimizer {oi}: {len(entry['param_groups'])} saved param groups, {len(groups)} live"
             )
+        scaler = introspect.grad_scaler(opt)
+        if scaler is not None and "grad_scaler" in entry:  # restored last: refused here, before any write
+            missing = sorted(set(scaler.state_dict()) - set(entry["grad_scaler"]))
+            if missing:
+                raise StateMismatchError(
+                    f"optimizer {oi}: the live {type(scaler).__name__} needs {missing}, the checkpoint's grad "
+                    f"scaler holds {sorted(entry['grad_scaler'])} (saved with another loss scaling)"
+                )
         for name, spec in entry["scalar_state"].items():
             if "value" in spec:
                 continue
