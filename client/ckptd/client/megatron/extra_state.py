@@ -5,7 +5,7 @@ buffer in recent TE) or an ``io.BytesIO`` (older TE), and it changes every step,
 save (cheap: a walk over the modules) rather than cached with the plan. It is per rank (TP-sharded
 layers keep their own amax), so each rank stores its own under ``extra_state`` in its objects, keyed by
 the module's name inside the unwrapped chunk; the loading rank restores the one of the saved rank it
-takes RNG and ``extra`` from (same TP/PP/DP coordinates).
+takes RNG and ``extra`` from (same TP/PP/EP/ETP/DP coordinates: :mod:`.rank_state`).
 """
 
 from __future__ import annotations

@@ -88,6 +88,16 @@ def parallel_ranks() -> ParallelRanks:
     )
 
 
+def expert_ranks() -> dict[str, int]:
+    """This rank's expert-parallel and expert-tensor-parallel ranks and sizes (1 and 0 without experts), as the
+    per-rank ``megatron`` record holds them."""
+    from megatron.core import parallel_state as ps
+
+    return {"ep": ps.get_expert_model_parallel_rank() or 0, "ep_size": ps.get_expert_model_parallel_world_size() or 1,
+            "etp": ps.get_expert_tensor_parallel_rank() or 0,
+            "etp_size": ps.get_expert_tensor_parallel_world_size() or 1}
+
+
 def dense_dp() -> tuple[int, int]:
     """(size, rank) of the data-parallel group (with context parallelism) dense params replicate over."""
     from megatron.core import parallel_state as ps

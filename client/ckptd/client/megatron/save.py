@@ -71,7 +71,8 @@ def _param_signature(model_chunks: Sequence[torch.nn.Module]) -> tuple[int, ...]
 
 
 def megatron_record(layout: MegatronLayout, layout_json: str) -> dict[str, Any]:
-    """The per-rank ``megatron`` record: the layout sidecar's name and this rank's parallel coordinates."""
+    """The per-rank ``megatron`` record: the layout sidecar's name and this rank's parallel coordinates (expert
+    parallel ones included)."""
     return {
         "version": MEGATRON_CHECKPOINT_VERSION,
         LAYOUT_FIELD: sidecar_name(layout_json),
@@ -82,6 +83,7 @@ def megatron_record(layout: MegatronLayout, layout_json: str) -> dict[str, Any]:
         "dp": layout.dp_rank,
         "dp_size": layout.dp_size,
         "megatron_core": layout.megatron_core_version,
+        **introspect.expert_ranks(),
     }
 
 
@@ -133,7 +135,7 @@ def model_only_plan(model_chunks: Sequence[torch.nn.Module], rank: int) -> SaveP
     record = {
         "version": MEGATRON_CHECKPOINT_VERSION, LAYOUT_FIELD: "", "tp": ranks.tp_rank, "tp_size": ranks.tp_size,
         "pp": ranks.pp_rank, "pp_size": ranks.pp_size, "dp": ranks.dp_rank, "dp_size": ranks.dp_size,
-        "megatron_core": introspect.megatron_version(),
+        "megatron_core": introspect.megatron_version(), **introspect.expert_ranks(),
     }
     refuse_copies(model_chunks, state)
     planned = plan_state(state, rank)
