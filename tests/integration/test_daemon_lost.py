@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -222,5 +223,37 @@ def test_hung_daemon_is_a_lost_daemon(start_daemon, tmp_path, caplog, monkeypatc
     client.timeout_s = TIMEOUT_S
     fourth = {"x": torch.arange(10.0) + 4}
     assert client.save(4, fourth).wait(60).state is StepState.COMMITTED
+    _loads(root, 4, fourth)
+    client.close()
+
+
+def test_a_hung_daemon_costs_each_later_save_a_short_probe(start_daemon, tmp_path, caplog):
+    """Once the daemon left a request unanswered, each later save asks it again (it may have resumed) but
+    gives its Hello ``PROBE_S``, not ``timeout_s``: under ``"warn"`` training loses seconds a save, not
+    ``timeout_s`` each, while the daemon stays stopped; once it answers, saves go through again."""
+    from ckptd.client.client import PROBE_S
+
+    root = str(tmp_path / "ckpt")
+    d = start_daemon(root, "d0", arena="64MiB")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=2 * PROBE_S + 2)
+    client.save(1, {"x": torch.arange(10.0)}).wait(60)
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptd.client.client"):
+            t0 = time.monotonic()
+            first = client.save(2, {"x": torch.arange(10.0) + 2})  # its request waits timeout_s
+            waited = time.monotonic() - t0
+            t0 = time.monotonic()
+            second = client.save(3, {"x": torch.arange(10.0) + 3})  # a reconnect: its Hello waits PROBE_S
+            probed = time.monotonic() - t0
+        for h in (first, second):
+            assert h.state is StepState.FAILED and isinstance(h.exception(), DaemonUnresponsiveError), h
+        assert waited >= client.timeout_s and probed < client.timeout_s - 1, (waited, probed)
+        assert f"did not answer within {PROBE_S:g}s" in str(second.exception())
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    fourth = {"x": torch.arange(10.0) + 4}
+    assert client.save(4, fourth).wait(60).state is StepState.COMMITTED  # answered: full timeouts again
+    assert client._unanswered is False
     _loads(root, 4, fourth)
     client.close()

@@ -84,6 +84,7 @@ Policy = Literal["wait", "fail", "skip"]
 # lists. Values are typed ``object`` because what a leaf may be is checked at run time by plan_state.
 StateDict = Mapping[str, object]
 _R = TypeVar("_R", bound=_Msg)
+PROBE_S = 2.0  # a daemon that left a request unanswered gets this long for a reconnect's Hello, not timeout_s
 _ERRORS, _POLL_S = error_classes(), 0.5
 
 
@@ -111,11 +112,11 @@ class CheckpointClient:
     and that job over (its daemon draining), waited for and replaced; an embedded daemon is started with
     this job id and exits once the job's owner process is gone (:mod:`ckptd.client.ownership`).
 
-    ``on_daemon_lost``: ``"warn"`` (default) fails only the save's handle when the daemon is gone, with one
-    warning; ``"raise"`` raises :class:`DaemonUnavailableError` (see :mod:`ckptd.client.daemon_lost`).
-
-    ``assume_constant_structure=True``: each save stages what the previous one did (values change); plan
-    saves wait for no answer (:mod:`ckptd.client.pipeline`) and the Megatron save skips per-tensor checks.
+    ``on_daemon_lost``: ``"warn"`` (default) fails only the save's handle when the daemon is gone (or hung:
+    a save then waits :data:`PROBE_S` for it), with one warning; ``"raise"`` raises
+    :class:`DaemonUnavailableError` (:mod:`ckptd.client.daemon_lost`). ``assume_constant_structure=True``:
+    each save stages what the previous one did (values change); plan saves wait for no answer
+    (:mod:`ckptd.client.pipeline`) and the Megatron save skips per-tensor checks.
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class CheckpointClient:
         self._root = root
         self.job_id = job_id or job_identity(env)
         self._sock: socket.socket | None = None
+        self._unanswered = False  # the daemon left a request unanswered: a reconnect's Hello waits PROBE_S
         self._staging = StagingArena(threaded=spare_core(self.placement.local_world_size))
         self._welcome: Welcome | None = None
         self._handles: list[SaveHandle] = []
@@ -190,7 +192,7 @@ class CheckpointClient:
     def _open_socket(self) -> None:
         self._close_socket()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
+        sock.settimeout(min(PROBE_S, self.timeout_s) if self._unanswered else self.timeout_s)  # each save: a probe
         try:
             sock.connect(self.socket_path)
         except OSError as exc:  # no socket file, refused, not ours, or its accept backlog full (EAGAIN)
@@ -199,6 +201,8 @@ class CheckpointClient:
         self._sock = sock
         self._sidecars_sent = set()  # a new daemon may serve another root
         welcome = _expect(self._request(Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=self.placement.rank)), Welcome)
+        sock.settimeout(self.timeout_s)
+        self._unanswered = False
         if self._root and normalize_root(welcome.root) != normalize_root(self._root):
             self._close_socket()
             raise RootMismatchError(
@@ -222,8 +226,7 @@ class CheckpointClient:
                       replacing=replacing)
 
     def _drop_if_dead(self) -> None:
-        """Close the connection if the daemon hung up (it died or restarted), so the next request
-        reconnects (and the embedded mode starts a new daemon) instead of failing on a dead socket."""
+        """Close the connection if the daemon hung up (died, restarted): the next request reconnects."""
         self._pipe.drain(self)  # answers still owed make the socket readable: read them first
         if self._sock is not None and peer_hung_up(self._sock):
             log.warning("rank %d: the daemon at %s went away; reconnecting", self.placement.rank, self.socket_path)
@@ -267,7 +270,7 @@ class CheckpointClient:
         sock = self._sock
         if sock is None:
             raise DaemonUnavailableError(f"no connection to the daemon at {self.socket_path}")
-        limit = self.timeout_s + wait_s
+        limit = self.timeout_s + wait_s if wait_s else sock.gettimeout() or self.timeout_s
         try:
             if wait_s:
                 sock.settimeout(limit)
@@ -280,6 +283,7 @@ class CheckpointClient:
                 sock.settimeout(self.timeout_s)
         except TimeoutError as exc:  # a hung daemon is a lost one (the on_daemon_lost policy decides)
             self._close_socket()
+            self._unanswered = True
             why = f"the daemon at {self.socket_path} did not answer within {limit:g}s (stopped or stuck?)"
             raise DaemonUnresponsiveError(why + ": the connection is closed, the next save connects again") from exc
         except (OSError, ProtocolError) as exc:
@@ -305,10 +309,9 @@ class CheckpointClient:
 
         ``sidecars`` are JSON documents stored once per root under their content hash (e.g. a model
         layout); reference them from ``state`` by :func:`ckptd.writer.format.sidecar_name`. Each is sent
-        to the daemon once per connection.
-
-        Raises the error of an earlier save that failed in the background, typed errors for bad input,
-        and (policy ``"fail"``) :class:`BackpressureError` when the arena is still full.
+        to the daemon once per connection. Raises the error of an earlier save that failed in the
+        background, typed errors for bad input, and (policy ``"fail"``) :class:`BackpressureError` when the
+        arena is still full.
         """
         t0 = time.perf_counter()
         return self._save(step, self._repeats.route(state, self.placement.rank), sidecars, t0)
