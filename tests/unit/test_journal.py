@@ -32,8 +32,12 @@ def test_a_successor_reads_only_a_dead_daemons_journal(tmp_path):
     j.started(3, 1, 2)
     with open(path, "rb") as f:
         doc = json.loads(f.read())
-    for pid, readable in ((dead_pid, True), (os.getppid(), False)):  # a running daemon's journal is its own
-        doc["pid"] = pid
+    from ckptd.client.ownership import process_start_time
+
+    parent = (os.getppid(), process_start_time(os.getppid()))
+    # a running daemon's journal is its own; a live process of a dead daemon's pid is not that daemon
+    for (pid, started), readable in (((dead_pid, 0), True), (parent, False), ((parent[0], 1), True)):
+        doc["pid"], doc["started"] = pid, started
         with open(path, "w") as f:
             json.dump(doc, f)
         found = StepJournal(path, "/ckpt").read_predecessor()
@@ -43,3 +47,45 @@ def test_a_successor_reads_only_a_dead_daemons_journal(tmp_path):
     with open(path, "w") as f:
         f.write("{not json")
     assert StepJournal(path, "/ckpt").read_predecessor() is None  # unreadable: ignored, with a warning
+
+
+def test_a_part_of_another_attempt_does_not_spare_the_dead_daemons_step(tmp_path):
+    """A non-coordinator's dead daemon leaves its step to the coordinator only when the part on storage is
+    that attempt's own; a part left by an earlier attempt does not make it committable, so the step is
+    abandoned at once (the other nodes stop waiting) instead of at --commit-timeout."""
+    import asyncio
+
+    from ckptd.daemon.journal import abandon_predecessor_steps
+    from ckptd.writer import format as fmt
+    from ckptd.writer.backends import open_backend
+    from ckptd.writer.commit import CheckpointWriter
+
+    path = journal_path(str(tmp_path / "d.sock"))
+    root = str(tmp_path / "ckpt")
+
+    def part(step: int, attempt: str) -> fmt.PartManifest:
+        return fmt.PartManifest(format=fmt.FORMAT_VERSION, step=step, node=1, num_nodes=2, world_size=2, ranks=[1],
+                                arrays=[], objects={}, nbytes=0, written_at=0.0, attempt=attempt)
+
+    async def go() -> tuple[list[int], dict[int, str]]:
+        async with await open_backend(root, None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            await w.write_part(part(1, "A.1"))  # an earlier attempt's
+            await w.write_part(part(2, "B.1"))  # this attempt's own: the coordinator may still commit it
+            j = StepJournal(path, root)
+            j.started(1, 1, 2, "B.1")
+            j.started(2, 1, 2, "B.1")
+            with open(path) as f:
+                doc = json.load(f)
+            doc["pid"], doc["started"] = dead_pid, 0
+            with open(path, "w") as f:
+                json.dump(doc, f)
+            abandoned = await abandon_predecessor_steps(StepJournal(path, root), w)
+            notes = {s: str((await w.read_failed(s, "B.1") or {}).get("message", "")) for s in (1, 2)}
+            return abandoned, notes
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    abandoned, notes = asyncio.run(go())
+    assert abandoned == [1], (abandoned, notes)
+    assert "abandoned" in notes[1] and notes[2] == ""

@@ -32,9 +32,10 @@ from typing import Any
 
 import msgspec
 
-from ckptd.client.ownership import pid_alive
+from ckptd.client.ownership import pid_alive, process_start_time
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import StepAbandonedError
+from ckptd.writer.format import other_attempt
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class JournalDoc(msgspec.Struct, frozen=True):
     pid: int
     root: str
     steps: list[JournalEntry] = []
+    # the writer's start time (clock ticks since boot, ownership.process_start_time; 0: not recorded): a
+    # live process of that pid that started at another time is another process (pids are reused)
+    started: int = 0
 
 
 def journal_path(socket_path: str) -> str:
@@ -78,7 +82,7 @@ class StepJournal:
         except (OSError, msgspec.DecodeError) as exc:
             log.warning("ignoring an unreadable step journal %s: %s", self.path, exc)
             return None
-        if doc.pid != os.getpid() and pid_alive(doc.pid):
+        if doc.pid != os.getpid() and pid_alive(doc.pid) and doc.started in (0, process_start_time(doc.pid)):
             log.warning("step journal %s belongs to a running daemon (pid %d): not recovering it", self.path, doc.pid)
             return None
         return doc
@@ -96,7 +100,8 @@ class StepJournal:
 
     def _write(self) -> None:
         # A failed write costs only the successor's clean-up of this step, never the step itself.
-        doc = JournalDoc(os.getpid(), self.root, sorted(self._steps.values(), key=lambda e: e.step))
+        doc = JournalDoc(os.getpid(), self.root, sorted(self._steps.values(), key=lambda e: e.step),
+                         process_start_time(os.getpid()) or 0)
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -126,7 +131,8 @@ async def abandon_predecessor_steps(journal: StepJournal, root: CheckpointWriter
         try:
             if await root.is_committed(entry.step):
                 continue
-            if entry.node != 0 and entry.node in await root.read_parts(entry.step):
+            part = (await root.read_parts(entry.step)).get(entry.node) if entry.node != 0 else None
+            if part is not None and not other_attempt(part.attempt, entry.attempt):  # (another's: not its own)
                 log.info("step=%d node=%d: the dead daemon's part is on storage; the coordinator may still "
                          "commit it", entry.step, entry.node)
                 continue
