@@ -207,8 +207,7 @@ class Daemon:
         return code
 
     async def _listen(self) -> asyncio.Server:
-        cfg = self.config
-        prepare_socket_dir(cfg.socket)
+        cfg = self.config  # its socket's directory made ready by run(), before anything was opened
         with contextlib.suppress(FileNotFoundError):
             os.unlink(cfg.socket)
         old_umask = os.umask(0o177)
