@@ -34,6 +34,7 @@ from ckptd.writer.backends.s3_cleanup import abort_incomplete_uploads, delete_on
 from ckptd.writer.backends.s3_compat import (
     BATCH_DELETE,
     CONDITIONAL_PUT,
+    endpoint_of,
     lacks,
     mark_lacking,
     not_implemented,
@@ -49,6 +50,7 @@ from ckptd.writer.backends.s3_errors import (
     split_s3_url,
     treat_429_as_throttling,
 )
+from ckptd.writer.backends.s3_multipart import CkptdS3FileSystem
 from ckptd.writer.backends.s3_read import newest_modified, read_range_into
 from ckptd.writer.errors import (
     CkptdError,
@@ -264,7 +266,8 @@ class S3Backend(Backend):
 async def open_s3_filesystem(
     url: str, options: S3Options, metrics: RetryMetrics | None = None
 ) -> s3fs.S3FileSystem:
-    """An ``s3fs.S3FileSystem(asynchronous=True)`` for ``url``'s bucket, bound to the running loop.
+    """An ``s3fs.S3FileSystem(asynchronous=True)`` for ``url``'s bucket, bound to the running loop (a
+    :class:`~.s3_multipart.CkptdS3FileSystem`: a failed or cancelled multipart write aborts its upload).
 
     The client is created here (``set_session``), so a missing or broken credential chain fails now
     with :class:`StoragePermissionError` rather than on the first write. The bucket itself is not
@@ -287,7 +290,7 @@ async def open_s3_filesystem(
     session_kwargs: dict[str, Any] = {}
     if options.profile:
         session_kwargs["profile"] = options.profile  # s3fs hands extra kwargs to AioSession
-    fs = s3fs.S3FileSystem(
+    fs = CkptdS3FileSystem(  # a failed or cancelled multipart write aborts its upload (s3_multipart)
         asynchronous=True,
         loop=loop,
         skip_instance_cache=True,
@@ -300,21 +303,24 @@ async def open_s3_filesystem(
         **session_kwargs,
     )
     fs.retries = options.fs_retries  # instance override of s3fs's class default (5)
+    try:
+        client = await fs.set_session()
+    except Exception as exc:
+        raise classify_error(exc, url) from exc
+    # what botocore resolved, the environment's or a profile's endpoint included: capability flags are kept
+    # per endpoint (s3_compat), and the option alone says "AWS" for an endpoint set in the environment
+    fs.resolved_endpoint = client.meta.endpoint_url
     logger.debug(
-        "opening S3 filesystem for s3://%s/%s endpoint=%s region=%s retries=%s*%s timeouts=%s/%s",
+        "opened S3 filesystem for s3://%s/%s endpoint=%s region=%s retries=%s*%s timeouts=%s/%s",
         bucket,
         prefix,
-        options.endpoint_url or "aws",
-        options.region or "default",
+        endpoint_of(fs),
+        client.meta.region_name,
         options.retry_mode,
         options.max_attempts,
         options.connect_timeout,
         options.read_timeout,
     )
-    try:
-        client = await fs.set_session()
-    except Exception as exc:
-        raise classify_error(exc, url) from exc
     counters = metrics if metrics is not None else RetryMetrics()
     client.meta.events.register_first("needs-retry.s3", treat_429_as_throttling)
     client.meta.events.register_first("needs-retry.s3", functools.partial(count_fault, counters))

@@ -19,7 +19,9 @@ Conditional PUTs are probed once per endpoint before the first commit marker (so
 among them, accept the header and overwrite anyway). The others are tried; a server answering
 ``NotImplemented`` (HTTP 501) or ``MethodNotAllowed`` (405) is remembered as lacking it (per
 endpoint, for the process) and warned about once; the operation that needed it carries on without it
-instead of failing. So is an abort refused with 403 (a policy without ``s3:AbortMultipartUpload``).
+instead of failing. So is an abort refused with 403 (a policy without ``s3:AbortMultipartUpload``), also
+the abort a failed or cancelled write sends for its own upload (:mod:`~.s3_multipart`). The endpoint is
+the one botocore resolved (an ``endpoint_url`` option, the ``AWS_ENDPOINT_URL*`` environment or a profile).
 """
 
 from __future__ import annotations
@@ -48,9 +50,16 @@ _lacking: set[tuple[str, str]] = set()
 
 
 def endpoint_of(fs: Any) -> str:
-    """The endpoint a filesystem talks to (``"aws"`` for the default)."""
-    return str(getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
-               or "aws")
+    """The endpoint a filesystem talks to, as botocore resolved it: the configured ``endpoint_url``, else
+    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` or a profile's ``endpoint_url``, else AWS's (regional)
+    endpoint. Taken from the connected client (kept by ``open_s3_filesystem`` for after it is closed), so
+    two servers reached through the environment never share capability flags; the configured endpoint
+    or ``"aws"`` where no client was made."""
+    resolved = getattr(fs, "resolved_endpoint", None)
+    if resolved is None:
+        resolved = getattr(getattr(getattr(fs, "_s3", None), "meta", None), "endpoint_url", None)
+    return str(resolved or getattr(fs, "endpoint_url", None)
+               or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or "aws")
 
 
 def not_implemented(exc: BaseException) -> bool:
