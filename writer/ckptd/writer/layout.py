@@ -13,9 +13,11 @@ version first. Building a layout from live Megatron objects is the client's busi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import msgspec
+import numpy as np
 
 from ckptd.writer.errors import CorruptCheckpointError, InvalidRequestError
 from ckptd.writer.format import MEGATRON_LAYOUT_VERSION, MODEL_PREFIX, OPTIM_PREFIX, bucket_key, bucket_prefix
@@ -76,6 +78,51 @@ class ParamLayout(msgspec.Struct, frozen=True):
     model_pieces: tuple[ModelPiece, ...]
     group_index: int | None = None
     group_order: int | None = None
+
+    def uncovered(self) -> tuple[int, int] | None:
+        """The first range ``[lo, hi)`` of the flattened param that none of its model pieces views, or None
+        when they cover it all. State there is in no model array, so a merge or a load at another layout
+        would leave it unwritten: callers refuse such a param (once per param: an interval union)."""
+        numel = math.prod(self.shape)
+        if numel == 0:
+            return None
+        runs = [_runs(piece) for piece in self.model_pieces]
+        if sum(len(starts) for starts, _n in runs) <= 64:  # the common case: a few contiguous pieces
+            reach = 0
+            for lo, hi in sorted((int(a), int(a) + n) for starts, n in runs for a in starts):
+                if lo > reach:
+                    return reach, lo
+                reach = max(reach, hi)
+            return (reach, numel) if reach < numel else None
+        starts = np.concatenate([st for st, _n in runs])  # many runs (a column piece has one a row): in numpy
+        ends = np.concatenate([st + n for st, n in runs])
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+        reach_all = np.maximum.accumulate(ends)  # how far the runs up to each one reach
+        before = np.concatenate(([0], reach_all[:-1]))
+        gaps = np.flatnonzero(starts > before)
+        if gaps.size:
+            return int(before[gaps[0]]), int(starts[gaps[0]])
+        return (int(reach_all[-1]), numel) if reach_all[-1] < numel else None
+
+
+def _runs(piece: ModelPiece) -> tuple[np.ndarray, int]:
+    """The flat elements of the param that ``piece`` views, as runs: (their starts, the runs' length)."""
+    dims = sorted(((n, s) for n, s in zip(piece.view_shape, piece.view_stride, strict=True) if n != 1),
+                  key=lambda d: -d[1])
+    if any(n == 0 for n, _s in dims):
+        return np.zeros(0, np.int64), 0
+    folded: list[tuple[int, int]] = []  # an axis whose stride spans the next one's extent is one with it
+    for n, s in dims:
+        if folded and folded[-1][1] == n * s:
+            folded[-1] = (folded[-1][0] * n, s)
+        else:
+            folded.append((n, s))
+    run = folded.pop()[0] if folded and folded[-1][1] == 1 else 1
+    starts = np.array([piece.view_offset], dtype=np.int64)
+    for n, s in folded:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+    return starts, run
 
 
 class BucketLayout(msgspec.Struct, frozen=True):

@@ -206,6 +206,9 @@ def plan_merge(commit: CommitManifest, layouts: Iterable[MegatronLayout]) -> Mer
                 )
             placements: dict[str, list[Placement]] = {s: [] for s in states}
             for param in bucket.params:
+                if (gap := param.uncovered()) is not None:  # that state would land in no merged array
+                    raise ShardLayoutError(f"{param.name} ({prefix}): its model pieces leave elements [{gap[0]}, "
+                                           f"{gap[1]}) of the flattened param (shape {param.shape}) uncovered")
                 for piece in param.model_pieces:
                     if not _is_main(piece):
                         continue

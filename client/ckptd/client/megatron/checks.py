@@ -3,12 +3,13 @@ live one. Each raises a typed error naming what differs, before the load writes 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from ckptd.client.state import Shard
 from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, StateMismatchError
-from ckptd.writer.format import MEGATRON_CHECKPOINT_VERSION, MEGATRON_RECORD, CommitManifest
+from ckptd.writer.format import MEGATRON_CHECKPOINT_VERSION, MEGATRON_RECORD, OPTIM_META, CommitManifest
 from ckptd.writer.layout import MegatronLayout
 
 Record = dict[str, Any]  # a saved rank's ``megatron`` record (plain data)
@@ -28,16 +29,56 @@ def saved_records(commit: CommitManifest) -> dict[int, Record]:
     return out
 
 
-def uniform_scalars(meta: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Scalar per-param state must be one value for all params to carry over to another layout."""
-    for opt in meta.get("optimizers", {}).values():
-        for name, value in opt.get("scalar_state", {}).items():
-            if isinstance(value, Mapping) and "by_param" in value:
-                raise LayoutMismatchError(
-                    f"scalar optimizer state {name!r} differs between params; it cannot be mapped onto another "
-                    "parallel layout"
-                )
-    return meta
+def saved_metas(commit: CommitManifest, records: Mapping[int, Record]) -> dict[int, Mapping[str, Any]]:
+    """Each saved rank's plain optimizer data (``optim_meta``), by rank; ranks saved without it are left out."""
+    objects = {r: commit.objects.get(str(r)) for r in records}
+    return {r: o[OPTIM_META] for r, o in sorted(objects.items()) if isinstance(o, Mapping) and OPTIM_META in o}
+
+
+def uniform_scalars(step: int, metas: Mapping[int, Mapping[str, Any]], base: int) -> dict[str, Any]:
+    """Rank ``base``'s plain optimizer data with each scalar per-param state (Adam's ``step``...) as the one
+    value all of ``metas`` (every saved rank's) hold, for a load that maps the state onto another layout.
+
+    There a live param's state comes from whichever saved rank held it, so one rule for every such path:
+    each (optimizer, state) must be one value over every param of every saved rank, else
+    :class:`LayoutMismatchError` names the state and which ranks hold which value. Only a load at the saved
+    layout (same TP/PP, buckets and DP size) restores each rank's own saved values, whatever they are."""
+    held: dict[tuple[str, str], dict[str, list[int]]] = {}  # (optimizer, state) -> {one value as JSON: ranks}
+    for rank, meta in sorted(metas.items()):
+        for oi, opt in meta.get("optimizers", {}).items():
+            for name, spec in opt.get("scalar_state", {}).items():
+                values = [spec["value"]] if "value" in spec else spec.get("by_param", {}).values()
+                for value in values:
+                    one = json.dumps({"dtype": spec.get("dtype"), "value": value}, sort_keys=True)
+                    ranks = held.setdefault((oi, name), {}).setdefault(one, [])
+                    if rank not in ranks:
+                        ranks.append(rank)
+    for (oi, name), by_value in held.items():
+        if len(by_value) > 1:
+            specs = [json.loads(one) for one in by_value]
+            dtypes = len({spec["dtype"] for spec in specs}) > 1
+            what = "; ".join(_held(spec, ranks, dtypes) for spec, ranks in zip(specs, by_value.values(), strict=True))
+            raise LayoutMismatchError(
+                f"step {step}: scalar optimizer state {name!r} of optimizer {oi} differs between the saved ranks "
+                f"({what}); loaded at another layout every param takes one value, and which saved rank's it "
+                "would be is arbitrary. Load at the saved TP/PP/DP and buckets (each rank restores its own), or "
+                "save with one value"
+            )
+    if not metas:
+        raise StateMismatchError(f"step {step} holds no saved rank's optimizer plain data ({OPTIM_META})")
+    meta = metas[base] if base in metas else metas[min(metas)]
+    optimizers = {
+        oi: {**entry, "scalar_state": {n: json.loads(next(iter(v))) for (o, n), v in held.items() if o == oi}}
+        for oi, entry in meta.get("optimizers", {}).items()
+    }
+    return {**meta, "optimizers": optimizers}
+
+
+def _held(spec: Mapping[str, Any], ranks: list[int], dtype: bool) -> str:
+    """``2.0 on ranks 0, 2`` (with the dtype when the ranks' dtypes differ)."""
+    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+    value = f"{spec['value']!r} ({spec['dtype']})" if dtype else repr(spec["value"])
+    return f"{value} on rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
 def check_parallel_sizes(step: int, records: Mapping[int, Record], layout: MegatronLayout) -> None:

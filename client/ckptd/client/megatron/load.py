@@ -22,6 +22,7 @@ from ckptd.client.megatron.checks import (
     check_no_extra_keys,
     check_parallel_sizes,
     check_structure,
+    saved_metas,
     saved_records,
     uniform_scalars,
 )
@@ -178,7 +179,11 @@ async def load_checkpoint_async(
         return await _load_resharded(ckpt, commit, records, template, model_chunks, optimizer, layout, rng=rng)
 
     regions, dtypes = _optimizer_regions(commit, layout, optimizer)
-    metas = [commit.objects[str(r)][OPTIM_META] for r in sorted(same_mp)]
+    # at the saved layout each rank restores its own saved rank's scalar state (Adam's step...); at another DP
+    # size every rank takes the one value all saved ranks hold, as on every path to another layout
+    at_saved = (records[source]["dp"], records[source]["dp_size"]) == (layout.dp_rank, layout.dp_size)
+    metas = [commit.objects[str(source)][OPTIM_META] if at_saved
+             else uniform_scalars(commit.step, saved_metas(commit, records), source)]
     check_optimizer_meta(optimizer, layout, metas)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     memory = arena_source(client, commit.step) if client is not None else None
@@ -264,16 +269,18 @@ async def _load_merged(
 
     Model tensors are in model space already, so each rank reads its new regions of them; the optimizer
     state of each of this rank's buckets is rebuilt from the per-parameter merged arrays. Plain optimizer
-    data (param groups, scalar state such as Adam's step) comes from saved rank 0. RNG state and
-    ``_extra_state`` as on every path (:mod:`~ckptd.client.megatron.rank_state`): from this rank's saved
-    counterpart, which exists when the TP/PP sizes are unchanged.
+    data (param groups, grad scaler) comes from the saved rank :func:`~.rank_state.plan_rank_state` picks;
+    scalar state such as Adam's step must be one value over every saved rank
+    (:func:`~.checks.uniform_scalars`). RNG state and ``_extra_state`` as on every path
+    (:mod:`~ckptd.client.megatron.rank_state`): from this rank's saved counterpart, which exists when the
+    TP/PP sizes are unchanged.
     """
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     states = _main_dtype(commit.step, merged_states(manifest), optimizer, layout)
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
     planned = plan_merged_slices(commit.step, manifest, layout, targets.slices)  # checked before any write
-    metas = [uniform_scalars(commit.objects[str(min(records))][OPTIM_META])]
+    metas = [uniform_scalars(commit.step, saved_metas(commit, records), rank.source)]
     check_optimizer_meta(optimizer, layout, metas)
     merged = ChunkReader(ckpt, manifest)
     planned.add_to(merged)
@@ -342,7 +349,7 @@ async def _load_resharded(
     states = _main_dtype(commit.step, saved_states(commit, saved), optimizer, layout)
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
     planned = plan_dp_slices(commit, saved, layout, targets.slices)  # checked before anything is written
-    metas = [uniform_scalars(commit.objects[str(rank.source)][OPTIM_META])]
+    metas = [uniform_scalars(commit.step, saved_metas(commit, records), rank.source)]
     check_optimizer_meta(optimizer, layout, metas)
     # the model, but not where the main params share its memory (fp32): the optimizer's read fills that
     await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, then=planned.add_to)

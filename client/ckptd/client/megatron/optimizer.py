@@ -261,7 +261,9 @@ def apply_optimizer_state(
     clipped to its shorter padded bucket) is fine: the missing tail is padding. Every bucket needs its
     ``param`` entry; the per-element states present for a bucket are restored, allocating them when the
     optimizer has no state yet. ``slices["optim_meta"]`` is the plain data :func:`optimizer_meta` returned,
-    or a list of them (one per saving DP rank) when the DP size changed and scalar state differs per param.
+    or a list of them (one per saving DP rank: one-value scalar state comes from the first, per-param values
+    are looked up over all). ``load_checkpoint`` passes one: this rank's saved rank's at the saved layout,
+    else one whose scalar state every saved rank agrees on (:func:`~.checks.uniform_scalars`).
 
     Afterwards main params are copied into the model params this rank owns (``copy_to_model``), as
     Megatron does after a step; with ``sync_params`` the model chunks' param all-gather runs too (a DP

@@ -12,7 +12,6 @@ way. Each rank reads only the params its slices touch. Nothing here imports mega
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ import torch
 
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.gather import Strided, boxes, monotone
+from ckptd.client.megatron.coverage import covered, missing_box
 from ckptd.client.megatron.layout import view_of
 from ckptd.client.state import torch_dtype
 from ckptd.writer.errors import StateMismatchError
@@ -100,7 +100,7 @@ def plan_merged_slices(
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
-        touched = [p for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
+        touched = [covered(p) for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
         # where each param's pieces go, worked out once for every state (a scrambled one: per state)
         meta = torch.empty(s, device="meta")
         where = [None if _scrambled(p, bucket.start, lo, hi) else
@@ -285,7 +285,7 @@ def plan_dp_slices(
             if not (p.start - bucket.start < hi and p.end - bucket.start > lo):
                 continue
             sources = []
-            for piece in p.model_pieces:
+            for piece in covered(p).model_pieces:
                 found = index.overlapping(piece)
                 if not found:
                     raise StateMismatchError(
@@ -477,16 +477,16 @@ def _overlap(a: ModelPiece, b: ModelPiece) -> tuple[tuple[int, int], ...] | None
 
 
 def _cover(piece: ModelPiece, found: list[tuple[_SavedPiece, Box]]) -> list[tuple[_SavedPiece, Box]]:
-    """Saved pieces (with where they meet ``piece``) that together cover ``piece``, one copy per region
-    (replicas are skipped)."""
+    """Saved pieces (with where they meet ``piece``) that together cover ``piece`` (exactly: a region none
+    holds is refused, named), one copy per region (replicas are skipped)."""
     chosen: list[tuple[_SavedPiece, Box]] = []
     seen: set[Box] = set()
     for sp, inter in found:
         if inter not in seen:
             seen.add(inter)
             chosen.append((sp, inter))
-    need = math.prod(piece.stored_shape)
-    have = sum(math.prod(y - x for x, y in inter) for inter in seen)
-    if have < need:
-        raise StateMismatchError(f"{piece.key}: the saved optimizer state covers {have} of {need} elements")
+    gap = missing_box(tuple((o, o + n) for o, n in zip(piece.global_offset, piece.stored_shape, strict=True)), seen)
+    if gap is not None:
+        raise StateMismatchError(f"{piece.key}: no saved optimizer state holds its region {gap} ([lo, hi) per axis; "
+                                 f"the model piece is at {piece.global_offset}, shape {piece.stored_shape})")
     return chosen
