@@ -43,7 +43,8 @@ CASES = [
 def test_the_same_options_as_the_daemon(env: dict[str, str], daemon_args: str, tmp_path: Path) -> None:
     config = tmp_path / "ckptd.toml"
     config.write_text('[daemon]\narena_size = "1GiB"\n[storage]\nendpoint-url = "http://file:4"\n'
-                      'region = "from-file"\nread_timeout = 30.0\nrequest_checksums = "when_required"\n')
+                      'region = "from-file"\nread_timeout = 30.0\nrequest_checksums = "when_required"\n'
+                      'max_attempts = "8"\nanonymous = "yes"\n')  # text the daemon's settings convert
     env = {k: v.replace("{config}", str(config)) for k, v in env.items()}
     daemon_args = daemon_args.replace("{config}", str(config))
     ours = storage_options_from_env(env, shlex.split(daemon_args))

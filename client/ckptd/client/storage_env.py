@@ -54,7 +54,7 @@ def storage_options_from_env(env: Mapping[str, str] = os.environ, daemon_args: S
     layers: list[Mapping[str, object]] = []
     path = config or env.get(ENV_CONFIG)
     if path:
-        layers.append(_config_table(path))
+        layers.append(_typed(_config_table(path)))  # the daemon's settings convert TOML text too ("8" -> 8)
     layers += [_typed(_env_table(env)), flags, _typed(text_flags)]
     merged: dict[str, object] = {}
     for layer in layers:
