@@ -38,8 +38,10 @@ class PrometheusStats(DaemonStats):
                                "measured it up to handing the save over", buckets=STALL_BUCKETS, registry=registry)
         self.drain = Histogram("ckptd_step_drain_seconds", "From a step's first save on this node to its commit",
                                buckets=DRAIN_BUCKETS, registry=registry)
-        self.written = Counter("ckptd_bytes_written", "Bytes of committed steps written by this node",
-                               registry=registry)
+        self.written = Counter(
+            "ckptd_bytes_written", "Bytes written by this node for steps that reached storage (durable or committed)",
+            registry=registry,
+        )
         self.committed = Counter("ckptd_steps_committed", "Steps committed", registry=registry)
         self.failed = Counter("ckptd_steps_failed", "Steps that failed on this node", registry=registry)
         registry.register(_LiveCollector(self, arena, backend))

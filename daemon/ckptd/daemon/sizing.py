@@ -13,8 +13,8 @@ So a rank stages about ``params / (TP·PP·DP) * (weight bytes + 12)`` bytes (14
 with Adam), and a node the sum over its ranks. Expert parallelism does not change the total (experts are
 split over EP instead of replicated); bucket padding adds at most ``lcm(DP, 128)`` elements per bucket.
 
-A save waits for arena space while the previous one drains (``--backpressure wait``), so one step's worth
-is the minimum; twice that lets a save start while the previous one is still being written.
+A save waits for arena space while the previous one drains (the client's ``backpressure="wait"``), so one
+step's worth is the minimum; twice that lets a save start while the previous one is still being written.
 """
 
 from __future__ import annotations
