@@ -27,7 +27,7 @@ from test_s3 import aws_env, options, s3_flags
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
 from ckptd.testing.fixtures import BUCKET
-from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.launch import DaemonProcess, socket_dir
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 
 pytestmark = pytest.mark.megatron
@@ -63,12 +63,13 @@ def _load(rank: int, world: int, root: str, tp: int, drop_optimizer_state: bool)
 
 def _saved_and_merged(tmp: Path, tp: int, world: int) -> tuple[str, list[float]]:
     root = str(tmp / "ckpt")
-    daemon = DaemonProcess(root, f"/tmp/ckr-{os.getpid()}-{tp}.sock", "--arena-size", "64MiB", "--no-prefault",
-                           log_path=str(tmp / "daemon.log")).wait_ready()
-    try:
-        losses = spawn_ranks(_save, world, daemon.socket, tp)[0]
-    finally:
-        daemon.stop(timeout=20)
+    with socket_dir("ckr-") as sockets:
+        daemon = DaemonProcess(root, f"{sockets}/d.sock", "--arena-size", "64MiB", "--no-prefault",
+                               log_path=str(tmp / "daemon.log")).wait_ready()
+        try:
+            losses = spawn_ranks(_save, world, daemon.socket, tp)[0]
+        finally:
+            daemon.stop(timeout=20)
     out = json.loads(subprocess.run([*CLI, "merge", root, "--json"], check=True, capture_output=True, text=True).stdout)
     assert out["tasks"] > 0
     return root, losses

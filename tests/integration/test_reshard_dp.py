@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -32,7 +31,7 @@ pytest.importorskip("megatron.core")
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
-from ckptd.testing.launch import DaemonProcess
+from ckptd.testing.launch import DaemonProcess, socket_dir
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 
 pytestmark = pytest.mark.megatron
@@ -148,12 +147,13 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
 
 def _saved(tmp: Path, name: str, world: int, build: dict[str, Any]) -> dict[str, Any]:
     root = str(tmp / "plain")
-    daemon = DaemonProcess(root, f"/tmp/ckd-{os.getpid()}-{name}.sock", "--arena-size", "64MiB", "--no-prefault",
-                           log_path=str(tmp / "daemon.log")).wait_ready()
-    try:
-        saved = spawn_ranks(_save, world, daemon.socket, build)
-    finally:
-        daemon.stop(timeout=20)
+    with socket_dir("ckd-") as sockets:
+        daemon = DaemonProcess(root, f"{sockets}/d.sock", "--arena-size", "64MiB", "--no-prefault",
+                               log_path=str(tmp / "daemon.log")).wait_ready()
+        try:
+            saved = spawn_ranks(_save, world, daemon.socket, build)
+        finally:
+            daemon.stop(timeout=20)
     merged = str(tmp / "merged")
     shutil.copytree(root, merged)
     subprocess.run([*CLI, "merge", merged, "--json"], check=True, capture_output=True)

@@ -73,9 +73,9 @@ def _restart(rank: int, world: int, socket: str, root: str, saved: str) -> dict[
     return out
 
 
-def test_restore_from_memory_after_the_ranks_were_killed(tmp_path: Path) -> None:
+def test_restore_from_memory_after_the_ranks_were_killed(tmp_path: Path, sockdir: str) -> None:
     root = str(tmp_path / "ckpt")
-    daemon = DaemonProcess(root, f"/tmp/ckrs-{os.getpid()}.sock", "--arena-size", "64MiB", "--no-prefault",
+    daemon = DaemonProcess(root, f"{sockdir}/d.sock", "--arena-size", "64MiB", "--no-prefault",
                            log_path=str(tmp_path / "daemon.log")).wait_ready()
     try:
         run_ranks(_save_and_die, 2, daemon.socket, str(tmp_path), may_exit=[0, 1])

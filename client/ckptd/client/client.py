@@ -63,6 +63,7 @@ from ckptd.client.protocol import (
 from ckptd.client.reuse import RepeatedPlans, Route
 from ckptd.client.staging import StagingArena, spare_core
 from ckptd.client.state import Plan, Shard, replica_metas
+from ckptd.client.trust import connect_own
 from ckptd.writer.errors import (
     BackpressureError,
     CkptdError,
@@ -191,13 +192,8 @@ class CheckpointClient:
 
     def _open_socket(self) -> None:
         self._close_socket()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(min(PROBE_S, self.timeout_s) if self._unanswered else self.timeout_s)  # each save: a probe
-        try:
-            sock.connect(self.socket_path)
-        except OSError as exc:  # no socket file, refused, not ours, or its accept backlog full (EAGAIN)
-            sock.close()
-            raise DaemonUnavailableError(f"no ckptd daemon at {self.socket_path}: {exc}") from exc
+        # this user's daemon only (else ConfigError, never "lost"); after a hang each save's Hello is a short probe
+        sock = connect_own(self.socket_path, min(PROBE_S, self.timeout_s) if self._unanswered else self.timeout_s)
         self._sock = sock
         self._sidecars_sent = set()  # a new daemon may serve another root
         welcome = _expect(self._request(Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=self.placement.rank)), Welcome)

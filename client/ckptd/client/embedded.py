@@ -32,7 +32,8 @@ from collections.abc import Sequence
 
 from ckptd.client.daemon_lost import DaemonUnresponsiveError
 from ckptd.client.ownership import pid_alive
-from ckptd.writer.errors import DaemonUnavailableError
+from ckptd.client.trust import make_socket_dir
+from ckptd.writer.errors import ConfigError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,16 @@ def ensure_daemon(
     node serialize on ``<socket>.lock``, so exactly one of them starts it. ``idle_exit_s``, ``job_id``
     and ``owner_pid`` are passed as ``--exit-when-idle``, ``--job-id`` and ``--owner-pid`` unless
     ``daemon_args`` already sets them. ``replacing``: the pid of another job's daemon on the socket that
-    is exiting; it is waited for (up to ``timeout_s``) before a new one starts.
+    is exiting; it is waited for (up to ``timeout_s``) before a new one starts. The socket's directory is
+    made ``0700`` if missing; one that is not this user's and private is refused before anything in it is
+    touched (:func:`ckptd.client.trust.make_socket_dir`: :class:`ConfigError`).
     """
-    os.makedirs(os.path.dirname(socket_path) or ".", mode=0o700, exist_ok=True)
-    with open(socket_path + ".lock", "w") as lock:
+    make_socket_dir(os.path.dirname(socket_path) or ".")  # this user's and private, before anything inside it
+    try:  # never through a symbolic link, never truncating
+        fd = os.open(socket_path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the lock file {socket_path}.lock (a symbolic link is refused): {exc}") from exc
+    with os.fdopen(fd, "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per node starts it; the others wait here
         if replacing:
             _wait_gone(replacing, timeout_s, rank)

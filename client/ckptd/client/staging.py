@@ -1,8 +1,8 @@
 """The daemon's staging arena as one client maps it: the shared memory a save copies its shards into.
 
-The daemon owns the arena file (mode 0600, the job's user only); a client maps it once per connection,
-faults its pages in up front so ``save()`` does not pay for that, and registers it as pinned host memory
-the first time a CUDA tensor is staged, so device-to-host copies land in it directly.
+The daemon owns the arena file (mode 0600, the job's user only: a client maps no other); a client maps it
+once per connection, faults its pages in up front so ``save()`` does not pay for that, and registers it as
+pinned host memory the first time a CUDA tensor is staged, so device-to-host copies land in it directly.
 
 A plan's static sources copied ahead of a save's checks (:mod:`ckptd.client.early`) are, on a GPU, queued
 device-to-host transfers; on a CPU with a core to spare for this rank (:func:`spare_core`) the memcpy runs on
@@ -25,7 +25,8 @@ import torch
 
 from ckptd.client.pinned import pin_host_memory, unpin_host_memory
 from ckptd.client.plan import StalePlanError, sync_streams
-from ckptd.writer.errors import DaemonUnavailableError
+from ckptd.client.trust import open_arena
+from ckptd.writer.errors import ConfigError, DaemonUnavailableError
 
 if TYPE_CHECKING:
     from ckptd.client.plan import StagePlan
@@ -67,14 +68,18 @@ class StagingArena:
         """Map the arena file at ``path`` (dropping an earlier mapping) and fault its pages in.
 
         An arena that cannot be mapped (its file removed: another daemon's stale-arena cleanup; shorter than
-        the daemon said) is a daemon this client cannot use: :class:`DaemonUnavailableError`."""
+        the daemon said) is a daemon this client cannot use: :class:`DaemonUnavailableError`. One that is not
+        this user's private regular file (a symbolic link, another owner, group or other access) is refused:
+        :class:`~ckptd.writer.errors.ConfigError` (:func:`ckptd.client.trust.open_arena`)."""
         self.close()
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_arena(path)
             try:
                 self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
+        except ConfigError:  # not this user's: no lost daemon
+            raise
         except (OSError, ValueError) as exc:  # ValueError: the file is shorter than ``nbytes``
             raise DaemonUnavailableError(
                 f"cannot map the daemon's staging arena {path} ({nbytes} bytes): {exc}; if the file is gone, "
