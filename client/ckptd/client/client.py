@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
 import torch
@@ -142,6 +142,8 @@ class CheckpointClient:
         self.on_daemon_lost: DaemonLostPolicy = on_daemon_lost
         self.socket_path = socket_path or client_socket_path(env, root)
         self.placement = placement or Placement.detect(env)
+        if backpressure not in get_args(Policy):  # a typo would act as "fail"
+            raise ConfigError(f"backpressure must be one of {get_args(Policy)}, got {backpressure!r}")
         self.backpressure: Policy = backpressure
         self.lease_timeout_s = lease_timeout_s
         self.timeout_s = timeout_s
