@@ -10,7 +10,6 @@ import argparse
 import glob
 import json
 import os
-import socket
 from typing import Any
 
 import msgspec
@@ -31,8 +30,9 @@ from ckptd.client.protocol import (
     frame_length,
     recv_exactly,
 )
+from ckptd.client.trust import connect_own
 from ckptd.daemon.sizing import WEIGHT_BYTES, parse_count, plan_arena
-from ckptd.writer.errors import DaemonUnavailableError, ProtocolError
+from ckptd.writer.errors import ConfigError, DaemonUnavailableError, ProtocolError
 
 COMMANDS = ("status", "plan")
 
@@ -66,11 +66,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 # --- status ---------------------------------------------------------------------------------------
 def request(path: str, msg: _Msg, timeout: float) -> Reply:
-    """One request/reply on a fresh connection to the daemon at ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
+    """One request/reply on a fresh connection to the daemon at ``path``: a daemon of this user's only
+    (:func:`~ckptd.client.trust.connect_own`, :class:`ConfigError` for anything else)."""
+    with connect_own(path, timeout) as sock:
         try:
-            sock.connect(path)
             sock.sendall(encode(msg))
             header = recv_exactly(sock, HEADER.size)
             reply = decode_reply(recv_exactly(sock, frame_length(header)))
@@ -90,7 +89,7 @@ def find_socket(root: str, timeout: float) -> str:
     for path in sorted(glob.glob(os.path.join(base, "**", "*.sock"), recursive=True)):
         try:
             welcome = request(path, Hello(v=PROTOCOL_VERSION, pid=os.getpid(), rank=-1), timeout)
-        except DaemonUnavailableError:
+        except (DaemonUnavailableError, ConfigError):  # not there, or not this user's
             continue
         if isinstance(welcome, Welcome) and normalize_root(welcome.root) == want:
             return path
