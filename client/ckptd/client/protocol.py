@@ -307,15 +307,16 @@ def encode(msg: _Msg, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
 
 
 def _decode(body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
+    # RecursionError: msgspec's answer to values nested deeper than the interpreter's limit (a hostile peer)
     try:
         head = _head_decoder.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"undecodable message: {exc}") from exc
     if head.v != PROTOCOL_VERSION:
         raise ProtocolVersionError(f"protocol version {head.v!r} not supported (this side speaks {PROTOCOL_VERSION})")
     try:
         return decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"invalid {head.type!r} message: {exc}") from exc
 
 

@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import struct
 import time
 from collections.abc import Coroutine
@@ -52,6 +51,7 @@ from ckptd.daemon.arena import Arena, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.journal import StepJournal, abandon_predecessor_steps, journal_path
 from ckptd.daemon.service import CheckpointService
+from ckptd.daemon.socketfile import SocketClaim, claim_socket, prepare_socket_dir
 from ckptd.daemon.stats import DaemonStats, status_report
 from ckptd.writer.backends import Backend, open_backend
 from ckptd.writer.errors import (
@@ -67,25 +67,6 @@ from ckptd.writer.errors import (
 log = logging.getLogger(__name__)
 
 MAX_STATUS_WAIT_S = 5.0
-
-
-def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory ``0700`` (or insist an existing one is ours and private); a directory
-    this user cannot make, or one of another user, is a :class:`ConfigError` (the ``--socket`` to change)."""
-    d = os.path.dirname(path) or "."
-    try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        st = os.stat(d)
-        if st.st_uid != os.getuid():
-            raise ConfigError(
-                f"socket directory {d} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): give "
-                "--socket (or CKPTD_SOCKET) a path in a directory of this user's, or one the daemon may create "
-                "(it makes a missing one 0700)"
-            )
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(d, 0o700)
-    except OSError as exc:
-        raise ConfigError(f"cannot prepare the socket directory {d} (--socket {path}): {exc}") from exc
 
 
 def _renice(increment: int) -> None:
@@ -139,11 +120,20 @@ class Daemon:
         self._client_seen = 0.0  # when a connection last began or ended (loop time): a short one counts too
         self._conn_since: dict[int, float] = {}  # when each open connection began (monotonic)
         self._owner_is_rank = False  # the owner process connected as a client: no launcher restarts ranks
+        self._claim: SocketClaim | None = None  # the lock on the socket path, and the socket bound
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
-        """Serve until shut down (see :func:`serve`); the storage backend is opened first and closed last."""
+        """Serve until shut down (see :func:`serve`). The socket path is claimed first (its private directory,
+        the lock that makes one daemon per socket) and let go last; the storage backend is opened next."""
+        prepare_socket_dir(self.config.socket)  # before anything is opened: a socket it cannot use fails at once
+        self._claim = await claim_socket(self.config.socket)
+        try:
+            return await self._run_claimed(ready)
+        finally:
+            self._claim.release()
+
+    async def _run_claimed(self, ready: asyncio.Event | None) -> int:
         cfg = self.config
-        prepare_socket_dir(cfg.socket)  # before anything is opened: a socket it cannot use fails at once, typed
         if cfg.nice:
             _renice(cfg.nice)  # before any worker thread exists, so they all inherit it
         stale = remove_stale_arenas()
@@ -198,8 +188,7 @@ class Daemon:
             for sig in signals:
                 loop.remove_signal_handler(sig)
             self._tasks = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(cfg.socket)
+            self._socket().unlink_socket()  # its own socket only: never a successor's
             if self.service is not None and self.service.journal is not None:
                 self.service.journal.remove()  # only when nothing is left in flight
             self.arena.close()
@@ -207,14 +196,17 @@ class Daemon:
         return code
 
     async def _listen(self) -> asyncio.Server:
-        cfg = self.config  # its socket's directory made ready by run(), before anything was opened
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cfg.socket)
+        claim = self._socket()  # its directory and lock made ready by run(), before anything was opened
+        await claim.clear()  # nothing appeared there meanwhile but, at most, a dead daemon's socket
         old_umask = os.umask(0o177)
         try:
-            return await asyncio.start_unix_server(self._on_connect, path=cfg.socket, limit=1 << 20)
+            server = await asyncio.start_unix_server(self._on_connect, path=claim.path, limit=1 << 20)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on --socket {claim.path}: {exc}") from exc
         finally:
             os.umask(old_umask)
+        claim.bound()
+        return server
 
     async def _serve_until_stopped(self, server: asyncio.Server) -> int:
         """Serve until the shutdown trigger, then drain: status requests are still answered meanwhile."""
@@ -307,6 +299,11 @@ class Daemon:
             raise RuntimeError("the daemon is not running")
         return self.service
 
+    def _socket(self) -> SocketClaim:
+        if self._claim is None:
+            raise RuntimeError("the daemon is not running")
+        return self._claim
+
     def _arena(self) -> Arena:
         if self.arena is None:
             raise RuntimeError("the daemon is not running")
@@ -326,12 +323,14 @@ class Daemon:
             self._owner_is_rank |= pid == self.config.owner_pid
             while True:
                 try:
-                    header = await reader.readexactly(HEADER.size)
+                    first = await reader.readexactly(1)  # between requests a client may stay idle for ever
                 except asyncio.IncompleteReadError:
                     return
                 try:
-                    n = frame_length(header, self.config.max_frame_bytes)
-                    body = await asyncio.wait_for(reader.readexactly(n), self.config.read_timeout_s)
+                    async with asyncio.timeout(self.config.read_timeout_s):  # a frame begun comes whole, in time
+                        header = first + await reader.readexactly(HEADER.size - 1)
+                        n = frame_length(header, self.config.max_frame_bytes)
+                        body = await reader.readexactly(n)
                 except (ProtocolError, TimeoutError, asyncio.IncompleteReadError) as exc:
                     # The stream cannot be resynchronised: say why, then drop only this client.
                     err = exc if isinstance(exc, ProtocolError) else ProtocolError(f"incomplete frame: {exc!r}")
@@ -355,16 +354,33 @@ class Daemon:
                 await writer.wait_closed()
 
     async def _send(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
-        writer.write(encode(reply, self.config.max_frame_bytes))
+        limit = self.config.max_frame_bytes
+        try:
+            frame = encode(reply, limit)
+        except ProtocolError as exc:  # an answer too big for one frame: the client still gets a typed one
+            log.error("an answer does not fit the frame limit (max_frame_bytes): %s", exc)
+            err = ErrorReply(v=PROTOCOL_VERSION, code=ProtocolError.__name__,
+                             message=f"the daemon's answer does not fit in one frame: {exc} (max_frame_bytes)")
+            try:
+                frame = encode(err, limit)
+            except ProtocolError as again:  # not even that fits: only closing the connection is left
+                raise ConnectionAbortedError(str(again)) from exc
+        writer.write(frame)
         await writer.drain()
 
     async def _handle(self, conn: int, body: bytes) -> Reply:
+        """The answer to one whole frame: a typed :class:`ErrorReply` for a bad request, and for a bug of the
+        daemon's (``InternalError``, logged with its traceback); the connection stays usable either way."""
         try:
             req = decode_request(body)
             return await self._dispatch(conn, req)
         except CkptdError as exc:
             log.info("conn=%d: rejected request: %s: %s", conn, type(exc).__name__, exc)
             return ErrorReply(v=PROTOCOL_VERSION, code=type(exc).__name__, message=str(exc))
+        except Exception as exc:
+            log.exception("conn=%d: a request failed unexpectedly", conn)
+            return ErrorReply(v=PROTOCOL_VERSION, code="InternalError",
+                              message=f"the daemon failed on this request: {type(exc).__name__}: {exc}")
 
     async def _dispatch(self, conn: int, req: Request) -> Reply:
         service, arena = self._service(), self._arena()

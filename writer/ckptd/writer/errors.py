@@ -34,6 +34,11 @@ class ProtocolError(InvalidRequestError):
     """A malformed, oversized or undecodable message on the daemon socket."""
 
 
+class InternalError(CkptdError, RuntimeError):
+    """The daemon failed on a request through a fault of its own (its log holds the traceback); the
+    connection stays usable."""
+
+
 class ProtocolVersionError(ProtocolError):
     """The peer speaks a protocol version this side does not."""
 
