@@ -12,7 +12,9 @@ import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeVar
 
+import botocore.exceptions
 import numpy as np
 import pytest
 import s3fs
@@ -312,32 +314,58 @@ async def test_every_request_failing_fails_fast_and_typed(
     opts = options(proxy.url, max_attempts=3, fs_retries=2)
     fs = await open_s3_filesystem(f"s3://{BUCKET}/t", opts)
     proxy.set_faults(fail_all=fault)
+    # what the S3 stack raises once its retries are spent: s3fs's OSError over botocore's SlowDown reply, or
+    # botocore's connection error over the reset connection
+    raised = OSError if fault is Fault.SLOWDOWN else botocore.exceptions.ConnectionError
     start = time.monotonic()
     try:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(raised) as info:
             await fs._pipe_file(f"{BUCKET}/t/doomed", b"x" * 1000)
     finally:
         await close_s3_filesystem(fs)
     elapsed = time.monotonic() - start
+    if fault is Fault.SLOWDOWN:
+        reply = _in_chain(info.value, botocore.exceptions.ClientError)
+        assert reply.response["Error"]["Code"] == "SlowDown", reply.response
+        expected = "SlowDown, HTTP 503"
+    else:
+        _in_chain(info.value, ConnectionResetError)
+        expected = type(info.value).__name__
     err = classify_error(info.value, f"s3://{BUCKET}/t")
     assert type(err) is StorageError, err
-    assert BUCKET in str(err)
+    assert BUCKET in str(err) and expected in str(err), err
     assert elapsed < 15, elapsed
     assert 2 <= proxy.stats().requests <= opts.worst_case_requests
 
 
 # --- typed errors ---------------------------------------------------------------------------------
-async def _write_error(endpoint: str) -> CkptdError:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _in_chain(exc: BaseException, kind: type[_E]) -> _E:
+    """The first exception of ``kind`` in ``exc``'s chain (itself, then its causes and contexts)."""
+    seen: list[str] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(seen) < 16:
+        if isinstance(cur, kind):
+            return cur
+        seen.append(type(cur).__name__)
+        cur = cur.__cause__ or cur.__context__
+    raise AssertionError(f"no {kind.__name__} in the chain {' <- '.join(seen)}")
+
+
+async def _write_error(endpoint: str, raised: type[BaseException]) -> tuple[BaseException, CkptdError]:
     """Write one object under ``s3://BUCKET/run`` with the credentials in the environment; the write must
-    fail, and this is how ckptd classifies the failure."""
+    fail with ``raised`` (what the S3 stack raises, not a bug of the test's own); that exception, and how
+    ckptd classifies it."""
     url = f"s3://{BUCKET}/run"
     fs = await open_s3_filesystem(url, options(endpoint))
     try:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(raised) as info:
             await fs._pipe_file(f"{BUCKET}/run/x", b"x")
     finally:
         await close_s3_filesystem(fs)
-    return classify_error(info.value, url)
+    return info.value, classify_error(info.value, url)
 
 
 async def test_missing_bucket_is_not_found(aws_env: S3Server) -> None:
@@ -346,8 +374,10 @@ async def test_missing_bucket_is_not_found(aws_env: S3Server) -> None:
     try:
         with pytest.raises(StorageNotFoundError, match="no-such-bucket"):
             await check_bucket(fs, url)
-        with pytest.raises(Exception) as info:
+        with pytest.raises(FileNotFoundError) as info:  # s3fs's translation of the NoSuchBucket reply
             await fs._pipe_file("no-such-bucket/run/x", b"x")
+        reply = _in_chain(info.value, botocore.exceptions.ClientError)
+        assert reply.response["Error"]["Code"] == "NoSuchBucket", reply.response
         err = classify_error(info.value, url)
         assert isinstance(err, StorageNotFoundError) and isinstance(err, FileNotFoundError)
         assert "NoSuchBucket" in str(err) and "no-such-bucket" in str(err)
@@ -374,9 +404,11 @@ async def test_wrong_credentials_are_permission_errors(
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", bad.access_key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bad.secret_access_key)
-    err = await _write_error(s3_auth.endpoint_url)
+    code = "InvalidAccessKeyId" if wrong == "key" else "SignatureDoesNotMatch"
+    raw, err = await _write_error(s3_auth.endpoint_url, PermissionError)  # s3fs's translation of the 403
+    assert _in_chain(raw, botocore.exceptions.ClientError).response["Error"]["Code"] == code
     assert isinstance(err, StoragePermissionError) and isinstance(err, PermissionError)
-    assert ("InvalidAccessKeyId" if wrong == "key" else "SignatureDoesNotMatch") in str(err)
+    assert code in str(err)
     assert BUCKET in str(err)
     for secret in (bad.secret_access_key, good.secret_access_key, bad.access_key_id):
         assert secret not in str(err)
@@ -387,7 +419,7 @@ async def test_no_credentials_is_a_permission_error(
 ) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    err = await _write_error(aws_env.endpoint_url)
+    _raw, err = await _write_error(aws_env.endpoint_url, botocore.exceptions.NoCredentialsError)
     assert isinstance(err, StoragePermissionError) and "credentials" in str(err)
 
 

@@ -92,11 +92,13 @@ def test_embedded_daemon_started_once_for_all_local_ranks(tmp_path, sockdir):
     pids = {c._welcome.daemon_pid for c in clients}  # type: ignore[union-attr]
     assert len(pids) == 1 and pids.pop() != os.getpid()
     try:
-        handles = [c.save(5, {"x": torch.full((4,), float(c.placement.rank)), "r": c.placement.rank}) for c in clients]
+        saved = {r: torch.arange(4, dtype=torch.float32) + 10 * (r + 1) for r in range(2)}
+        handles = [c.save(5, {"x": saved[c.placement.rank].clone(), "r": c.placement.rank}) for c in clients]
         for h in handles:
             h.wait(30)
-        out = torch.zeros(4)
+        out = torch.full((4,), -1.0)
         assert load(root, "latest", {"x": out})["x"] is out
+        assert torch.equal(out, saved[0]), out  # a replicated tensor: rank 0's copy is the one written
     finally:
         pid = clients[0]._welcome.daemon_pid  # type: ignore[union-attr]
         for c in clients:

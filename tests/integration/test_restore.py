@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -42,12 +43,29 @@ def _save_and_die(rank: int, world: int, socket: str, out: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # a crash: no close, no goodbye
 
 
+def _scramble(model: list[torch.nn.Module], optimizer: Any) -> None:
+    """Overwrite, in place, every value :func:`_digest` covers (params, main params, optimizer states)."""
+    with torch.no_grad():
+        for chunk in model:
+            for p in chunk.parameters():
+                p.fill_(-3.25)
+        for opt in optimizer.chained_optimizers:
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    p.fill_(-3.25)
+                    for value in opt.optimizer.state.get(p, {}).values():
+                        if isinstance(value, torch.Tensor):
+                            value.fill_(7)
+
+
 def _restart(rank: int, world: int, socket: str, root: str, saved: str) -> dict[str, Any]:
     model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **BUILD)
     client = CheckpointClient(socket)
     out: dict[str, Any] = {}
     loaded = load_checkpoint(client, K, model, optimizer)
     out["memory"] = (loaded.from_memory_bytes, _digest(model, optimizer) == saved)
+    _scramble(model, optimizer)  # so that the storage load below must write every value back
+    assert _digest(model, optimizer) != saved
     loaded = load_checkpoint(root, K, model, optimizer)  # storage only: the reference
     out["storage"] = (loaded.from_memory_bytes, _digest(model, optimizer) == saved)
     # a damaged in-memory copy: the regions that fail their checksum come from storage
@@ -61,6 +79,7 @@ def _restart(rank: int, world: int, socket: str, root: str, saved: str) -> dict[
             if shard.key.startswith("optim/") and shard.global_offset[0] == 0 and shard.nbytes:
                 client._staging.mm[shard.offset] ^= 0xFF
                 break
+    _scramble(model, optimizer)  # what the damaged regions fall back to must really be read
     loaded = load_checkpoint(client, K, model, optimizer)
     out["damaged"] = (loaded.from_memory_bytes, _digest(model, optimizer) == saved)
     # a newer commit replaces the kept step: the old step comes from storage, the new one from memory

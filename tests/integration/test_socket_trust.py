@@ -19,6 +19,7 @@ import torch
 from ckptd.client import CheckpointClient, Placement, embedded
 from ckptd.client.paths import default_socket_path
 from ckptd.client.protocol import PROTOCOL_VERSION, StepState, Welcome, encode
+from ckptd.testing.fixtures import unavailable
 from ckptd.testing.launch import DaemonProcess
 from ckptd.writer.errors import ConfigError
 
@@ -26,10 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 ONE = Placement(0, 1, 1, 0)
 OTHER_UID = 2002
 PEER_PY = "/usr/bin/python3"  # the venv's interpreter may sit where another uid cannot reach it (/root)
-cross_user = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None or not os.path.exists(PEER_PY),
-    reason=f"a peer of another uid needs root, setpriv and {PEER_PY} to run it as uid {OTHER_UID}",
-)
 
 
 def _save_commits(client: CheckpointClient, step: int) -> None:
@@ -79,7 +76,10 @@ def foreign_peer(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """A process of uid 2002 listening on a socket it bound in a directory of its own, that directory then given
     to this user (``0700``: it passes the client's directory check); it answers the first request with a Welcome
     whose arena is a file of its own, ``0666`` (the reviewer's fake daemon). Yields the socket path and the
-    process, which prints how many bytes it received."""
+    process, which prints how many bytes it received. Where it cannot run: :func:`unavailable` (a skip on a
+    developer's machine, a failure in CI, whose setup runs as root)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or not os.path.exists(PEER_PY):
+        unavailable(f"a peer of another uid needs root, setpriv and {PEER_PY} to run it as uid {OTHER_UID}")
     base = tempfile.mkdtemp(prefix="ckpt-trust-", dir="/var/tmp")  # /tmp may be closed to other uids
     try:
         os.chmod(base, 0o711)
@@ -99,7 +99,7 @@ def foreign_peer(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
             proc.kill()
-            pytest.skip(f"could not run a listener as uid {OTHER_UID}: {proc.communicate(timeout=10)[1][-500:]}")
+            unavailable(f"could not run a listener as uid {OTHER_UID}: {proc.communicate(timeout=10)[1][-500:]}")
         os.chown(sub, os.geteuid(), os.getegid())  # now a directory that passes the client's check
         assert stat.S_IMODE(os.lstat(sub).st_mode) == 0o700
         yield sock, proc
@@ -135,7 +135,6 @@ print("received", total, flush=True)
 """
 
 
-@cross_user
 def test_a_daemon_of_another_uid_is_refused_before_any_byte(foreign_peer, tmp_path: Path) -> None:
     sock, proc = foreign_peer
     with pytest.raises(ConfigError, match=f"runs as uid {OTHER_UID}, not as this user") as err:

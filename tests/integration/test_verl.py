@@ -140,6 +140,11 @@ def _hf_load_job(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> dict[str,
                                  ("model_only", ["model"], step4), (None, ["optimizer"], step2),
                                  (None, ["model", "optimizer"], step4)):
         mgr.checkpoint_load_contents = contents
+        if name == "full":  # the HF load just before left step 2's weights: the model must be read again
+            with torch.no_grad():
+                for chunk in mgr.model:
+                    for p in chunk.parameters():
+                        p.fill_(-3.25)
         try:
             mgr.load_checkpoint(path, None, False)
         except CkptdError as exc:
