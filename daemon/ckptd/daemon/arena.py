@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 ALIGN = 4096
 SHM_DIR = "/dev/shm"
+# The longest a lease request waits for space, whatever it asks (inf: a dead client's request would wait,
+# holding off leases asked ahead, as long as the arena stays full)
+MAX_LEASE_WAIT_S = 3600.0
 _PREFIX = "ckptd-"
 _LOCKED = ".lk"  # names of arenas held under flock (earlier versions' arenas, unlocked, have no suffix)
 _NAME_RE = re.compile(r"^(\d+)-[0-9a-f]+(\.lk)?$")  # after ckptd-<uid>-: <pid>-<token>[.lk]
@@ -212,6 +215,7 @@ class Arena:
         still owe a step in flight, which cannot commit without them while a lease granted ahead is held
         until its rank's next save."""
         need = _slots_bytes(sizes)
+        timeout = min(timeout, MAX_LEASE_WAIT_S) if timeout >= 0 else 0.0  # (NaN: 0)
         if ahead and self._waiters:
             raise BackpressureError(f"{len(self._waiters)} save(s) waiting for staging space: none granted ahead")
         if need > self.size:

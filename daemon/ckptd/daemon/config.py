@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
@@ -63,7 +63,7 @@ class StorageOptions(BaseModel):
     options (they come from the AWS chain).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     endpoint_url: str | None = None
     region: str | None = None
@@ -98,26 +98,28 @@ class _Options(BaseSettings):
         case_sensitive=False,
         extra="forbid",
         frozen=True,
+        allow_inf_nan=False,  # every duration is a finite number of seconds
     )
 
     socket: str = Field(default_factory=lambda: default_socket_path(os.environ))
     arena_size: Size = Field(default=2 << 30, gt=0)
     write_concurrency: int = Field(default=8, gt=0)
-    chunk_bytes: Size = Field(default=DEFAULT_CHUNK_BYTES, gt=0)
+    chunk_bytes: Size = Field(default=DEFAULT_CHUNK_BYTES, ge=4 << 10)  # below: a file per few elements
     # small arrays a node holds whole -> one object; None: 1MiB on S3, off locally
     pack_bytes: Size | None = Field(default=None, ge=0)
     codec: str = "raw"
     keep: int = Field(default=0, ge=0)  # committed steps to keep; 0 keeps all
-    part_timeout_s: float = 600.0
-    stage_grace_s: float = 0.5  # start writing a step once all local ranks staged, or after this long
-    commit_timeout_s: float = 600.0
-    drain_grace_s: float = 120.0
-    max_frame_bytes: Size = Field(default=32 << 20, gt=0)
-    read_timeout_s: float = 30.0
+    part_timeout_s: float = Field(default=600.0, gt=0)
+    # start writing a step once all local ranks staged, or after this long (0: at once)
+    stage_grace_s: float = Field(default=0.5, ge=0)
+    commit_timeout_s: float = Field(default=600.0, gt=0)
+    drain_grace_s: float = Field(default=120.0, ge=0)  # 0: steps in flight at SIGTERM are not waited for
+    max_frame_bytes: Size = Field(default=32 << 20, gt=0, le=(1 << 32) - 1)  # the frame header is 4 bytes
+    read_timeout_s: float = Field(default=30.0, gt=0)
     prefault: bool = True
     # keep the newest committed step's staged bytes for an in-memory restore (ckptd.daemon.restore)
     retain: bool = True
-    nice: int = 10  # the daemon yields the CPU to training ranks on busy nodes
+    nice: int = Field(default=10, ge=-20, le=19)  # the daemon yields the CPU to training ranks on busy nodes
     # an embedded daemon ends with its job: no client and no step in flight for this long -> exit
     exit_when_idle_s: float | None = Field(default=None, gt=0)
     # ... but while it holds a committed step for an in-memory restore it waits this long (restarted ranks)
@@ -166,16 +168,23 @@ class _Options(BaseSettings):
         return self.storage.given()
 
 
+def _root_given(value: str | None) -> str | None:
+    """An empty root (``""``, ``file://``) would be the current directory, wherever the daemon started."""
+    if value is not None and not value.lower().removeprefix("file:").removeprefix("//").strip():
+        raise ValueError("the checkpoint root is empty; give a path or a file:// or s3:// URL")
+    return value
+
+
 class DaemonConfig(_Options):
     """What ``ckptd serve`` runs with (frozen). Build it with :func:`load_config`."""
 
-    root: str
+    root: Annotated[str, AfterValidator(_root_given)]
 
 
 class OfflineConfig(_Options):
     """The same file and environment seen by an offline command, whose root is an argument."""
 
-    root: str | None = None
+    root: Annotated[str | None, AfterValidator(_root_given)] = None
 
 
 class _MappingEnvSource(EnvSettingsSource):

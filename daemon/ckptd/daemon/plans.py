@@ -5,6 +5,12 @@ A rank whose state keeps its structure (Megatron: every save after the first) re
 the plan's id. :meth:`PlanRegistry.expand` turns such a save back into what the writer knows: the plan's
 shard metas, and a per-shard lease over the span. Nothing per shard is checked again on a save — that is
 the point — so :meth:`PlanRegistry.register` checks everything a per-save validation would.
+
+What one request may ask is bounded before it is accepted (a typed :class:`InvalidRequestError` says
+which bound): its shard metas (:data:`MAX_SHARDS`), the chunks the daemon would write for it
+(:data:`MAX_CHUNKS`, blocks under :data:`MIN_BLOCK_BYTES` only one to a shard) and the work of planning
+its chunk grids (:data:`MAX_GRID_TRIALS`); registered plans are held within a byte budget per connection
+and per daemon (the oldest go first, as beyond :data:`MAX_PLANS`: their clients register them again).
 """
 
 from __future__ import annotations
@@ -16,13 +22,29 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ckptd.client.protocol import RegisterPlan, ReplicaMeta, SaveRequest, ShardMeta
+from ckptd.client.protocol import RegisterPlan, ReplicaMeta, SaveRequest, ShardMeta, encode_objects
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.replicas import check_replica_metas
-from ckptd.writer.errors import InvalidRequestError, LeaseError, PlanUnknownError, ShardLayoutError
-from ckptd.writer.format import check_region, itemsize, validate_key
+from ckptd.writer.errors import InvalidRequestError, LeaseError, PlanUnknownError, ProtocolError, ShardLayoutError
+from ckptd.writer.format import DEFAULT_CHUNK_BYTES, check_region, itemsize, validate_key
+from ckptd.writer.grid import plan_chunks_within
 
 MAX_PLANS = 256  # plans kept (oldest dropped first); a dropped one is registered again by its client
+# Shard (and replica) metas, and slots, in one save or plan: 10x what a rank of 10,000 tensors sends; a
+# 100,000-shard plan holds ~80 MiB in the daemon and takes ~0.5 s of its loop to check
+MAX_SHARDS = 100_000
+# A shard spanning several blocks of its grid (chunk_shape) must have blocks of at least this size: the
+# clients' shards are one block each (chunk_shape defaults to the shard's shape; Megatron's blocks are its
+# shards), so only a hand-made grid of tiny blocks (one element: a file per element) is refused
+MIN_BLOCK_BYTES = 64 << 10
+MAX_CHUNKS = 1 << 20  # chunks one save (or plan) writes: each is a file or object and a manifest record
+# Divisor trials planning one request's chunk grids may take (~50 ms): blocks with large extents of few
+# divisors are costly (a prime extent n: ~sqrt(n) trials); real ones take a handful each
+MAX_GRID_TRIALS = 1 << 21
+# Bytes (estimated, :func:`plan_cost`) the registered plans of one connection, and of all, may hold: a
+# node of 8 ranks of 30,000 shards each needs ~200 MiB; beyond either, the oldest plans go first
+PLAN_BYTES_PER_CONNECTION = 128 << 20
+PLAN_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -37,11 +59,14 @@ class SavePlan:
     replicas: list[ReplicaMeta]  # the rank's non-main replica regions (replicas.py), sent once with the plan
     rank: int  # the rank that registered it, for the error message
     owner: int  # the connection that registered it: its id names it on that connection only
+    cost: int = 0  # the bytes it holds, estimated (plan_cost)
 
 
-def validate_plan(msg: RegisterPlan) -> None:
+def validate_plan(msg: RegisterPlan, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
     """Everything the daemon checks of a save's shards, once: keys, dtypes, chunk grids, regions given
     once, slots that fit their shard and lie inside the span without overlapping."""
+    _check_count(len(msg.shards) + len(msg.replicas), "shard and replica metas", "the plan")
+    _check_count(len(msg.offsets), "slots", "the plan")
     n = len(msg.offsets)
     if len(msg.sizes) != n or msg.span < 0:
         raise LeaseError(f"plan: {n} slot offsets, {len(msg.sizes)} sizes, span {msg.span}")
@@ -52,21 +77,52 @@ def validate_plan(msg: RegisterPlan) -> None:
         if lo < end or size < 0 or lo + size > msg.span:
             raise LeaseError(f"plan: slot {i} [{lo}, {lo + size}) overlaps another or leaves the {msg.span}-byte span")
         end = lo + size
-    check_shards(msg.shards, msg.sizes, "the plan")
+    check_shards(msg.shards, msg.sizes, "the plan", chunk_bytes)
     check_replica_metas(msg.replicas)
 
 
-def check_shards(shards: Sequence[ShardMeta], sizes: Sequence[int], owner: str) -> None:
+def check_save(req: SaveRequest, sizes: Sequence[int], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """A save's shard and replica metas against its lease's slots (:func:`check_shards`), and its plain data."""
+    _check_count(len(req.shards) + len(req.replicas), "shard and replica metas", f"the save of step {req.step}")
+    check_shards(req.shards, sizes, f"lease {req.lease_id}", chunk_bytes)
+    check_replica_metas(req.replicas)
+    check_objects(req)
+
+
+def check_objects(req: SaveRequest) -> None:
+    """The save's non-tensor state is plain data, as the client checks it (it goes into the part manifest):
+    anything else would fail the whole node's step when the part is written."""
+    who = f"save of step {req.step}, rank {req.rank}"
+    try:
+        encode_objects(req.objects)
+    except ProtocolError as exc:
+        raise InvalidRequestError(f"{who}: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(f"{who}: non-tensor state nested too deeply") from None
+
+
+def _check_count(n: int, what: str, owner: str) -> None:
+    if n > MAX_SHARDS:
+        raise InvalidRequestError(f"{owner} has {n} {what}, more than the {MAX_SHARDS} one request may have")
+
+
+def check_shards(
+    shards: Sequence[ShardMeta], sizes: Sequence[int], owner: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> None:
     """A save's shard metas against the slots they name (of a plan or a lease, ``owner`` in errors): valid
-    keys and chunk grids, regions inside their arrays and given once, each slot used once and big enough."""
+    keys and chunk grids, regions inside their arrays and given once, each slot used once and big enough;
+    and no more chunks to write (in grids of ``chunk_bytes``), nor planning work, than a request may ask."""
     used: set[int] = set()
     seen: set[tuple[str, tuple[int, ...]]] = set()
+    grids: dict[tuple[int, ...], tuple[int, ...]] = {}  # by (*block shape, item size)
+    trials = chunks = 0
     for meta in shards:
         validate_key(meta.key)
         if not 0 <= meta.slot < len(sizes) or meta.slot in used:
             raise LeaseError(f"{meta.key}: slot {meta.slot} is not a free slot of {owner}")
         used.add(meta.slot)
-        size = math.prod(meta.shape) * itemsize(meta.dtype)
+        item = itemsize(meta.dtype)
+        size = math.prod(meta.shape) * item
         if size > sizes[meta.slot]:
             raise LeaseError(f"{meta.key}: {size} bytes do not fit slot {meta.slot} of {sizes[meta.slot]} bytes")
         if any(c <= 0 for c in meta.chunk_shape) or len(meta.chunk_shape) != len(meta.global_shape):
@@ -76,38 +132,100 @@ def check_shards(shards: Sequence[ShardMeta], sizes: Sequence[int], owner: str) 
         if where in seen:
             raise ShardLayoutError(f"{meta.key}: region at {meta.global_offset} given twice")
         seen.add(where)
+        block, n = math.prod(meta.chunk_shape) * item, _cells(meta.global_offset, meta.shape, meta.chunk_shape)
+        if block < MIN_BLOCK_BYTES and n > 1:
+            raise ShardLayoutError(
+                f"{meta.key}: its region {meta.shape} spans {n} blocks of chunk_shape {meta.chunk_shape}, {block} "
+                f"bytes each: a shard may span several blocks only if each holds at least {MIN_BLOCK_BYTES >> 10} "
+                "KiB (a shard that is one block, the default, may be any size)"
+            )
+        key = (*meta.chunk_shape, item)
+        grid = grids.get(key)
+        if grid is None:  # planned once per block shape in a request, within the request's budget of trials
+            try:
+                grid, spent = plan_chunks_within(meta.chunk_shape, item, chunk_bytes, MAX_GRID_TRIALS - trials)
+            except ShardLayoutError as exc:
+                raise ShardLayoutError(f"{meta.key}: {exc} (one request may take {MAX_GRID_TRIALS})") from None
+            grids[key] = grid
+            trials += spent
+        chunks += n if block <= chunk_bytes else _cells(meta.global_offset, meta.shape, grid)  # (unsplit: a block)
+        if chunks > MAX_CHUNKS:
+            raise InvalidRequestError(
+                f"{meta.key}: {owner}'s shards up to this one would be written as {chunks} chunks (in grids of "
+                f"--chunk-bytes {chunk_bytes}), more than the {MAX_CHUNKS} one request may write"
+            )
+
+
+def _cells(offset: Sequence[int], shape: Sequence[int], grid: Sequence[int]) -> int:
+    """Cells of ``grid`` an aligned region covers (none for an empty region)."""
+    n = 1
+    for o, m, g in zip(offset, shape, grid, strict=True):
+        n *= (o + m + g - 1) // g - o // g
+    return n
+
+
+def plan_cost(msg: RegisterPlan) -> int:
+    """About the bytes the daemon holds for a registered plan (measured: ~820 for a 3-D shard with a key of
+    60 characters and its slot)."""
+    metas: list[ShardMeta | ReplicaMeta] = [*msg.shards, *msg.replicas]
+    return 256 + sum(256 + len(m.key) + len(m.dtype) + 160 * len(m.global_shape) for m in metas) + 72 * len(msg.offsets)
 
 
 class PlanRegistry:
-    """The daemon's registered plans, by id (bounded: the oldest go first)."""
+    """The daemon's registered plans, by id (bounded in number and bytes: the least recently used go first)."""
 
-    def __init__(self, max_plans: int = MAX_PLANS) -> None:
+    def __init__(
+        self, max_plans: int = MAX_PLANS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        connection_bytes: int = PLAN_BYTES_PER_CONNECTION, total_bytes: int = PLAN_BYTES,
+    ) -> None:
         self._plans: OrderedDict[int, SavePlan] = OrderedDict()
         self._next_id = 1
         self._max = max_plans
+        self._chunk_bytes = chunk_bytes
+        self._connection_bytes = min(connection_bytes, total_bytes)
+        self._total_bytes = total_bytes
+        self._held: dict[int, int] = {}  # bytes of each connection's plans (plan_cost)
 
     def register(self, msg: RegisterPlan, owner: int) -> int:
         """Validate ``msg`` and keep it for connection ``owner``; returns its id.
 
         Clients register their plans once per connection, so an id means something only on the connection
         that registered it; a client that kept an id from an earlier connection, or an earlier daemon whose
-        ids the new one hands out again, gets :class:`PlanUnknownError` and registers again.
+        ids the new one hands out again, gets :class:`PlanUnknownError` and registers again. To keep the
+        connection's plans, and all, within their byte budgets the oldest (the connection's own first) are
+        dropped the same way; a plan over a connection's whole budget is refused.
         """
-        validate_plan(msg)
+        _check_count(len(msg.shards) + len(msg.replicas), "shard and replica metas", "the plan")
+        cost = plan_cost(msg)
+        if cost > self._connection_bytes:
+            raise InvalidRequestError(
+                f"a plan of {len(msg.shards)} shards would hold ~{cost >> 20} MiB in the daemon, more than the "
+                f"{self._connection_bytes >> 20} MiB a connection's plans may hold"
+            )
+        validate_plan(msg, self._chunk_bytes)
         plan = SavePlan(
             self._next_id, list(msg.shards), list(msg.offsets), list(msg.sizes), msg.span, list(msg.replicas),
-            msg.rank, owner,
+            msg.rank, owner, cost,
         )
         self._next_id += 1
         self._plans[plan.plan_id] = plan
-        while len(self._plans) > self._max:
-            self._plans.popitem(last=False)
+        self._held[owner] = self._held.get(owner, 0) + cost
+        while self._held[owner] > self._connection_bytes:  # (never the new one: it fits the budget alone)
+            self._drop(next(pid for pid, p in self._plans.items() if p.owner == owner))
+        while len(self._plans) > self._max or sum(self._held.values()) > self._total_bytes:
+            self._drop(next(iter(self._plans)))
         return plan.plan_id
+
+    def _drop(self, plan_id: int) -> None:
+        plan = self._plans.pop(plan_id)
+        self._held[plan.owner] -= plan.cost
+        if not self._held[plan.owner]:
+            del self._held[plan.owner]
 
     def forget(self, owner: int) -> None:
         """Drop the plans of connection ``owner`` (it closed: nobody can name them any more)."""
         for pid in [pid for pid, plan in self._plans.items() if plan.owner == owner]:
-            del self._plans[pid]
+            self._drop(pid)
 
     def spans(self) -> dict[int, int]:
         """Each rank's largest registered span: what its next plan save will lease."""

@@ -24,8 +24,8 @@ from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import InFlightSteps, NodeStep, RankSave, StepJob
 from ckptd.daemon.journal import JournalEntry, StepJournal
-from ckptd.daemon.plans import PlanRegistry, check_shards
-from ckptd.daemon.replicas import check_replica_metas, node_replicas
+from ckptd.daemon.plans import PlanRegistry, check_save
+from ckptd.daemon.replicas import node_replicas
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
 from ckptd.daemon.writes import ShardWriter
@@ -87,7 +87,7 @@ class CheckpointService:
         self._background: Tasks = set()
         self._spawn: Spawn = spawn or self._spawn_detached
         self._sidecars_stored: set[str] = set()
-        self.plans = PlanRegistry()
+        self.plans = PlanRegistry(chunk_bytes=config.chunk_bytes)
         # in-memory restore of the newest committed step, unless turned off (``retain = false``)
         self.retention = Retention(arena, enabled=config.retain)
         self.writer.retention = self.retention
@@ -169,8 +169,7 @@ class CheckpointService:
 
     def _validate(self, req: SaveRequest, lease: Lease) -> None:
         _check_placement(req)
-        check_shards(req.shards, lease.sizes, f"lease {req.lease_id}")
-        check_replica_metas(req.replicas)
+        check_save(req, lease.sizes, self.config.chunk_bytes)  # shards, replicas, plain data: plans.py
 
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
         waited = False

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import math
 import operator
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -38,6 +40,8 @@ from ckptd.writer.format import (
     step_dir,
     storage_dtype,
 )
+
+_T = TypeVar("_T")
 
 PACK_BUDGET_BYTES = 256 << 20  # small-array copies held per step while waiting for the node's ranks
 # blocks of one small chunk each written per worker-thread call on a local root (one hand-off per chunk cost
@@ -161,19 +165,30 @@ class ShardWriter:
 
     async def write_held(self, job: StepJob) -> None:
         """Write the held small-array blocks: one object per array the node holds whole, else as they came."""
-        held = job.held.take()
+        todo: list[tuple[RankSave, ShardMeta, np.ndarray]] = []
+        for blocks in job.held.take().values():
+            if covers_whole(blocks):
+                first = min(blocks, key=lambda b: b.rank)
+                shape = list(first.meta.global_shape)
+                whole = msgspec.structs.replace(first.meta, global_offset=[0] * len(shape), shape=shape,
+                                                chunk_shape=shape)
+                todo.append((job.saves[first.rank], whole, assemble(blocks)))
+            else:
+                todo.extend((job.saves[b.rank], b.meta, b.data) for b in blocks)
+        await self._bounded(todo, lambda one: self._write_block(job, *one))
+
+    async def _bounded(self, items: Sequence[_T], write: Callable[[_T], Awaitable[None]]) -> None:
+        """``write`` each item, by at most ``write_concurrency`` coroutines taking them in turn: never one
+        task per item (a grid of tiny chunks made a task per element, all at once)."""
+        todo = iter(items)
+
+        async def worker() -> None:
+            for item in todo:
+                await write(item)
+
         async with asyncio.TaskGroup() as tg:
-            for blocks in held.values():
-                if covers_whole(blocks):
-                    first = min(blocks, key=lambda b: b.rank)
-                    shape = list(first.meta.global_shape)
-                    whole = msgspec.structs.replace(
-                        first.meta, global_offset=[0] * len(shape), shape=shape, chunk_shape=shape
-                    )
-                    tg.create_task(self._write_block(job, job.saves[first.rank], whole, assemble(blocks)))
-                else:
-                    for b in blocks:
-                        tg.create_task(self._write_block(job, job.saves[b.rank], b.meta, b.data))
+            for _ in range(min(self.config.write_concurrency, len(items))):
+                tg.create_task(worker())
 
     async def _write_block(self, job: StepJob, save: RankSave, meta: ShardMeta, data: np.ndarray) -> None:
         """Write one block (whole chunks of its array) and record it for the node part."""
@@ -189,7 +204,8 @@ class ShardWriter:
         coords_list = list(region_chunks(meta.global_offset, meta.shape, chunks))
         records: list[ChunkRecord | None] = [None] * len(coords_list)
 
-        async def one(i: int, coords: tuple[int, ...]) -> None:
+        async def one(at: tuple[int, tuple[int, ...]]) -> None:
+            i, coords = at
             block = data[chunk_selection_of(coords, chunks, meta.global_shape, meta.global_offset)]
             key = f"{path}/{chunk_key(coords, CHUNK_SEPARATOR)}"
             async with self._chunk_slots:
@@ -205,9 +221,7 @@ class ShardWriter:
             records[i] = ChunkRecord(list(coords), nbytes, crc, pieces)
             job.written_keys.append(key)
 
-        async with asyncio.TaskGroup() as tg:
-            for i, coords in enumerate(coords_list):
-                tg.create_task(one(i, coords))
+        await self._bounded(list(enumerate(coords_list)), one)
         rec = ShardRecord(save.request.rank, list(meta.global_offset), list(meta.shape), [r for r in records if r])
         save.records.append((meta, rec))
 
