@@ -60,6 +60,7 @@ def test_the_arena_is_unregistered_before_it_is_unmapped(tmp_path: Path, monkeyp
     monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
     path = tmp_path / "arena"
     path.write_bytes(bytes(1 << 16))
+    path.chmod(0o600)  # a daemon's arena: private to its user, as the client requires
     arena = staging_mod.StagingArena()
     for _ in range(2):  # a daemon restarted: the arena mapped again, maybe at the same address
         arena.map(str(path), 1 << 16)

@@ -327,6 +327,7 @@ def _static_plan() -> tuple[Any, torch.Tensor]:
 def _mapped(tmp_path: Path, nbytes: int, threaded: bool) -> StagingArena:
     path = tmp_path / "arena"
     path.write_bytes(b"\x09" * nbytes)
+    path.chmod(0o600)  # a daemon's arena: private to its user, as the client requires
     arena = StagingArena(threaded=threaded)
     arena.map(str(path), nbytes)
     return arena
