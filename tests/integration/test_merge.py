@@ -141,6 +141,7 @@ def _merged_digest(root: str) -> str:
         h.update(str(rel).encode() + path.read_bytes())
     merged = json.loads((base / "_ckptd" / "MERGED").read_text())
     merged.pop("committed_at")
+    merged.pop("crc32c")  # the manifest's checksum covers its committed_at
     merged["objects"].pop("source_committed_at")  # the commit it was built from (a step saved again: another)
     h.update(json.dumps(merged, sort_keys=True).encode())
     return h.hexdigest()
@@ -292,6 +293,7 @@ def test_merge_checks_its_sources_and_the_step_it_merges(start_daemon, tmp_path,
     committed = Path(again) / "step_1" / "_ckptd" / "COMMITTED"
     doc = json.loads(committed.read_text())
     doc["committed_at"] += 60.0
+    del doc["crc32c"]  # edited on purpose: without its checksum (docs/format.md, "Manifest checksums")
     committed.write_text(json.dumps(doc))
 
     async def merged_manifest() -> Any:

@@ -73,6 +73,21 @@ def contiguous_run(rel: Sequence[slice], shape: Sequence[int]) -> tuple[int, int
     return start, math.prod(s.stop - s.start for s in rel)
 
 
+def stored_shape(path: str, nbytes: int, chunks: Sequence[int], ext: Sequence[slice], item: int) -> tuple[int, ...]:
+    """The shape a raw chunk is stored in, by its manifest's ``nbytes``: the whole chunk (every chunk since
+    format 3; an edge chunk padded), or its extent ``ext`` in the array (an edge chunk stored cut by format
+    2). :class:`CorruptCheckpointError` when ``nbytes`` is neither: its bytes would land at wrong offsets."""
+    if math.prod(chunks) * item == nbytes:
+        return tuple(chunks)
+    cut = tuple(s.stop - s.start for s in ext)
+    if math.prod(cut) * item == nbytes:
+        return cut
+    raise CorruptCheckpointError(
+        f"{path}: the manifest records {nbytes} bytes, neither a whole chunk of {tuple(chunks)} nor its part {cut} "
+        f"inside the array ({item}-byte items)"
+    )
+
+
 def _check(job: Job, data: memoryview, trailer: bytes, crc: int | None = None) -> None:
     want = job.chunk.nbytes
     if data.nbytes != want or len(trailer) != CRC_BYTES:

@@ -37,7 +37,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from ckptd.client.chunkio import Job, contiguous_run, needed_pieces, read_bytes, read_local
+from ckptd.client.chunkio import Job, contiguous_run, needed_pieces, read_bytes, read_local, stored_shape
 from ckptd.client.gather import Strided, merge_dims, normalize
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.ranged import read_ranged
@@ -293,6 +293,7 @@ class ChunkReader:
                 if ch is None:
                     raise CorruptCheckpointError(f"{rec.name}: chunk {c} is not in the manifest")
                 path = f"{self.prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
+                stored_shape(path, ch.nbytes, rec.chunks, chunk_selection(ch.coords, rec.chunks, rec.shape), item)
                 job = self.gathers.get(path)
                 if job is None:
                     job = self.gathers[path] = Job(path, ch, None, item=item, start=c * size, gather=[])
@@ -359,9 +360,7 @@ class ChunkReader:
                 self.jobs.append(Job(path, ch, flat[start * item : (start + count) * item]))
             else:
                 src = tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, ext, strict=True))
-                shape = tuple(s.stop - s.start for s in ext)
-                if math.prod(rec.chunks) * item == ch.nbytes:  # an edge chunk stored at full size (zarr)
-                    shape = tuple(rec.chunks)
+                shape = stored_shape(path, ch.nbytes, rec.chunks, ext, item)
                 first = ext[0].start if len(rec.shape) == 1 else 0  # a 1-D chunk's first element in the array
                 if not self._gather_part(path, ch, typed[rel], src, shape, item, first):
                     self.jobs.append(Job(path, ch, None, typed[rel], src, shape, item))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from ckptd.client.stagepool import BouncePool, pinnable
 from ckptd.writer.arrays import chunk_selection, full_chunk
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.errors import CkptdError
-from ckptd.writer.format import ArrayRecord, ShardRecord, itemsize
+from ckptd.writer.format import ArrayRecord, ChunkRecord, ShardRecord, itemsize
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient
@@ -71,6 +72,8 @@ class ArenaSource:
         rels = [(ch, tuple(slice(s.start - o, s.stop - o) for s, o in
                            zip(chunk_selection(ch.coords, rec.chunks, rec.shape), offset, strict=True)))
                 for ch in stored.chunks]
+        if not _covers(rels, tuple(dst.shape)):  # bytes no chunk checks would be handed over: read storage
+            return False
         runs = [contiguous_run(rel, tuple(dst.shape)) for _ch, rel in rels]
         spans = [(ch, run[0] * item, (run[0] + run[1]) * item) for (ch, _rel), run in zip(rels, runs, strict=True)
                  if run is not None and run[1] * item == ch.nbytes]
@@ -103,6 +106,14 @@ class ArenaSource:
         if target is not dst:
             dst.copy_(target)
         return True
+
+
+def _covers(rels: Sequence[tuple[ChunkRecord, tuple[slice, ...]]], shape: tuple[int, ...]) -> bool:
+    """Whether chunk blocks (relative to a region of ``shape``) lie inside it and their sizes sum to it: the
+    shard record's chunks (distinct, as the manifest's check ensures) check every byte copied."""
+    inside = all(len(rel) == len(shape) and all(0 <= s.start <= s.stop <= n for s, n in zip(rel, shape, strict=True))
+                 for _ch, rel in rels)
+    return inside and sum(math.prod(s.stop - s.start for s in rel) for _ch, rel in rels) == math.prod(shape)
 
 
 def arena_source(client: CheckpointClient, step: int) -> ArenaSource | None:

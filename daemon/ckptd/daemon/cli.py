@@ -349,6 +349,7 @@ async def _verify_step(root: CheckpointRoot, step: int, as_json: bool, *, named:
     try:
         commit = await root.read_commit(step)
         records = list(commit.arrays)
+        await _verify_sidecars(root, commit.objects, found)
         manifest = await root.read_merged_manifest(step, source=commit)
         if manifest is not None:
             records, merged = records + list(manifest.arrays), True
@@ -380,6 +381,23 @@ async def _verify_step(root: CheckpointRoot, step: int, as_json: bool, *, named:
             print(f"  {e}")
     return {"step": step, "ok": state == "ok", "state": state, "bytes": verified, "arrays": len(records),
             "merged": merged, "seconds": round(time.perf_counter() - t0, 3), "errors": corrupt + unread}
+
+
+async def _verify_sidecars(root: CheckpointRoot, objects: dict[str, Any], found: dict[str, list[str]]) -> None:
+    """Read every layout sidecar the commit names, checked against its hash: one missing or damaged is
+    ``corrupt`` (a Megatron load or merge of the step would fail), one that cannot be read ``unreadable``."""
+    from ckptd.writer.merge import layout_names
+
+    names = layout_names(objects)
+    for name in sorted(set(names.values())):
+        ranks = ",".join(sorted((r for r, n in names.items() if n == name), key=lambda r: (len(r), r)))
+        try:
+            await root.read_sidecar(name)
+        except CheckpointNotFoundError:
+            found["corrupt"].append(f"CorruptCheckpointError: layout sidecar {name} of rank(s) {ranks} is missing")
+        except Exception as exc:
+            kind, why = _failure(root, exc)
+            found[kind].append(f"{why} (layout sidecar of rank(s) {ranks})")
 
 
 async def _failed_steps(root: CheckpointRoot, committed: set[int], as_json: bool) -> list[dict[str, Any]]:

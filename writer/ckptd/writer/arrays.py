@@ -292,11 +292,17 @@ async def read_chunk_checked(
     key = f"{prefix}/{rec.name}/{chunk_key(ch.coords, rec.separator)}"
     if not await store.exists(key):
         raise CorruptCheckpointError(f"{rec.name}: chunk {ch.coords} missing ({key})")
-    full = math.prod(rec.chunks) * itemsize(rec.torch_dtype)
-    if rec.codec == "raw" and ch.nbytes != full:  # maybe a format-2 edge chunk stored cut: zarr refuses it
+    item = itemsize(rec.torch_dtype)
+    full = math.prod(rec.chunks) * item
+    sel = chunk_selection(ch.coords, rec.chunks, rec.shape)
+    if ch.nbytes != full and ch.nbytes != math.prod(s.stop - s.start for s in sel) * item:
+        raise CorruptCheckpointError(
+            f"{rec.name}: chunk {ch.coords}: the manifest records {ch.nbytes} bytes, neither the whole chunk's "
+            f"({full}) nor its part inside the array's"
+        )
+    if rec.codec == "raw" and ch.nbytes != full:  # a format-2 edge chunk stored cut: zarr refuses it
         await _verify_cut_chunk(store, key, rec.name, ch)
         return None
-    sel = chunk_selection(ch.coords, rec.chunks, rec.shape)
     data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
     stored = full_chunk(data, rec.chunks) if data.nbytes != ch.nbytes and ch.nbytes == full else data  # format 3
     # piece values are compared where they fit this version's pieces (as a partial read uses them)
@@ -360,6 +366,8 @@ async def _read_raw_chunk(backend: Backend, key: str, name: str, ch: ChunkRecord
         raise CorruptCheckpointError(f"{name}: chunk {ch.coords} missing ({key})") from exc
     except OSError as exc:
         raise backend.error(exc) from exc
+    if got != dst.nbytes + 4:  # a short read: what it did not fill is not the chunk's
+        raise CorruptCheckpointError(f"{name}: chunk {ch.coords}: read {got} of {dst.nbytes + 4} bytes of {key}")
     crc = await in_thread_settled(crc32c, dst) if dst.nbytes >= _CRC_THREAD_MIN else crc32c(dst)
     stored = got if size is None else size
     if stored != ch.nbytes + 4 or crc != ch.crc32c or crc != int.from_bytes(trailer, "little"):

@@ -12,15 +12,21 @@ A raw chunk larger than :data:`PIECE_BYTES` also gets the crc32c of each of its 
 recorded in the manifest beside the whole chunk's: a load that needs part of a chunk (a TP change reads each
 param's half from the stored bucket slices) reads and checks only the pieces holding bytes it needs. The
 whole chunk's value is folded from the pieces' (:func:`crc32c_combine`), so the bytes are checksummed once.
+
+Manifests (node parts, ``COMMITTED``, ``MERGED``) carry the crc32c of their own bytes (:func:`seal_json`,
+:func:`check_seal`).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import crc32c as _crc32c
+
+from ckptd.writer.errors import CorruptCheckpointError
 
 try:
     import fastcrc as _fast
@@ -117,3 +123,41 @@ def chunk_sum(data: memoryview) -> ChunkSum:
     for i, crc in enumerate(pieces[1:], 1):
         whole = crc32c_combine(whole, crc, min(size, data.nbytes - i * size))
     return ChunkSum(whole, pack_pieces(pieces))
+
+
+# --- manifests ---------------------------------------------------------------------------------------
+# A manifest's last member is the crc32c of its JSON as encoded without it (docs/format.md, "Manifest
+# checksums"): the file stays one plain JSON object (older releases, and any JSON tool, ignore the member),
+# and a reader checks the bytes before it trusts them. Manifests written before it have none: read unchecked.
+SEAL_FIELD = "crc32c"
+_SEAL = b',"crc32c":"%08x"}'
+_SEAL_LEN = len(_SEAL % 0)
+_SEALED_RE = re.compile(rb',"crc32c":"([0-9a-f]{8})"\}')
+_SEAL_LIKE_RE = re.compile(rb'"crc32c"\s*:\s*"[^"]*"\s*\}\s*\Z')  # the member, however spaced, ending the file
+
+
+def seal_json(data: bytes) -> bytes:
+    """A JSON object (compact, with members) with its :data:`SEAL_FIELD` appended as its last member."""
+    if len(data) < 3 or not data.endswith(b"}"):
+        raise ValueError("only a JSON object with members can be sealed")
+    return data[:-1] + _SEAL % crc32c(data)
+
+
+def check_seal(data: bytes, what: str) -> bool:
+    """Check a manifest's seal (:func:`seal_json`): True if it had one and the bytes match it, False if it
+    has none (written before manifests were sealed). :class:`CorruptCheckpointError` when the bytes do not
+    match, or when the member is there but not as written (the file was rewritten, e.g. by a JSON tool)."""
+    m = _SEALED_RE.fullmatch(data, max(0, len(data) - _SEAL_LEN))
+    if m is None:
+        if _SEAL_LIKE_RE.search(data, max(0, len(data) - 256)):
+            raise CorruptCheckpointError(
+                f"{what}: its {SEAL_FIELD} member is not as ckptd wrote it (the file was rewritten or damaged)"
+            )
+        return False
+    body = memoryview(data)[: len(data) - _SEAL_LEN]
+    crc, want = crc32c(b"}", crc32c(body)), int(m.group(1), 16)
+    if crc != want:
+        raise CorruptCheckpointError(
+            f"{what} is damaged: its bytes have crc32c {crc:#010x}, it was written with {want:#010x}"
+        )
+    return True

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ckptd.writer.checksum import seal_json
 from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError, UnsupportedFormatError
 from ckptd.writer.grid import CHUNK_SEPARATOR as CHUNK_SEPARATOR
 from ckptd.writer.grid import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES  # the grid is part of the format
@@ -166,9 +167,9 @@ def control_groups(step: int) -> list[str]:
     return [control_dir(""), control_dir(step_dir(step))]
 
 
-def sidecar_name(text: str) -> str:
-    """The content address of a sidecar document."""
-    return hashlib.sha256(text.encode()).hexdigest() + ".json"
+def sidecar_name(text: str | bytes) -> str:
+    """The content address of a sidecar document (its text, or the bytes stored)."""
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest() + ".json"
 
 
 def check_sidecar(name: str, text: str) -> None:
@@ -301,7 +302,11 @@ def other_attempt(a: str, b: str) -> bool:
 
 
 def encode_json(obj: object) -> bytes:
-    return msgspec.json.encode(obj)
+    """``obj`` as compact JSON; a manifest (:class:`CommitManifest`, also ``MERGED``, :class:`PartManifest`)
+    sealed with the crc32c of its bytes (:func:`~ckptd.writer.checksum.seal_json`; readers check it:
+    :mod:`ckptd.writer.manifests`)."""
+    data = msgspec.json.encode(obj)
+    return seal_json(data) if isinstance(obj, CommitManifest | PartManifest) else data
 
 
 def decode_part(data: bytes) -> PartManifest:

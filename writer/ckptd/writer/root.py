@@ -35,10 +35,7 @@ from ckptd.writer.format import (
     PART_FILE_RE,
     CommitManifest,
     PartManifest,
-    check_sidecar,
     commit_marker,
-    decode_commit,
-    decode_part,
     failed_marker,
     latest_key,
     merged_marker,
@@ -46,8 +43,10 @@ from ckptd.writer.format import (
     parse_step_dir,
     parts_dir,
     sidecar_key,
+    sidecar_name,
     step_dir,
 )
+from ckptd.writer.manifests import decode_commit_checked, decode_part_checked
 
 if TYPE_CHECKING:
     from ckptd.writer.backends.s3 import S3Options
@@ -137,16 +136,22 @@ class CheckpointRoot:
                 raise UncommittedStepError(f"step {step} under {self.url} never committed: it is not a checkpoint")
             raise CheckpointNotFoundError(f"no checkpoint for step {step} under {self.url}")
         try:
-            return decode_commit(data)
-        except CkptdError:  # a newer format: its own error, not "unreadable"
+            manifest = decode_commit_checked(data, f"step {step}: {COMMIT_MARKER} under {self.url}")
+        except CkptdError:  # a newer format, a damaged manifest: their own errors, not "unreadable"
             raise
         except Exception as exc:
             raise CorruptCheckpointError(f"step {step}: unreadable {COMMIT_MARKER}: {exc}") from exc
+        if manifest.step != step:  # a marker copied or restored into the wrong step's folder
+            raise CorruptCheckpointError(
+                f"step {step}: its {COMMIT_MARKER} under {self.url} is the manifest of step {manifest.step}"
+            )
+        return manifest
 
     async def read_parts(self, step: int) -> dict[int, PartManifest]:
         """The node part manifests present for ``step``, by node (other names in the folder, such as a
         part being written aside, are not parts). One that does not decode (torn by a kill mid-write of a
-        release that wrote parts in place) raises :class:`CorruptCheckpointError` naming it."""
+        release that wrote parts in place), fails its checksum or chunk records, or is another step's raises
+        :class:`CorruptCheckpointError` naming it."""
         prefix = parts_dir(step, FORMAT_VERSION)
         names = [n for n in await self.backend.list_dir(prefix) if PART_FILE_RE.fullmatch(n)]
         found = await bounded_map(lambda n: self.backend.get(f"{prefix}/{n}"), names, limit=READ_CONCURRENCY)
@@ -154,8 +159,10 @@ class CheckpointRoot:
         for name, data in zip(names, found, strict=True):
             if data is not None:
                 try:
-                    part = decode_part(data)
-                except msgspec.DecodeError as exc:
+                    part = decode_part_checked(data, name)
+                    if part.step != step:
+                        raise CorruptCheckpointError(f"it is a part of step {part.step}")
+                except (msgspec.DecodeError, CorruptCheckpointError) as exc:
                     raise CorruptCheckpointError(
                         f"step {step}: part manifest {prefix}/{name} under {self.url} is damaged ({len(data)} "
                         f"bytes: {exc}); delete it and save the step again"
@@ -168,12 +175,9 @@ class CheckpointRoot:
         data = await self._get_any([sidecar_key(name, v) for v in CONTROL_LAYOUTS[::-1]])
         if data is None:
             raise CheckpointNotFoundError(f"sidecar {name} not found under {self.url}")
-        text = data.decode()
-        try:
-            check_sidecar(name, text)
-        except CkptdError as exc:
-            raise CorruptCheckpointError(f"sidecar {name} does not match its hash") from exc
-        return text
+        if sidecar_name(data) != name:  # the stored bytes, before they are decoded (damage may not be UTF-8)
+            raise CorruptCheckpointError(f"sidecar {name} under {self.url} does not match its hash")
+        return data.decode()
 
     async def read_failed(self, step: int, attempt: str = "") -> dict[str, Any] | None:
         """The newest failure note for ``step`` (``None`` if there is none); for a named ``attempt``, that
@@ -207,9 +211,11 @@ class CheckpointRoot:
         if data is None:
             return None
         try:
-            manifest = decode_commit(data)
+            manifest = decode_commit_checked(data, f"step {step}: merge manifest under {self.url}")
         except msgspec.DecodeError as exc:
             raise CorruptCheckpointError(f"step {step}: unreadable merge manifest: {exc}") from exc
+        if manifest.step != step:
+            raise CorruptCheckpointError(f"step {step}: its merge manifest under {self.url} is step {manifest.step}'s")
         if source is not None and not merged_from(manifest, source):
             log.warning("step %d under %s: its merged layout was built from an earlier commit of this step number "
                         "(the step was deleted and saved again); not used: run `ckptd merge` again", step, self.url)
