@@ -6,6 +6,10 @@ order, so in general losses agree only to float32 rounding: the tests allow REL_
 float32 epsilon). On this toy model the resharded losses came out bit-exact. The control run shows the
 margin: zeroing the optimizer's moments after a correct load moves the second loss by ~7e-5 relative,
 far outside the tolerance, so the test separates "resumed with the optimizer state" from "without".
+
+The losses are the extra check: first every load, put back together over its ranks in model space, must hold
+exactly the state the saving ranks held at save time, every model param, fp32 main param and Adam moment
+bit for bit, and Adam's step (:mod:`ckptd.testing.crosscheck`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from test_s3 import aws_env, options, s3_flags
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
+from ckptd.testing.crosscheck import FullStates, assert_loaded_as_saved, model_space_states, reference
 from ckptd.testing.fixtures import BUCKET
 from ckptd.testing.launch import DaemonProcess, socket_dir
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
@@ -38,19 +43,21 @@ REL_TOL = 1e-6
 CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 
 
-def _save(rank: int, world: int, socket: str, tp: int) -> list[float]:
+def _save(rank: int, world: int, socket: str, tp: int) -> dict[str, Any]:
     model, optimizer, train_step = build_gpt(tp=tp, **BUILD)
     client = CheckpointClient(socket)
     for i in range(K):
         train_step(i)
     save_checkpoint(client, K, model, optimizer, extra={"iteration": K}).wait(60)
-    return [train_step(K + i) for i in range(AFTER)]
+    states = model_space_states(model, optimizer)  # what the checkpoint holds of this rank
+    return {"states": states, "losses": [train_step(K + i) for i in range(AFTER)]}
 
 
 def _load(rank: int, world: int, root: str, tp: int, drop_optimizer_state: bool) -> dict[str, Any]:
     model, optimizer, train_step = build_gpt(tp=tp, seed=4321, data_seed=1234, **BUILD)  # other init, same data
     loaded = load_checkpoint(root, K, model, optimizer)
     layout = get_layout(model, optimizer)
+    states = model_space_states(model, optimizer)
     if drop_optimizer_state:  # control: the right params, but the optimizer's moments zeroed
         for opt in optimizer.chained_optimizers:
             for state in opt.optimizer.state.values():
@@ -58,21 +65,21 @@ def _load(rank: int, world: int, root: str, tp: int, drop_optimizer_state: bool)
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         value.zero_()
     return {"step": loaded.step, "extra": loaded.extra, "tp": layout.tp_size, "dp": layout.dp_size,
-            "losses": [train_step(K + i) for i in range(AFTER)]}
+            "layout": loaded.layout, "states": states, "losses": [train_step(K + i) for i in range(AFTER)]}
 
 
-def _saved_and_merged(tmp: Path, tp: int, world: int) -> tuple[str, list[float]]:
+def _saved_and_merged(tmp: Path, tp: int, world: int) -> tuple[str, list[float], FullStates]:
     root = str(tmp / "ckpt")
     with socket_dir("ckr-") as sockets:
         daemon = DaemonProcess(root, f"{sockets}/d.sock", "--arena-size", "64MiB", "--no-prefault",
                                log_path=str(tmp / "daemon.log")).wait_ready()
         try:
-            losses = spawn_ranks(_save, world, daemon.socket, tp)[0]
+            saved = spawn_ranks(_save, world, daemon.socket, tp)
         finally:
             daemon.stop(timeout=20)
     out = json.loads(subprocess.run([*CLI, "merge", root, "--json"], check=True, capture_output=True, text=True).stdout)
     assert out["tasks"] > 0
-    return root, losses
+    return root, saved[0]["losses"], reference([r["states"] for r in saved])
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -80,40 +87,47 @@ def _close(a: list[float], b: list[float]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tp2dp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
+def tp2dp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float], FullStates]:
     return _saved_and_merged(tmp_path_factory.mktemp("tp2dp2"), tp=2, world=4)
 
 
 @pytest.mark.parametrize("world", [4, 1], ids=["to-tp1dp4", "to-tp1dp1"])
-def test_tp2dp2_to_tp1(tp2dp2: tuple[str, list[float]], world: int) -> None:
-    root, original = tp2dp2
+def test_tp2dp2_to_tp1(tp2dp2: tuple[str, list[float], FullStates], world: int) -> None:
+    root, original, saved = tp2dp2
     results = spawn_ranks(_load, world, root, 1, False)
-    assert {(r["tp"], r["dp"]) for r in results} == {(1, world)}
+    assert {(r["tp"], r["dp"], r["layout"]) for r in results} == {(1, world, "merged")}
+    assert_loaded_as_saved(saved, [r["states"] for r in results], f"TP2 DP2 -> TP1 DP{world} (merged)")
     assert all(r["step"] == K and r["extra"] == {"iteration": K} for r in results)
     losses = results[0]["losses"]
     assert all(r["losses"] == losses for r in results)  # every DP rank sees the same global loss
     assert _close(losses, original), (losses, original)
 
 
-def test_control_without_optimizer_state_is_caught(tp2dp2: tuple[str, list[float]]) -> None:
-    root, original = tp2dp2
+def test_control_without_optimizer_state_is_caught(tp2dp2: tuple[str, list[float], FullStates]) -> None:
+    root, original, _saved = tp2dp2
     losses = spawn_ranks(_load, 1, root, 1, True)[0]["losses"]
     assert losses[0] == pytest.approx(original[0], rel=REL_TOL)  # the params alone give the first loss
     assert abs(losses[1] - original[1]) > 10 * REL_TOL * abs(original[1]), (losses, original)
 
 
 def test_tp1dp2_to_tp2dp2_merged_and_merge_free(tmp_path: Path) -> None:
-    root, original = _saved_and_merged(tmp_path, tp=1, world=2)
+    root, original, saved = _saved_and_merged(tmp_path, tp=1, world=2)
     results = spawn_ranks(_load, 4, root, 2, False)
-    assert {(r["tp"], r["dp"]) for r in results} == {(2, 2)}
+    assert {(r["tp"], r["dp"], r["layout"]) for r in results} == {(2, 2, "merged")}
+    assert_loaded_as_saved(saved, [r["states"] for r in results], "TP1 DP2 -> TP2 DP2 (merged)")
     assert _close(results[0]["losses"], original), (results[0]["losses"], original)
     # same TP as saved, other DP: served from the DP layout; the first loss (params only) is bit-exact, the
     # second differs by rounding because DP=1 accumulates the micro-batch gradients in another order
-    same_tp = spawn_ranks(_load, 1, root, 1, False)[0]["losses"]
-    assert same_tp[0] == original[0] and _close(same_tp, original), (same_tp, original)
+    same_tp = spawn_ranks(_load, 1, root, 1, False)[0]
+    assert same_tp["layout"] == "saved"
+    assert_loaded_as_saved(saved, [same_tp["states"]], "TP1 DP2 -> TP1 DP1 (DP layout)")
+    losses = same_tp["losses"]
+    assert losses[0] == original[0] and _close(losses, original), (losses, original)
     # without the merged layout, another TP loads straight from the DP bucket slices (no merge needed)
     (Path(root) / "step_3" / "merged" / "_ckptd" / "MERGED").unlink()
     merge_free = spawn_ranks(_load, 4, root, 2, False)
+    assert {r["layout"] for r in merge_free} == {"resharded"}
+    assert_loaded_as_saved(saved, [r["states"] for r in merge_free], "TP1 DP2 -> TP2 DP2 (merge-free)")
     assert merge_free[0]["losses"] == results[0]["losses"], (merge_free[0]["losses"], results[0]["losses"])
 
 
@@ -130,7 +144,7 @@ def test_save_merge_and_reshard_on_s3(s3, start_daemon) -> None:
     env = aws_env(s3)
     root = f"s3://{BUCKET}/reshard-{os.getpid()}"
     d = start_daemon(root, "s3m", *s3_flags(s3.endpoint_url), env=env)
-    original = run_ranks(_save, 2, d.socket, 1, env=env)[0]
+    original = run_ranks(_save, 2, d.socket, 1, env=env)[0]["losses"]
     merged = subprocess.run([*CLI, "merge", root, "--json", *s3_flags(s3.endpoint_url)], capture_output=True,
                             text=True, env={**os.environ, **env}, check=True)
     assert json.loads(merged.stdout)["tasks"] > 0
@@ -187,7 +201,7 @@ def test_load_from_s3_opens_the_store_once_and_leaks_no_session(s3, proxy, start
     env = aws_env(s3)
     root = f"s3://{BUCKET}/opens-{os.getpid()}"
     d = start_daemon(root, "s3o", *s3_flags(s3.endpoint_url), env=env)
-    original = run_ranks(_save, 2, d.socket, 1, env=env)[0]
+    original = run_ranks(_save, 2, d.socket, 1, env=env)[0]["losses"]
     proxy.reset_stats()
     results = run_ranks(_load_counting_opens, 2, root, 1, options(proxy.url), env=env)
     for r in results:

@@ -1,15 +1,17 @@
 """Reshard on read, merge optional: load_checkpoint at another TP, PP, DP or bucket layout reads each
 param's optimizer state straight from the stored DP bucket slices through the saved layout sidecars.
 
-Every case loads twice in one set of ranks: first from a copy of the root that ``ckptd merge`` processed
-(the merged layout is used), then from the root without it (the merge-free path). The two must give the
-bit-identical model and optimizer state on every rank; then training continues and the losses must match
-the original run's (bit-exact at the same TP; to REL_TOL after a TP change, as in test_reshard.py, whose
-control shows lost optimizer moments move the second loss far outside it; the control here repeats it
-for the merge-free path). RNG state and ``_extra_state`` follow the rule of
-``ckptd.client.megatron.rank_state`` on both paths: restored from the saved counterpart where the TP/PP
-sizes are unchanged (DP rank 0's where that DP rank did not exist), left as they are with one warning
-otherwise.
+Every case loads twice in one set of ranks, each time into a freshly built model and optimizer (another
+init): first from a copy of the root that ``ckptd merge`` processed (the merged layout is used), then from
+the root without it (the merge-free path). Each load on its own must hold, put back together over its ranks
+in model space, exactly the state the saving ranks held at save time: every model param, fp32 main param
+and Adam moment bit for bit, and Adam's step (:mod:`ckptd.testing.crosscheck`). Then training continues
+from the merge-free load and the losses must match the original run's (bit-exact at the same TP; to
+REL_TOL after a TP change, as in test_reshard.py, whose control shows lost optimizer moments move the
+second loss far outside it; the control here repeats it for the merge-free path). RNG state and
+``_extra_state`` follow the rule of ``ckptd.client.megatron.rank_state`` on both paths: restored from the
+saved counterpart where the TP/PP sizes are unchanged (DP rank 0's where that DP rank did not exist), left
+as they are with one warning otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ pytest.importorskip("megatron.core")
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
+from ckptd.testing.crosscheck import assert_loaded_as_saved, model_space_states, reference
 from ckptd.testing.launch import DaemonProcess, socket_dir
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 
@@ -79,10 +82,12 @@ def _save(rank: int, world: int, socket: str, build: dict[str, Any]) -> dict[str
     np.random.seed(500 + rank)
     rng = _rng_digest()
     save_checkpoint(client, K, model, optimizer, extra={"iteration": K}).wait(60)
-    return {"rng": rng, "losses": [train_step(K + i) for i in range(AFTER)]}
+    states = model_space_states(model, optimizer)  # what the checkpoint holds of this rank
+    return {"rng": rng, "states": states, "losses": [train_step(K + i) for i in range(AFTER)]}
 
 
 def _digest(model: list[torch.nn.Module], optimizer: Any) -> str:
+    """sha256 of every model param, main param and optimizer state tensor of this rank (test_restore.py)."""
     h = hashlib.sha256()
     for chunk in model:
         for name, p in chunk.named_parameters():
@@ -115,23 +120,22 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
     warn = logging.Handler(logging.WARNING)
     warn.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("ckptd.client.megatron.rank_state").addHandler(warn)
-    model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **build)  # other init, same data
-    fp8 = _with_fp8(model, -1.0)
     merged, plain = roots
     per_rank = []  # per load: (RNG before, RNG after, amax after)
     layouts = []  # per load: what LoadedCheckpoint.layout says was read
-    for path in (merged, plain):
+    states = []  # per load: the loaded state in model space
+    for path in (merged, plain):  # each into its own new model and optimizer (other init, same data)
+        model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, initialize_parallel=path == merged,
+                                                 **build)
+        fp8 = _with_fp8(model, -1.0)
         torch.manual_seed(900 + rank)
         random.seed(900 + rank)
         np.random.seed(900 + rank)
-        fp8.amax = torch.full((4,), -1.0)
         before = _rng_digest()
         loaded = load_checkpoint(path, K, model, optimizer)
         layouts.append(loaded.layout)
         per_rank.append((before, _rng_digest(), float(fp8.amax[0])))
-        if path == merged:
-            via_merged = _digest(model, optimizer)
-    via_dp = _digest(model, optimizer)
+        states.append(model_space_states(model, optimizer))
     if drop:  # control: the right params, but the optimizer's moments zeroed
         for opt in optimizer.chained_optimizers:
             for state in opt.optimizer.state.values():
@@ -139,7 +143,7 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         value.zero_()
     layout = get_layout(model, optimizer)
-    return {"merged": via_merged, "dp": via_dp, "extra": loaded.extra, "paths": paths, "layouts": layouts,
+    return {"states": states, "extra": loaded.extra, "paths": paths, "layouts": layouts,
             "rank_state": per_rank, "warned": warned, "dp_rank": layout.dp_rank,
             "sizes": (layout.tp_size, layout.pp_size, layout.dp_size),
             "losses": [train_step(K + i) for i in range(AFTER)]}
@@ -158,7 +162,8 @@ def _saved(tmp: Path, name: str, world: int, build: dict[str, Any]) -> dict[str,
     shutil.copytree(root, merged)
     subprocess.run([*CLI, "merge", merged, "--json"], check=True, capture_output=True)
     assert not (Path(root) / "step_3" / "merged").exists()
-    return {"roots": (merged, root), "losses": saved[0]["losses"], "rng": [r["rng"] for r in saved]}
+    return {"roots": (merged, root), "losses": saved[0]["losses"], "rng": [r["rng"] for r in saved],
+            "saved": reference([r["states"] for r in saved])}
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +201,9 @@ def test_load_without_merge_equals_merged_and_resumes(
     same = saved == "tp1dp2" and build == {"tp": 1, **MULTI}  # only DP changed: the DP layout as saved
     assert {tuple(r["paths"]) for r in results} == {("dp", "dp") if same else ("merged", "merge-free")}
     assert {tuple(r["layouts"]) for r in results} == {("saved", "saved") if same else ("merged", "resharded")}
+    for i, which in enumerate(("load of the merged copy", "load of the plain root")):  # each on its own
+        assert_loaded_as_saved(run["saved"], [r["states"][i] for r in results], which)
     for r in results:
-        assert r["dp"] == r["merged"], "merge-free and merged loads differ"
         assert r["extra"] == {"iteration": K}
         if saved == "tp1dp2" and build["tp"] == 1:  # TP/PP sizes unchanged: the counterpart's RNG and amax
             source = r["dp_rank"] if r["dp_rank"] < 2 else 0  # saved rank = DP rank; DP rank 0 where none

@@ -1,9 +1,12 @@
 """Expert parallelism with tensor parallelism: a mixture-of-experts GPT (4 experts, allgather dispatcher,
 megatron-core on CPU through the shim) saved with TP2 and EP2 loads at another EP and expert-TP (and TP)
 from its merged layout and merge-free (straight from the stored DP bucket slices of the dense and expert
-buffers): both loads give the bit-identical model and optimizer state, and training continues with the
-original run's losses (to REL_TOL: the expert outputs may be summed in another order). The control loads
-again, zeroes the optimizer's moments and misses the second loss.
+buffers): each load, into its own freshly built model and optimizer, holds exactly the state the saving
+ranks held, put back together in model space (every model param, fp32 main param and Adam moment bit for
+bit; experts by their global index, joined over expert TP: :mod:`ckptd.testing.crosscheck`), and training
+continues from the merge-free load with the original run's losses (to REL_TOL: the expert outputs may be
+summed in another order). The control loads again, zeroes the optimizer's moments and misses the second
+loss.
 
 CI runs a 2-rank case: TP2 with EP2 over the TP ranks (expert-TP 1) -> TP2, EP1, expert-TP 2. The 4-rank
 case (TP2 x EP2, expert-TP 2, DP2 -> TP2 x EP1 on 2 ranks and TP1 x EP4 on 4 ranks) is marked slow.
@@ -20,10 +23,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from test_reshard_dp import _digest
-
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.testing.crosscheck import assert_loaded_as_saved, model_space_states, reference
 from ckptd.testing.launch import DaemonProcess
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 from ckptd.writer.merge import merge
@@ -47,7 +49,8 @@ def _save(rank: int, world: int, socket: str, par: dict[str, int]) -> dict[str, 
     for i in range(K):
         train_step(i)
     save_checkpoint(CheckpointClient(socket), K, model, optimizer).wait(60)
-    return {"losses": [train_step(K + i) for i in range(AFTER)], "sizes": _sizes()}
+    states = model_space_states(model, optimizer)  # what the checkpoint holds of this rank
+    return {"states": states, "losses": [train_step(K + i) for i in range(AFTER)], "sizes": _sizes()}
 
 
 def _zero_moments(optimizer: Any) -> None:
@@ -59,17 +62,17 @@ def _zero_moments(optimizer: Any) -> None:
 
 
 def _load(rank: int, world: int, roots: tuple[str, str], par: dict[str, int]) -> dict[str, Any]:
-    merged, plain = roots
-    model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, **par, **MOE)
-    load_checkpoint(merged, K, model, optimizer)
-    via_merged = _digest(model, optimizer)
-    load_checkpoint(plain, K, model, optimizer)  # merge-free
-    same = _digest(model, optimizer) == via_merged
+    states = []  # per load (the merged layout, then merge-free), each into a new model and optimizer
+    for i, root in enumerate(roots):
+        model, optimizer, train_step = build_gpt(seed=4321, data_seed=1234, initialize_parallel=i == 0, **par, **MOE)
+        assert load_checkpoint(root, K, model, optimizer).layout == ("merged", "resharded")[i]
+        states.append(model_space_states(model, optimizer))
+    plain = roots[1]
     losses = [train_step(K + i) for i in range(AFTER)]
     load_checkpoint(plain, K, model, optimizer)  # control: the right params, the optimizer's moments zeroed
     _zero_moments(optimizer)
     dropped = [train_step(K + i) for i in range(AFTER)]
-    return {"same": same, "losses": losses, "dropped": dropped, "sizes": _sizes()}
+    return {"states": states, "losses": losses, "dropped": dropped, "sizes": _sizes()}
 
 
 def _saved(tmp: Path, sockdir: str, world: int, par: dict[str, int]) -> dict[str, Any]:
@@ -83,15 +86,19 @@ def _saved(tmp: Path, sockdir: str, world: int, par: dict[str, int]) -> dict[str
     merged = str(tmp / "merged")
     shutil.copytree(root, merged)
     assert merge(merged, progress=False).tasks > 0  # in process: a CLI start costs seconds
-    return {"roots": (merged, root), "losses": saved[0]["losses"], "sizes": saved[0]["sizes"]}
+    return {"roots": (merged, root), "losses": saved[0]["losses"], "sizes": saved[0]["sizes"],
+            "saved": reference([r["states"] for r in saved])}
 
 
 def _check_loads(saved: dict[str, Any], world: int, par: dict[str, int], sizes: tuple[int, ...]) -> None:
     original = saved["losses"]
+    experts = [name for name in saved["saved"].states if ".experts.local_experts." in name]
+    assert len(experts) == 2 * 4 * 2, experts  # layers x experts x (fc1, fc2), by global expert index
     results = spawn_ranks(_load, world, saved["roots"], par)
+    for i, which in enumerate(("load of the merged copy", "load without a merge")):  # each on its own
+        assert_loaded_as_saved(saved["saved"], [r["states"][i] for r in results], which)
     for r in results:
         assert r["sizes"] == sizes, r["sizes"]
-        assert r["same"], "merge-free and merged loads differ"
         assert all(abs(x - y) <= REL_TOL * abs(y) for x, y in zip(r["losses"], original, strict=True)), (
             r["losses"], original)
         assert r["dropped"][0] == pytest.approx(original[0], rel=REL_TOL)  # the params alone give the first loss
