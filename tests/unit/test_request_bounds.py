@@ -83,14 +83,16 @@ def test_a_zero_byte_shard_of_a_huge_grid_is_refused_at_once() -> None:
         check_shards([_meta([0], chunk=[huge], gshape=[huge])], [4096], "lease 1")
 
 
-def test_tiny_blocks_are_refused_only_when_a_shard_spans_several() -> None:
+def test_tiny_blocks_are_refused_only_when_a_shard_spans_thousands() -> None:
     n = 1 << 18  # 1 MiB of float32
-    with pytest.raises(ShardLayoutError, match="spans 262144 blocks"):  # the reviewer's t12: a file per element
+    with pytest.raises(ShardLayoutError, match="spans 262144 blocks"):  # a file per element
         check_shards([_meta([n], chunk=[1])], [4 * n], "lease 1")
-    with pytest.raises(ShardLayoutError, match="spans 2 blocks"):
-        check_shards([_meta([2, 1000], chunk=[1, 1000])], [8000], "lease 1")
+    with pytest.raises(ShardLayoutError, match="spans 4097 blocks"):
+        check_shards([_meta([4097, 3], chunk=[1, 3])], [4097 * 12], "lease 1")
     ok = [
         _meta([n], chunk=[n // 16]),  # 16 blocks of 64 KiB
+        _meta([10, 3], chunk=[4, 3], key="edge"),  # a small grid chosen for another reader: 3 blocks
+        _meta([4096, 3], chunk=[1, 3], key="rows"),  # one row a block, 4096 of them
         _meta([1], key="step"),  # a 4-byte tensor is one block
         _meta([1, 3], gshape=[8, 3], offset=[5, 0], key="rng"),  # a per-rank tensor: its row of (world, ...)
         _meta([1], chunk=[3], gshape=[10], offset=[9], key="tp"),  # the short last block of a TP split

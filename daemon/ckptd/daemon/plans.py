@@ -8,9 +8,10 @@ the point — so :meth:`PlanRegistry.register` checks everything a per-save vali
 
 What one request may ask is bounded before it is accepted (a typed :class:`InvalidRequestError` says
 which bound): its shard metas (:data:`MAX_SHARDS`), the chunks the daemon would write for it
-(:data:`MAX_CHUNKS`, blocks under :data:`MIN_BLOCK_BYTES` only one to a shard) and the work of planning
-its chunk grids (:data:`MAX_GRID_TRIALS`); registered plans are held within a byte budget per connection
-and per daemon (the oldest go first, as beyond :data:`MAX_PLANS`: their clients register them again).
+(:data:`MAX_CHUNKS`; at most :data:`MAX_SMALL_BLOCKS` blocks under :data:`MIN_BLOCK_BYTES` to a shard) and
+the work of planning its chunk grids (:data:`MAX_GRID_TRIALS`); registered plans are held within a byte
+budget per connection and per daemon (the oldest go first, as beyond :data:`MAX_PLANS`: their clients
+register them again).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ MAX_PLANS = 256  # plans kept (oldest dropped first); a dropped one is registere
 # Shard (and replica) metas, and slots, in one save or plan: 10x what a rank of 10,000 tensors sends; a
 # 100,000-shard plan holds ~80 MiB in the daemon and takes ~0.5 s of its loop to check
 MAX_SHARDS = 100_000
-# A shard spanning several blocks of its grid (chunk_shape) must have blocks of at least this size: the
-# clients' shards are one block each (chunk_shape defaults to the shard's shape; Megatron's blocks are its
-# shards), so only a hand-made grid of tiny blocks (one element: a file per element) is refused
+# A shard spanning more than MAX_SMALL_BLOCKS blocks of its grid (chunk_shape) must have blocks of at least
+# MIN_BLOCK_BYTES: the clients' shards are one block each (chunk_shape defaults to the shard's shape;
+# Megatron's blocks are its shards), and a small grid chosen for another reader is fine, so only a grid of
+# tiny blocks by the thousand (one element: a file per element) is refused
 MIN_BLOCK_BYTES = 64 << 10
+MAX_SMALL_BLOCKS = 4096
 MAX_CHUNKS = 1 << 20  # chunks one save (or plan) writes: each is a file or object and a manifest record
 # Divisor trials planning one request's chunk grids may take (~50 ms): blocks with large extents of few
 # divisors are costly (a prime extent n: ~sqrt(n) trials); real ones take a handful each
@@ -133,11 +136,11 @@ def check_shards(
             raise ShardLayoutError(f"{meta.key}: region at {meta.global_offset} given twice")
         seen.add(where)
         block, n = math.prod(meta.chunk_shape) * item, _cells(meta.global_offset, meta.shape, meta.chunk_shape)
-        if block < MIN_BLOCK_BYTES and n > 1:
+        if block < MIN_BLOCK_BYTES and n > MAX_SMALL_BLOCKS:
             raise ShardLayoutError(
                 f"{meta.key}: its region {meta.shape} spans {n} blocks of chunk_shape {meta.chunk_shape}, {block} "
-                f"bytes each: a shard may span several blocks only if each holds at least {MIN_BLOCK_BYTES >> 10} "
-                "KiB (a shard that is one block, the default, may be any size)"
+                f"bytes each: a shard may span over {MAX_SMALL_BLOCKS} blocks only if each holds at least "
+                f"{MIN_BLOCK_BYTES >> 10} KiB (a shard that is one block, the default, may be any size)"
             )
         key = (*meta.chunk_shape, item)
         grid = grids.get(key)
