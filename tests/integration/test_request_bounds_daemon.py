@@ -24,11 +24,13 @@ from ckptd.client.protocol import (
     LeaseGranted,
     LeaseRequest,
     PlanRegistered,
+    PrepareStep,
     RegisterPlan,
     SaveAccepted,
     SaveRequest,
     ShardMeta,
     StatusRequest,
+    StepPrepared,
     StepStatus,
     Welcome,
     decode_reply,
@@ -135,6 +137,29 @@ def test_a_plan_over_the_shard_limit_is_refused_and_the_connection_goes_on(start
                          sizes=big.sizes[:100], span=400)
     assert isinstance(peer.call(small), PlanRegistered)
     assert n - 1 == plans.MAX_SHARDS
+
+
+def test_steps_announced_and_never_saved_are_bounded(start_daemon, tmp_path):
+    """Review 47: a rank announcing steps it never saves (``PrepareStep``) started a job each, without end; the
+    daemon now starts at most ``MAX_STEPS_IN_FLIGHT``, and once they failed by ``--part-timeout`` new ones go."""
+    d = start_daemon(str(tmp_path / "ckpt"), "d0", "--part-timeout", "8")
+    peer = Peer(d.socket)
+
+    def prepare(step: int) -> object:  # rank 0 of 2: the step waits for rank 1, which never comes
+        return peer.call(PrepareStep(v=PROTOCOL_VERSION, step=step, rank=0, world_size=2, node=0, num_nodes=1,
+                                     local_world_size=2))
+
+    for step in range(1, plans.MAX_STEPS_IN_FLIGHT + 1):
+        assert isinstance(prepare(step), StepPrepared), step
+    over = plans.MAX_STEPS_IN_FLIGHT + 1
+    assert f"{plans.MAX_STEPS_IN_FLIGHT} steps are already in flight" in _refused(prepare(over), InvalidRequestError)
+    assert isinstance(Peer(d.socket).call(Hello(v=PROTOCOL_VERSION, pid=2, rank=1)), Welcome)
+    deadline = time.monotonic() + 90  # they fail by --part-timeout; then a new step is started again
+    while not isinstance(reply := prepare(over), StepPrepared) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert isinstance(reply, StepPrepared), reply
+    status = peer.call(StatusRequest(v=PROTOCOL_VERSION, step=plans.MAX_STEPS_IN_FLIGHT, wait_s=0.0))
+    assert isinstance(status, StepStatus) and status.state == "failed", status
 
 
 @pytest.mark.parametrize(("flags", "env", "match"), [

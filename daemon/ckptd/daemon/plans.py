@@ -11,7 +11,7 @@ which bound): its shard metas (:data:`MAX_SHARDS`), the chunks the daemon would 
 (:data:`MAX_CHUNKS`; at most :data:`MAX_SMALL_BLOCKS` blocks under :data:`MIN_BLOCK_BYTES` to a shard) and
 the work of planning its chunk grids (:data:`MAX_GRID_TRIALS`); registered plans are held within a byte
 budget per connection and per daemon (the oldest go first, as beyond :data:`MAX_PLANS`: their clients
-register them again).
+register them again); a daemon starts at most :data:`MAX_STEPS_IN_FLIGHT` steps that have not ended.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ MAX_CHUNKS = 1 << 20  # chunks one save (or plan) writes: each is a file or obje
 # Divisor trials planning one request's chunk grids may take (~50 ms): blocks with large extents of few
 # divisors are costly (a prime extent n: ~sqrt(n) trials); real ones take a handful each
 MAX_GRID_TRIALS = 1 << 21
+# Steps one daemon has started and not ended (each waits for its ranks, then writes and commits): a trainer
+# has a few in flight (the arena fills first: each holds its staged bytes); one announcing steps it never saves
+# (``PrepareStep``) started a job, a timeout task and a journal rewrite each, without end
+MAX_STEPS_IN_FLIGHT = 256
 # Bytes (estimated, :func:`plan_cost`) the registered plans of one connection, and of all, may hold: a
 # node of 8 ranks of 30,000 shards each needs ~200 MiB; beyond either, the oldest plans go first
 PLAN_BYTES_PER_CONNECTION = 128 << 20
@@ -157,6 +161,16 @@ def check_shards(
                 f"{meta.key}: {owner}'s shards up to this one would be written as {chunks} chunks (in grids of "
                 f"--chunk-bytes {chunk_bytes}), more than the {MAX_CHUNKS} one request may write"
             )
+
+
+def check_steps_in_flight(pending: Sequence[int], step: int) -> None:
+    """Refuse to start ``step`` when :data:`MAX_STEPS_IN_FLIGHT` steps (``pending``) are in flight."""
+    if len(pending) >= MAX_STEPS_IN_FLIGHT:
+        raise InvalidRequestError(
+            f"step {step}: {len(pending)} steps are already in flight on this node (steps {min(pending)} to "
+            f"{max(pending)}), the most one daemon starts: each ends once its ranks saved it, or fails after "
+            "--part-timeout"
+        )
 
 
 def _cells(offset: Sequence[int], shape: Sequence[int], grid: Sequence[int]) -> int:

@@ -24,7 +24,7 @@ from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import InFlightSteps, NodeStep, RankSave, StepJob
 from ckptd.daemon.journal import JournalEntry, StepJournal
-from ckptd.daemon.plans import PlanRegistry, check_save
+from ckptd.daemon.plans import PlanRegistry, check_save, check_steps_in_flight
 from ckptd.daemon.replicas import node_replicas
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
@@ -203,6 +203,7 @@ class CheckpointService:
                 return busy
             # A failed step may be saved again; one committed here, once its marker is gone (deleted: a rollback)
             if job is None or job.state in (StepState.FAILED, StepState.COMMITTED):
+                check_steps_in_flight([s for s, j in self.jobs.items() if j.state is StepState.PENDING], req.step)
                 left = await self.root.leftovers(req.step, req.node)
                 if left.committed:
                     raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
