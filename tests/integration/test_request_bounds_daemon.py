@@ -139,6 +139,14 @@ def test_a_plan_over_the_shard_limit_is_refused_and_the_connection_goes_on(start
     assert n - 1 == plans.MAX_SHARDS
 
 
+def test_a_lease_of_more_slots_than_a_save_may_have_is_refused(start_daemon, tmp_path):
+    d = start_daemon(str(tmp_path / "ckpt"))
+    peer = Peer(d.socket)
+    many = LeaseRequest(v=PROTOCOL_VERSION, step=1, rank=0, sizes=[0] * (plans.MAX_SHARDS + 1), timeout_s=1.0)
+    assert f"at most {plans.MAX_SHARDS}" in _refused(peer.call(many), InvalidRequestError)
+    peer.lease(64, 1)  # granted: the connection goes on
+
+
 def test_steps_announced_and_never_saved_are_bounded(start_daemon, tmp_path):
     """Review 47: a rank announcing steps it never saves (``PrepareStep``) started a job each, without end; the
     daemon now starts at most ``MAX_STEPS_IN_FLIGHT``, and once they failed by ``--part-timeout`` new ones go."""

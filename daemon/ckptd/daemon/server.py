@@ -50,6 +50,7 @@ from ckptd.client.protocol import (
 from ckptd.daemon.arena import Arena, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.journal import StepJournal, abandon_predecessor_steps, journal_path
+from ckptd.daemon.plans import MAX_SHARDS
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.socketfile import SocketClaim, claim_socket, prepare_socket_dir
 from ckptd.daemon.stats import DaemonStats, status_report
@@ -395,8 +396,9 @@ class Daemon:
             case LeaseRequest():
                 if service.draining:
                     raise DaemonShuttingDownError("the daemon is shutting down and grants no staging space")
-                if any(n < 0 for n in req.sizes):
-                    raise InvalidRequestError(f"lease sizes must be >= 0: {req.sizes[:8]}")
+                if any(n < 0 for n in req.sizes) or len(req.sizes) > MAX_SHARDS:
+                    raise InvalidRequestError(f"lease sizes must be >= 0, at most {MAX_SHARDS} of them: "
+                                              f"{len(req.sizes)} given, {req.sizes[:8]}...")
                 if req.ahead:  # for the client's next save: no room now is an answer, not an event to log
                     try:
                         lease = await arena.lease(conn, req.sizes, 0.0, ahead=True, leave=service.due_slots(req.rank))
