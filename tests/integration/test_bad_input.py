@@ -17,8 +17,6 @@ from ckptd.client.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
     Hello,
-    LeaseGranted,
-    LeaseRequest,
     PrepareStep,
     SaveRequest,
     ShardMeta,
@@ -26,10 +24,9 @@ from ckptd.client.protocol import (
     StepPrepared,
     StepStatus,
     Welcome,
-    decode_reply,
-    encode,
 )
 from ckptd.testing.fixtures import tree_digest
+from ckptd.testing.wire import RawPeer
 from ckptd.writer.errors import (
     CkptdError,
     DuplicateSaveError,
@@ -43,46 +40,6 @@ from ckptd.writer.errors import (
     UnsupportedDtypeError,
     error_classes,
 )
-
-
-class RawPeer:
-    """A hand-rolled client speaking the wire protocol directly (to send what the real client would not)."""
-
-    def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(path)
-
-    def send_raw(self, data: bytes) -> object:
-        self.sock.sendall(data)
-        return self.recv()
-
-    def recv(self) -> object:
-        header = self._exactly(HEADER.size)
-        return decode_reply(self._exactly(HEADER.unpack(header)[0]))
-
-    def _exactly(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            part = self.sock.recv(n - len(buf))
-            if not part:
-                raise ConnectionResetError
-            buf += part
-        return buf
-
-    def call(self, msg: object) -> object:
-        return self.send_raw(encode(msg))  # type: ignore[arg-type]
-
-    def expect_error(self, msg: object, cls: type[CkptdError]) -> str:
-        reply = self.call(msg)
-        assert isinstance(reply, ErrorReply), reply
-        assert issubclass(error_classes()[reply.code], cls), (reply.code, reply.message)
-        return reply.message
-
-    def lease(self, *sizes: int) -> LeaseGranted:
-        reply = self.call(LeaseRequest(v=PROTOCOL_VERSION, step=9, rank=0, sizes=list(sizes), timeout_s=1))
-        assert isinstance(reply, LeaseGranted), reply
-        return reply
 
 
 def _save(lease_id: int, shards: list[ShardMeta], step: int = 9, rank: int = 0) -> SaveRequest:

@@ -6,7 +6,6 @@ range stop ``serve`` at startup with a one-line ConfigError."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,8 @@ import torch
 
 from ckptd.client import CheckpointClient, Placement
 from ckptd.client.protocol import (
-    HEADER,
     PROTOCOL_VERSION,
-    ErrorReply,
     Hello,
-    LeaseGranted,
     LeaseRequest,
     PlanRegistered,
     PrepareStep,
@@ -33,50 +29,12 @@ from ckptd.client.protocol import (
     StepPrepared,
     StepStatus,
     Welcome,
-    decode_reply,
-    encode,
 )
 from ckptd.daemon import plans
-from ckptd.writer.errors import InvalidRequestError, ShardLayoutError, error_classes
+from ckptd.testing.wire import RawPeer, refused
+from ckptd.writer.errors import InvalidRequestError, ShardLayoutError
 
 pytestmark = pytest.mark.timeout(180)  # the daemon of the old code never answered again: fail, do not hang
-
-
-class Peer:
-    """A client speaking the wire protocol directly, to send what the real client would not."""
-
-    def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(20)
-        self.sock.connect(path)
-
-    def send(self, body: bytes) -> object:
-        self.sock.sendall(HEADER.pack(len(body)) + body)
-        header = self._exactly(HEADER.size)
-        return decode_reply(self._exactly(HEADER.unpack(header)[0]))
-
-    def call(self, msg: object) -> object:
-        return self.send(encode(msg, 1 << 30)[HEADER.size:])  # type: ignore[arg-type]
-
-    def _exactly(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            part = self.sock.recv(n - len(buf))
-            if not part:
-                raise ConnectionResetError
-            buf += part
-        return buf
-
-    def lease(self, size: int, step: int) -> int:
-        reply = self.call(LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=0, sizes=[size], timeout_s=5.0))
-        assert isinstance(reply, LeaseGranted), reply
-        return reply.lease_id
-
-
-def _refused(reply: object, cls: type[Exception]) -> str:
-    assert isinstance(reply, ErrorReply), reply
-    assert issubclass(error_classes()[reply.code], cls), (reply.code, reply.message)
-    return reply.message
 
 
 def _save(lease_id: int, shards: list[ShardMeta], step: int, rank: int = 0, world: int = 1,
@@ -87,16 +45,16 @@ def _save(lease_id: int, shards: list[ShardMeta], step: int, rank: int = 0, worl
 
 def test_costly_grids_and_tiny_blocks_are_refused_and_others_are_served(start_daemon, tmp_path):
     d = start_daemon(str(tmp_path / "ckpt"))
-    peer = Peer(d.socket)
+    peer = RawPeer(d.socket)
     huge = 2**61 - 1  # a prime: its grid took ~2**61 divisor trials on the daemon's loop
     zero = ShardMeta("w", "float32", [huge], [0], [0], [huge], 0)
-    _refused(peer.call(_save(peer.lease(4096, 1), [zero], 1)), ShardLayoutError)
+    refused(peer.call(_save(peer.lease(4096, step=1, timeout_s=5.0).lease_id, [zero], 1)), ShardLayoutError)
     n = 1 << 18  # 1 MiB of float32 in one-element blocks: a task and a file per element
     tiny = ShardMeta("w", "float32", [n], [0], [n], [1], 0)
-    lease = peer.lease(4 * n, 1)
-    assert "262144 blocks" in _refused(peer.call(_save(lease, [tiny], 1)), ShardLayoutError)
+    lease = peer.lease(4 * n, step=1, timeout_s=5.0).lease_id
+    assert "262144 blocks" in refused(peer.call(_save(lease, [tiny], 1)), ShardLayoutError)
     t0 = time.monotonic()
-    assert isinstance(Peer(d.socket).call(Hello(v=PROTOCOL_VERSION, pid=2, rank=1)), Welcome)
+    assert isinstance(RawPeer(d.socket).call(Hello(v=PROTOCOL_VERSION, pid=2, rank=1)), Welcome)
     assert time.monotonic() - t0 < 5
     # the refused saves took nothing: the same lease saves the shard as one block, and it commits
     whole = ShardMeta("w", "float32", [n], [0], [n], [n], 0)
@@ -113,13 +71,13 @@ def test_objects_that_are_not_plain_data_are_refused_and_the_nodes_step_still_co
     """Review 47's t3: rank 1's ``objects`` holds a msgpack Ext; it was accepted, then failed the step of the
     node's every rank when the part was written. Now rank 1 is told at once, and saves again."""
     d = start_daemon(str(tmp_path / "ckpt"))
-    peers = [Peer(d.socket), Peer(d.socket)]
-    leases = [p.lease(16, 7) for p in peers]
+    peers = [RawPeer(d.socket), RawPeer(d.socket)]
+    leases = [p.lease(16, step=7, timeout_s=5.0).lease_id for p in peers]
     metas = [ShardMeta("w", "float32", [8], [4 * r], [4], [4], 0) for r in (0, 1)]
     assert isinstance(peers[0].call(_save(leases[0], [metas[0]], 7, 0, 2, {"k": 1})), SaveAccepted)
     body = msgspec.msgpack.encode(_save(leases[1], [metas[1]], 7, 1, 2, {"k": "PLACEHOLDER"}))
     body = body.replace(msgspec.msgpack.encode("PLACEHOLDER"), msgspec.msgpack.encode(msgspec.msgpack.Ext(5, b"x")))
-    assert "plain data" in _refused(peers[1].send(body), InvalidRequestError)
+    assert "plain data" in refused(peers[1].send(body), InvalidRequestError)
     assert isinstance(peers[1].call(_save(leases[1], [metas[1]], 7, 1, 2, {"k": 2})), SaveAccepted)
     status = peers[0].call(StatusRequest(v=PROTOCOL_VERSION, step=7, wait_s=60.0))
     assert isinstance(status, StepStatus) and status.state == "committed", status
@@ -127,31 +85,31 @@ def test_objects_that_are_not_plain_data_are_refused_and_the_nodes_step_still_co
 
 def test_a_plan_over_the_shard_limit_is_refused_and_the_connection_goes_on(start_daemon, tmp_path):
     d = start_daemon(str(tmp_path / "ckpt"))
-    peer = Peer(d.socket)
+    peer = RawPeer(d.socket)
     n = 100_001
     shards = [ShardMeta(f"k{i}", "float32", [1], [0], [1], [1], i) for i in range(n)]
     big = RegisterPlan(v=PROTOCOL_VERSION, rank=0, shards=shards, offsets=[4 * i for i in range(n)], sizes=[4] * n,
                        span=4 * n)
-    assert "more than the 100000" in _refused(peer.call(big), InvalidRequestError)
+    assert "more than the 100000" in refused(peer.call(big), InvalidRequestError)
     small = RegisterPlan(v=PROTOCOL_VERSION, rank=0, shards=shards[:100], offsets=big.offsets[:100],
                          sizes=big.sizes[:100], span=400)
     assert isinstance(peer.call(small), PlanRegistered)
     assert n - 1 == plans.MAX_SHARDS
 
 
-def test_a_lease_of_more_slots_than_a_save_may_have_is_refused(start_daemon, tmp_path):
+def test_a_lease_of_more_slots_than_a_save_may_have_isrefused(start_daemon, tmp_path):
     d = start_daemon(str(tmp_path / "ckpt"))
-    peer = Peer(d.socket)
+    peer = RawPeer(d.socket)
     many = LeaseRequest(v=PROTOCOL_VERSION, step=1, rank=0, sizes=[0] * (plans.MAX_SHARDS + 1), timeout_s=1.0)
-    assert f"at most {plans.MAX_SHARDS}" in _refused(peer.call(many), InvalidRequestError)
-    peer.lease(64, 1)  # granted: the connection goes on
+    assert f"at most {plans.MAX_SHARDS}" in refused(peer.call(many), InvalidRequestError)
+    peer.lease(64, step=1)  # granted: the connection goes on
 
 
 def test_steps_announced_and_never_saved_are_bounded(start_daemon, tmp_path):
     """Review 47: a rank announcing steps it never saves (``PrepareStep``) started a job each, without end; the
     daemon now starts at most ``MAX_STEPS_IN_FLIGHT``, and once they failed by ``--part-timeout`` new ones go."""
     d = start_daemon(str(tmp_path / "ckpt"), "d0", "--part-timeout", "8")
-    peer = Peer(d.socket)
+    peer = RawPeer(d.socket)
 
     def prepare(step: int) -> object:  # rank 0 of 2: the step waits for rank 1, which never comes
         return peer.call(PrepareStep(v=PROTOCOL_VERSION, step=step, rank=0, world_size=2, node=0, num_nodes=1,
@@ -160,8 +118,8 @@ def test_steps_announced_and_never_saved_are_bounded(start_daemon, tmp_path):
     for step in range(1, plans.MAX_STEPS_IN_FLIGHT + 1):
         assert isinstance(prepare(step), StepPrepared), step
     over = plans.MAX_STEPS_IN_FLIGHT + 1
-    assert f"{plans.MAX_STEPS_IN_FLIGHT} steps are already in flight" in _refused(prepare(over), InvalidRequestError)
-    assert isinstance(Peer(d.socket).call(Hello(v=PROTOCOL_VERSION, pid=2, rank=1)), Welcome)
+    assert f"{plans.MAX_STEPS_IN_FLIGHT} steps are already in flight" in refused(prepare(over), InvalidRequestError)
+    assert isinstance(RawPeer(d.socket).call(Hello(v=PROTOCOL_VERSION, pid=2, rank=1)), Welcome)
     deadline = time.monotonic() + 90  # they fail by --part-timeout; then a new step is started again
     while not isinstance(reply := prepare(over), StepPrepared) and time.monotonic() < deadline:
         time.sleep(0.5)

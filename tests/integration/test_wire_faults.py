@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -26,46 +25,15 @@ from ckptd.client.protocol import (
     StatusRequest,
     StepState,
     Welcome,
-    decode_reply,
-    encode,
 )
 from ckptd.daemon.config import load_config
 from ckptd.daemon.server import serve
 from ckptd.daemon.service import CheckpointService
+from ckptd.testing.wire import RawPeer
 
 pytestmark = pytest.mark.timeout(120)
 V = PROTOCOL_VERSION
 ONE = Placement(0, 1, 1, 0)
-
-
-class Peer:
-    """A raw connection, to send what the real client never would."""
-
-    def __init__(self, path: str, timeout: float = 10) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(path)
-
-    def send(self, body: bytes) -> object:
-        self.sock.sendall(HEADER.pack(len(body)) + body)
-        return self.recv()
-
-    def call(self, msg: Hello | ReportRequest | StatusRequest) -> object:
-        self.sock.sendall(encode(msg))
-        return self.recv()
-
-    def recv(self) -> object:
-        (n,) = HEADER.unpack(self._exactly(HEADER.size))
-        return decode_reply(self._exactly(n))
-
-    def _exactly(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            part = self.sock.recv(n - len(buf))
-            if not part:
-                raise ConnectionResetError("closed by the daemon")
-            buf += part
-        return buf
 
 
 def deep_save(levels: int) -> bytes:
@@ -80,7 +48,7 @@ def deep_save(levels: int) -> bytes:
 
 def test_a_deeply_nested_message_is_a_protocol_error_and_the_connection_goes_on(start_daemon, tmp_path: Path) -> None:
     d = start_daemon(str(tmp_path / "ckpt"))
-    peer = Peer(d.socket)
+    peer = RawPeer(d.socket)
     reply = peer.send(deep_save(200_000))
     assert isinstance(reply, ErrorReply) and reply.code == "ProtocolError", reply
     assert "recursion" in reply.message, reply.message
@@ -93,8 +61,8 @@ def test_a_deeply_nested_message_is_a_protocol_error_and_the_connection_goes_on(
 
 def test_a_frame_header_cut_short_times_out(start_daemon, tmp_path: Path) -> None:
     d = start_daemon(str(tmp_path / "ckpt"), env={"CKPTD_READ_TIMEOUT_S": "1"})
-    idle = Peer(d.socket)  # a client quiet between requests: no timeout for it
-    peer = Peer(d.socket, timeout=15)
+    idle = RawPeer(d.socket)  # a client quiet between requests: no timeout for it
+    peer = RawPeer(d.socket, timeout=15)
     t0 = time.monotonic()
     peer.sock.sendall(HEADER.pack(16)[:2])  # then silence
     reply = peer.recv()
@@ -108,7 +76,7 @@ def test_a_frame_header_cut_short_times_out(start_daemon, tmp_path: Path) -> Non
 
 def test_an_answer_above_the_frame_limit_is_a_typed_error(start_daemon, tmp_path: Path) -> None:
     d = start_daemon(str(tmp_path / "ckpt"), env={"CKPTD_MAX_FRAME_BYTES": "320"})
-    peer = Peer(d.socket)
+    peer = RawPeer(d.socket)
     reply = peer.call(ReportRequest(v=V))  # a StatusReport is well above 320 bytes
     assert isinstance(reply, ErrorReply) and reply.code == "ProtocolError", reply
     assert "StatusReport" in reply.message and "320-byte limit" in reply.message, reply.message
@@ -128,7 +96,7 @@ def test_a_bug_handling_a_request_is_an_internal_error_and_the_connection_goes_o
                        "arena_size": "8MiB", "prefault": False, "nice": 0}, {})
 
     def talk() -> tuple[object, object]:
-        peer = Peer(cfg.socket)
+        peer = RawPeer(cfg.socket)
         return peer.call(StatusRequest(v=V, step=1, wait_s=0)), peer.call(Hello(v=V, pid=1, rank=0))
 
     async def scenario() -> tuple[object, object]:
