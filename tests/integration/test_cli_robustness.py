@@ -119,6 +119,24 @@ def test_verify_corrupt_wins_over_unreadable(tmp_path: Path, monkeypatch, capsys
     assert [r["state"] for r in json.loads(out)] == ["unreadable", "ok", "corrupt"]
 
 
+def test_verify_lists_every_bad_chunk_of_an_array_and_checks_the_rest(tmp_path: Path, capsys) -> None:
+    """A damaged array is reported chunk by chunk, not at its first bad chunk only: the extent of the damage."""
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 1)
+    for name in ("c.0", "c.1"):
+        chunk = Path(root, "step_1", "x", name)
+        chunk.write_bytes(b"\x01" + chunk.read_bytes()[1:])
+    rc, out, _ = run(capsys, "verify", root, "--json")
+    (row,) = json.loads(out)
+    assert rc == EXIT_CORRUPT and row["state"] == "corrupt" and row["bytes"] == 0, row
+    assert [e.split(": ")[0] for e in row["errors"]] == ["CorruptCheckpointError"] * 2, row
+    assert "chunk [0]" in row["errors"][0] and "chunk [1]" in row["errors"][1], row
+    Path(root, "step_1", "x", "c.1").unlink()  # one bad, one missing: both told, in the text report too
+    rc, out, _ = run(capsys, "verify", root)
+    assert rc == EXIT_CORRUPT and out.startswith("step 1: CORRUPT (2 failed check(s))"), out
+    assert "chunk [1] missing" in out, out
+
+
 def test_a_garbage_commit_marker_is_one_corrupt_step(tmp_path: Path, capsys) -> None:
     root = str(tmp_path / "ckpt")
     write_steps(root, 1, 2, 3)

@@ -32,6 +32,7 @@ GC_GRACE_S = 1200.0
 EXIT_CORRUPT = 1  # verify: a step failed its checks (or there was nothing to verify)
 EXIT_ERROR = 2
 EXIT_UNREADABLE = 3  # verify: no step is corrupt, but a step (or part of one) could not be read
+VERIFY_SHOWN = 20  # verify: the failures a step lists on a terminal
 
 
 def _setup_logging(level: str) -> None:
@@ -364,7 +365,8 @@ async def _verify_step(root: CheckpointRoot, step: int, as_json: bool, *, named:
     try:
         for rec in records:
             try:
-                verified += await verify_array(root.store, step_dir(step), rec, bar.advance)
+                verified += await verify_array(root.store, step_dir(step), rec, bar.advance,
+                                               lambda e: found["corrupt"].append(f"{type(e).__name__}: {e}"))
             except Exception as exc:  # typed and reported per array; the other arrays are still checked
                 kind, why = _failure(root, exc)
                 found[kind].append(why if kind == "corrupt" else f"{why} (array {rec.name} not checked)")
@@ -377,8 +379,11 @@ async def _verify_step(root: CheckpointRoot, step: int, as_json: bool, *, named:
         verdict += [f"UNREADABLE ({len(unread)} could not be read)"] if unread else []
         what = f"{len(records)} arrays" + (" (incl. merged layout)" if merged else "")
         print(f"step {step}: {', '.join(verdict) or 'OK'}: {what}, {verified / 2**20:.1f} MiB re-read and checked")
-        for e in corrupt + unread:
+        shown = corrupt + unread
+        for e in shown[:VERIFY_SHOWN]:
             print(f"  {e}")
+        if len(shown) > VERIFY_SHOWN:
+            print(f"  ... and {len(shown) - VERIFY_SHOWN} more (--json lists every one)")
     return {"step": step, "ok": state == "ok", "state": state, "bytes": verified, "arrays": len(records),
             "merged": merged, "seconds": round(time.perf_counter() - t0, 3), "errors": corrupt + unread}
 

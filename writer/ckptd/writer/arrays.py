@@ -264,9 +264,14 @@ async def read_region(arr: AsyncArray[Any], offset: Sequence[int], shape: Sequen
 
 
 async def verify_array(
-    store: Store, prefix: str, rec: ArrayRecord, on_chunk: Callable[[int], None] | None = None
+    store: Store,
+    prefix: str,
+    rec: ArrayRecord,
+    on_chunk: Callable[[int], None] | None = None,
+    on_corrupt: Callable[[CorruptCheckpointError], None] | None = None,
 ) -> int:
-    """Re-read every chunk of one committed array; raise on a missing chunk or a checksum mismatch.
+    """Re-read every chunk of one committed array; raise on a missing chunk or a checksum mismatch, or,
+    given ``on_corrupt``, tell it each such chunk and go on with the others (a storage error still raises).
 
     Returns the bytes verified; ``on_chunk`` is told each chunk's bytes once it checked out. Bounded: one
     chunk in memory at a time per array.
@@ -275,7 +280,13 @@ async def verify_array(
     total = 0
     for shard in rec.shards:
         for ch in shard.chunks:
-            await read_chunk_checked(store, arr, prefix, rec, ch)
+            try:
+                await read_chunk_checked(store, arr, prefix, rec, ch)
+            except CorruptCheckpointError as exc:
+                if on_corrupt is None:
+                    raise
+                on_corrupt(exc)
+                continue
             total += ch.nbytes
             if on_chunk is not None:
                 on_chunk(ch.nbytes)
@@ -303,7 +314,10 @@ async def read_chunk_checked(
     if rec.codec == "raw" and ch.nbytes != full:  # a format-2 edge chunk stored cut: zarr refuses it
         await _verify_cut_chunk(store, key, rec.name, ch)
         return None
-    data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
+    try:
+        data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
+    except CorruptCheckpointError as exc:  # the codec's own crc32c: say which chunk
+        raise CorruptCheckpointError(f"{rec.name}: chunk {ch.coords} ({key}): {exc}") from exc
     stored = full_chunk(data, rec.chunks) if data.nbytes != ch.nbytes and ch.nbytes == full else data  # format 3
     # piece values are compared where they fit this version's pieces (as a partial read uses them)
     fits = pieces_fit(ch.pieces, ch.nbytes)
