@@ -89,6 +89,26 @@ def test_strict_policy_raises(start_daemon, tmp_path):
     client.close()
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["dead", "restarted"])
+def test_a_daemon_lost_after_its_commit_reports_the_step_committed(start_daemon, tmp_path, restarted):
+    """A daemon killed after the step's marker and ``latest`` landed, before the rank asked: the step is
+    committed, and the handle says so (it reads the commit from storage) instead of a lost save that raises
+    under ``"raise"``; a save that did not commit is still lost (the test above, and the kill matrix)."""
+    root = tmp_path / "ckpt"
+    d = start_daemon(str(root), "d0")
+    client = CheckpointClient(d.socket, placement=Placement(0, 1, 1, 0), timeout_s=TIMEOUT_S, on_daemon_lost="raise")
+    state = {"x": torch.arange(1000.0)}
+    handle = client.save(1, state)
+    wait_for(lambda: (root / "_ckptd" / "latest").exists(), "step 1's latest")  # after its marker
+    assert (root / commit_marker(1)).exists()
+    d.kill()
+    if restarted:
+        start_daemon(str(root), "d0")
+    assert handle.wait(30) is handle and handle.state is StepState.COMMITTED and handle.exception() is None
+    _loads(str(root), 1, state)
+    client.close()
+
+
 def test_embedded_daemon_restarts_on_the_next_save(tmp_path, sockdir):
     root = str(tmp_path / "ckpt")
     sock = os.path.join(sockdir, "emb.sock")

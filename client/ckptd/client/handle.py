@@ -16,6 +16,7 @@ from ckptd.writer.errors import (
     StepFailedError,
     error_classes,
 )
+from ckptd.writer.format import other_attempt
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient
@@ -54,11 +55,27 @@ class SaveHandle:
             return
         try:
             st = self._client._status(self.step, wait_s, self.attempt)
-        except DaemonUnavailableError as exc:  # the daemon died, restarted or hangs: this save is lost with it
+        except DaemonUnavailableError as exc:  # the daemon died, restarted or hangs: unless it committed first,
+            if self._committed_in_storage():  # this save is lost with it
+                self.state = StepState.COMMITTED
+                return
             cls = DaemonUnresponsiveError if isinstance(exc, DaemonUnresponsiveError) else DaemonUnavailableError
-            self._fail(cls(f"step {self.step}: lost the daemon before the commit: {exc}"))
+            self._fail(cls(f"step {self.step}: lost the daemon before the commit (storage holds none of this "
+                           f"save): {exc}"))
             return
         self._apply(st)
+
+    def _committed_in_storage(self) -> bool:
+        """Whether storage holds this save's commit: a daemon can die after its commit and before it said so.
+        Asked once, when the daemon is lost; a step that is not readable as committed counts as not."""
+        from ckptd.client.reader import read_commit  # the read path: zarr and fsspec, not on the save path
+
+        assert self._client is not None
+        try:  # the root: the one given, else the daemon's from its welcome
+            commit = read_commit(self._client.root, self.step, storage_options=self._client.storage_options)
+        except (CkptdError, OSError):
+            return False
+        return not any(other_attempt(a, self.attempt) for a in commit.attempts)
 
     def _apply(self, st: StepStatus) -> None:
         if self.state.final:  # the daemon refused this save: its answer was read on the way (client.pipeline)
@@ -90,7 +107,8 @@ class SaveHandle:
         again. A lost daemon (:class:`DaemonUnavailableError`; one that does not answer within the client's
         ``timeout_s`` is lost too: :class:`~ckptd.client.daemon_lost.DaemonUnresponsiveError`) is raised only
         under the client's ``on_daemon_lost="raise"``; under ``"warn"`` it is logged once and ``wait()``
-        returns the handle in state ``FAILED`` (see :meth:`exception`). ``SaveTimeoutError``: ``timeout``
+        returns the handle in state ``FAILED`` (see :meth:`exception`); a daemon lost after it committed the
+        step is no lost save (the handle finds the commit in storage). ``SaveTimeoutError``: ``timeout``
         passed before the commit, or the step itself timed out in the daemons.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
