@@ -86,3 +86,50 @@ def test_a_marker_that_survives_its_delete_leaves_the_step_whole(
             assert await w.is_committed(4) and await backend.get(f"{fmt.step_dir(4)}/x/c.0") == b"chunk"
 
     asyncio.run(go())
+
+
+def test_a_deletion_cut_short_leaves_a_step_zarr_does_not_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The markers go first, then the step's ``zarr.json``: a deletion stopped before the chunks (a daemon killed
+    mid-rmtree) leaves a step that is neither committed nor listed as a group, never one zarr reads as zeros."""
+    import zarr
+
+    root = tmp_path / "root"
+
+    async def go() -> None:
+        async with await open_backend(str(root), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            for step in (5, 6):
+                await w.write_part(_part(step, 0))
+                await w.commit(step, 1, timeout=1.0)
+
+            async def killed(prefix: str) -> None:
+                raise StorageError(f"{prefix}: the daemon was killed here")
+
+            monkeypatch.setattr(backend, "delete_prefix", killed)
+            with pytest.raises(StorageError, match="killed here"):
+                await w.delete_step(5)
+            assert not await w.is_committed(5) and await w.is_committed(6)
+
+    asyncio.run(go())
+    with pytest.warns(UserWarning, match="step_5 is not recognized"):  # what zarr says of a folder without one
+        assert sorted(name for name, _ in zarr.open_group(str(root), mode="r").groups()) == ["step_6"]
+    assert (root / "step_5").is_dir()  # the rest is left for the next retention
+
+
+def test_latest_moves_back_past_a_deleted_step(tmp_path: Path) -> None:
+    """A rollback deletes step 20 and training resumes from 10: the next commit (11) is the newest committed
+    step, and the ``latest`` hint says so instead of naming the deleted 20 for good."""
+
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            for step in (10, 20):
+                await w.write_part(_part(step, 0))
+                await w.commit(step, 1, timeout=1.0)
+            await w.delete_step(20)
+            assert await w.latest_hint() == 20 and await w.latest() == 10  # the markers decide meanwhile
+            await w.write_part(_part(11, 0))
+            await w.commit(11, 1, timeout=1.0)
+            assert await w.latest_hint() == 11 and await w.latest() == 11
+
+    asyncio.run(go())

@@ -89,3 +89,31 @@ def test_a_part_of_another_attempt_does_not_spare_the_dead_daemons_step(tmp_path
     abandoned, notes = asyncio.run(go())
     assert abandoned == [1], (abandoned, notes)
     assert "abandoned" in notes[1] and notes[2] == ""
+
+
+def test_a_successor_given_another_spelling_of_the_root_abandons_the_steps(tmp_path):
+    """``ckpt/`` then ``file://.../ckpt`` (an embedded relaunch passes the user's spelling): the same root,
+    so the dead daemon's unfinished step is marked failed at once, not left for ``--commit-timeout``."""
+    import asyncio
+
+    from ckptd.daemon.journal import abandon_predecessor_steps
+    from ckptd.writer.backends import open_backend
+    from ckptd.writer.commit import CheckpointWriter
+
+    path = journal_path(str(tmp_path / "d.sock"))
+    root = str(tmp_path / "ckpt")
+    StepJournal(path, root + "/").started(2, 0, 1)
+    with open(path) as f:
+        doc = json.load(f)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    doc["pid"], doc["started"] = int(dead.stdout), 0
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+    async def go() -> tuple[list[int], dict[str, object] | None]:
+        async with await open_backend(root, None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            return await abandon_predecessor_steps(StepJournal(path, "file://" + root), w), await w.read_failed(2)
+
+    abandoned, note = asyncio.run(go())
+    assert abandoned == [2] and note is not None and note.get("abandoned"), (abandoned, note)

@@ -36,6 +36,7 @@ from ckptd.client.ownership import pid_alive, process_start_time
 from ckptd.writer.commit import CheckpointWriter
 from ckptd.writer.errors import StepAbandonedError
 from ckptd.writer.format import other_attempt
+from ckptd.writer.urls import normalize_root
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class StepJournal:
 
     def __init__(self, path: str, root: str) -> None:
         self.path = path
-        self.root = root
+        self.root = normalize_root(root)  # one spelling: a restart with ``ckpt/`` or ``file://...`` is the same root
         self._steps: dict[int, JournalEntry] = {}
 
     def read_predecessor(self) -> JournalDoc | None:
@@ -122,7 +123,7 @@ async def abandon_predecessor_steps(journal: StepJournal, root: CheckpointWriter
     doc = journal.read_predecessor()
     if doc is None or not doc.steps:
         return []
-    if doc.root != journal.root:
+    if normalize_root(doc.root) != journal.root:
         log.warning("step journal %s is of root %s, not %s: its steps %s are left as they are", journal.path,
                     doc.root, journal.root, [e.step for e in doc.steps])
         return []

@@ -240,7 +240,8 @@ class CheckpointWriter(CheckpointRoot):
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
         try:  # only a hint: the step is committed whatever happens to it (readers trust the markers)
             current = await self.latest_hint()
-            if current is None or step >= current:
+            # a newer step named there may have been deleted since (a rollback): then this one is the newest
+            if current is None or step >= current or not await self.is_committed(current):
                 await self.backend.replace(latest_key(), str(step).encode())
         except CkptdError as exc:
             log.warning("step %d is committed under %s, but its 'latest' hint was not moved: %s", step, self.url, exc)
@@ -320,7 +321,8 @@ class CheckpointWriter(CheckpointRoot):
 
     # --- retention --------------------------------------------------------------------------------
     async def delete_step(self, step: int) -> None:
-        """Remove a step; the commit marker goes first so a half-deleted step is never 'committed'.
+        """Remove a step; the commit marker goes first so a half-deleted step is never 'committed', then the
+        step's ``zarr.json`` so that zarr no longer lists it as a group.
 
         Where crashed uploads leave parts behind (``capabilities.multipart_cleanup``: S3) the unfinished
         uploads under the step are aborted too: invisible to listings, but kept and billed until aborted.
@@ -331,6 +333,8 @@ class CheckpointWriter(CheckpointRoot):
         if await self.is_committed(step):  # a store that answered the delete without doing it: touch nothing
             raise StorageError(f"step {step}: its {COMMIT_MARKER} under {self.url} is still there after its "
                                "delete; nothing else of the step was deleted")
+        # then its group document: zarr.open_group(ROOT) stops listing a step that is no longer whole
+        await self.backend.delete(f"{prefix}/zarr.json")
         await self.backend.delete_prefix(prefix)
         if self.backend.capabilities.multipart_cleanup:
             aborted = await self.backend.abort_uploads(prefix)
