@@ -238,3 +238,20 @@ def test_merged_step_lists_without_warnings(tp1dp2: dict[str, Any]) -> None:
         n = sum(1 for v in members.values() if isinstance(v, zarr.Array) and v[...] is not None)
     assert n > 20
     assert json.loads((Path(merged) / "step_3" / "merged" / "zarr.json").read_text())["node_type"] == "group"
+
+
+@pytest.fixture(scope="module")
+def pp3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _saved(tmp_path_factory.mktemp("pp3"), "c", 3, {"pp": 3, "layers": 5, "stage_layers": (1, 2), **MULTI})
+
+
+def test_the_same_sizes_with_the_layers_split_otherwise_reshard(pp3: dict[str, Any]) -> None:
+    """PP3, the 5 layers split 1/2/2 at save and 2/2/1 at load: the middle stage holds as many layers at the same
+    bucket offsets, but other ones (layers 2 and 3, not 1 and 2). It took the saved middle stage's optimizer
+    state (and its fp32 weights) as its own, without an error; now every stage reads by place in model space."""
+    results = spawn_ranks(_load, 3, pp3["roots"], {"pp": 3, "layers": 5, "stage_layers": (2, 1), **MULTI}, False)
+    assert {r["sizes"] for r in results} == {(1, 3, 1)}
+    assert {tuple(r["layouts"]) for r in results} == {("merged", "resharded")}
+    for i, which in enumerate(("load of the merged copy", "load of the plain root")):
+        assert_loaded_as_saved(pp3["saved"], [r["states"][i] for r in results], which)
+    assert results[0]["losses"] == pp3["losses"]  # the same TP: the model computes exactly as saved

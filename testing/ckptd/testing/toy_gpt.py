@@ -60,6 +60,7 @@ def build_gpt(
     ep: int = 1,
     etp: int | None = None,
     frozen: tuple[str, ...] = (),
+    stage_layers: tuple[int, int] | None = None,
 ) -> ToyGPT:
     """Build the toy GPT on an already-initialized default process group (gloo; NCCL on a GPU).
 
@@ -83,6 +84,9 @@ def build_gpt(
 
     ``frozen`` names params (by substring of their names) that do not train (``requires_grad=False``): Megatron's
     DDP leaves them out of its buffers and the optimizer holds no state for them.
+
+    ``stage_layers=(first, last)`` gives the first and last pipeline stages that many layers (Megatron-LM's
+    ``--decoder-first/last-pipeline-num-layers``), the middle stages share the rest evenly.
     """
     # the GPU only for NCCL ranks: gloo ranks (the tests, the demo) run on the CPU through the shim, GPU or not
     on_gpu = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
@@ -145,6 +149,8 @@ def build_gpt(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **({"normalization": "RMSNorm"} if llama else {}),
+        **({"num_layers_in_first_pipeline_stage": stage_layers[0],
+            "num_layers_in_last_pipeline_stage": stage_layers[1]} if stage_layers else {}),
         **({"num_moe_experts": experts, "expert_model_parallel_size": ep, "moe_router_topk": 2,
             "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
             "moe_aux_loss_coeff": 0.0, "expert_tensor_parallel_size": etp} if experts else {}),

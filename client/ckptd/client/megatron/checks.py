@@ -10,7 +10,7 @@ from typing import Any
 from ckptd.client.state import Shard
 from ckptd.writer.errors import InvalidRequestError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import MEGATRON_CHECKPOINT_VERSION, MEGATRON_RECORD, OPTIM_META, CommitManifest
-from ckptd.writer.layout import MegatronLayout
+from ckptd.writer.layout import MegatronLayout, ParamLayout
 
 Record = dict[str, Any]  # a saved rank's ``megatron`` record (plain data)
 
@@ -132,9 +132,31 @@ def check_structure(saved: MegatronLayout, live: MegatronLayout) -> None:
                         f"{lp[0]}: buffer {lb.index} bucket {lk.index} has it at {lp[1:]} (offset, end, shape); "
                         f"the checkpoint has {sp[0]} at {sp[1:]}"
                     )
+            for s_param, l_param in zip(sk.params, lk.params, strict=False):
+                # the same local param may be another part of the model: a pipeline stage given other layers
+                if _model_places(s_param) != _model_places(l_param):
+                    raise StateMismatchError(
+                        f"{l_param.name}: buffer {lb.index} bucket {lk.index} holds it as "
+                        f"{_shown(l_param)}; the checkpoint holds {_shown(s_param)} there (another split of the "
+                        "layers over the pipeline stages?)"
+                    )
             if len(s_params) != len(l_params):
                 longer = s_params if len(s_params) > len(l_params) else l_params
                 raise StateMismatchError(
                     f"{longer[min(len(s_params), len(l_params))][0]}: buffer {lb.index} bucket {lk.index} holds "
                     f"{len(s_params)} params in the checkpoint, {len(l_params)} in the model"
                 )
+
+
+def _model_places(param: ParamLayout) -> list[tuple[object, ...]]:
+    """Where a param's pieces sit in model space, whatever DP rank holds it (the replica id left out)."""
+    return sorted((p.key, p.global_shape, p.global_offset, p.prepend_axis_num, p.view_offset, p.view_shape,
+                   p.view_stride) for p in param.model_pieces)
+
+
+def _shown(param: ParamLayout) -> str:
+    """``decoder.layers.self_attention.linear_qkv.weight[2]``: the model key and offset of its first piece."""
+    if not param.model_pieces:
+        return "no model piece"
+    piece = min(param.model_pieces, key=lambda p: (p.key, p.global_offset))
+    return f"{piece.key} at {list(piece.global_offset)}"

@@ -337,7 +337,12 @@ def _check_meta(binding: Binding, layout: MegatronLayout, metas: Sequence[Mappin
     for oi, opt in binding.dist.items():
         entry = saved.get(str(oi))
         if entry is None:
-            raise StateMismatchError(f"no saved optimizer metadata for DistributedOptimizer {oi}")
+            raise StateMismatchError(
+                f"no saved optimizer metadata for DistributedOptimizer {oi}: the checkpoint was saved with "
+                f"{len(saved)} distributed optimizer(s), the model has {len(binding.dist)} (Megatron keeps the "
+                "expert params in an optimizer of their own only under expert parallelism: a step saved at EP=1 "
+                "does not load at a larger EP)"
+            )
         groups = introspect.inner_optimizer(opt).param_groups
         if len(entry["param_groups"]) != len(groups):
             raise StateMismatchError(
