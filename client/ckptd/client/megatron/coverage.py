@@ -19,10 +19,12 @@ from ckptd.writer.layout import ParamLayout
 Box = tuple[tuple[int, int], ...]  # [lo, hi) on each axis
 
 
-def covered(p: ParamLayout) -> ParamLayout:
-    """``p``, once its model pieces cover every element of it (:meth:`~ckptd.writer.layout.ParamLayout.uncovered`)."""
+def covered(p: ParamLayout, cut: Collection[ParamLayout] = ()) -> ParamLayout:
+    """``p``, once its model pieces cover every element of it (:meth:`~ckptd.writer.layout.ParamLayout.uncovered`),
+    or it is one of ``cut``: params whose pieces a load cut to a checkpoint's vocabulary rows
+    (:mod:`~ckptd.client.megatron.vocab`; the rest of them is zeroed, not read)."""
     gap = p.uncovered()
-    if gap is not None:
+    if gap is not None and not (cut and p in cut):
         raise StateMismatchError(
             f"{p.name}: its model pieces ({', '.join(dict.fromkeys(x.key for x in p.model_pieces)) or 'none'}) "
             f"leave elements [{gap[0]}, {gap[1]}) of the flattened param (shape {p.shape}) uncovered: their "

@@ -32,7 +32,8 @@ from ckptd.client.megatron.optimizer import apply_optimizer_state, check_optimiz
 from ckptd.client.megatron.rank_state import RankState, plan_rank_state
 from ckptd.client.megatron.reshard import plan_dp_slices, plan_merged_slices, saved_states
 from ckptd.client.megatron.targets import SliceTargets, slice_targets
-from ckptd.client.reader import fill_async, plan_reads
+from ckptd.client.megatron.vocab import VocabFit, fit_vocab
+from ckptd.client.reader import plan_reads
 from ckptd.client.restore import ArenaSource, arena_source
 from ckptd.client.state import Shard, dtype_name
 from ckptd.writer.errors import CkptdError, LayoutMismatchError, StateMismatchError
@@ -95,7 +96,9 @@ def load_checkpoint(
 
     Everything is checked before any live tensor is written: a model key missing from the checkpoint,
     another global shape or dtype, a param no saved state covers, or (``strict``, same layout) a
-    checkpoint key the model lacks raises :class:`StateMismatchError` naming it. Model params come from
+    checkpoint key the model lacks raises :class:`StateMismatchError` naming it; but another padded vocabulary
+    (the first axis of a tensor marked ``allow_shape_mismatch``) loads as Megatron's loader does it
+    (:mod:`ckptd.client.megatron.vocab`). Model params come from
     the model arrays; the optimizer's fp32 main params and states from the bucket slices. RNG state
     (``rng``), ``_extra_state`` and ``extra`` come from this rank's saved counterpart, on every path
     (:mod:`ckptd.client.megatron.rank_state`): the saved rank with this rank's TP/PP/DP coordinates in a run
@@ -142,7 +145,7 @@ async def load_checkpoint_async(
         return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng)
     with introspect.leaves_reused():  # the layout and the model template walk the model's sharded_state_dict() once
         layout = get_layout(model_chunks, optimizer)
-        template = model_template(model_chunks)
+        template, vocab = fit_vocab(commit, model_template(model_chunks), model_chunks)  # another padded vocab
     same_mp = {r: rec for r, rec in records.items() if (rec["tp"], rec["pp"]) == (layout.tp_rank, layout.pp_rank)}
     reason: CkptdError | None = None
     try:
@@ -175,8 +178,9 @@ async def load_checkpoint_async(
         manifest = await ckpt.read_merged_manifest(commit.step, source=commit)
         if manifest is not None:
             return await _load_merged(ckpt, commit, manifest, records, template, model_chunks, optimizer, layout,
-                                      rng=rng)
-        return await _load_resharded(ckpt, commit, records, template, model_chunks, optimizer, layout, rng=rng)
+                                      rng=rng, vocab=vocab)
+        return await _load_resharded(ckpt, commit, records, template, model_chunks, optimizer, layout, rng=rng,
+                                     vocab=vocab)
 
     regions, dtypes = _optimizer_regions(commit, layout, optimizer)
     # at the saved layout each rank restores its own saved rank's scalar state (Adam's step...); at another DP
@@ -201,7 +205,7 @@ async def load_checkpoint_async(
         for key in targets.slices:
             targets.add_reads(reader, key, regions[key][0])
 
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory, then=optimizer_reads)
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory, then=optimizer_reads, zero=vocab.zero)
     targets.install()
     slices: dict[str, Any] = dict(targets.slices)
     slices[OPTIM_META] = metas
@@ -227,6 +231,7 @@ async def _fill_model(
     memory: ArenaSource | None = None,
     *,
     then: Callable[[ChunkReader], None] | None = None,
+    zero: Callable[[], None] | None = None,
 ) -> None:
     """Read the template's tensors in place, except where this rank's in-place main params hold them (an
     fp32 model's params share the grad buffer with them): the optimizer's read writes those. ``then`` adds
@@ -235,7 +240,8 @@ async def _fill_model(
     that cannot be split (an odd view) it is read whole, first, on its own, so the main params win where they
     share memory. The parts are not staged shards, so an in-memory restore reads them from storage while the
     main params come from the arena: each rank reads the rest of such a param, not all of it a second time
-    under the arena's copy. Every read is added, and so checked, before the first is made."""
+    under the arena's copy. Every read is added, and so checked, before the first is made, and before ``zero``
+    (:meth:`~.vocab.VocabFit.zero`), the load's first write."""
     shards = [sh for sh in plan_reads(commit, template) if not targets.covers(sh.data)]
     first, rest = ChunkReader(ckpt, commit, memory=memory), ChunkReader(ckpt, commit, memory=memory)
     for sh in shards:  # every read is added (and checked) before any is made
@@ -249,6 +255,8 @@ async def _fill_model(
         (first if then is None or touches else rest).add(sh.key, sh.data, sh.global_offset)
     if then is not None:
         then(rest)
+    if zero is not None:
+        zero()
     await first.run()
     await rest.run()
 
@@ -264,6 +272,7 @@ async def _load_merged(
     layout: MegatronLayout,
     *,
     rng: bool,
+    vocab: VocabFit,
 ) -> LoadedCheckpoint:
     """Load a step saved with another TP/PP or bucket layout from its merged (fully reshardable) layout.
 
@@ -279,12 +288,13 @@ async def _load_merged(
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
     states = _main_dtype(commit.step, merged_states(manifest), optimizer, layout)
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
-    planned = plan_merged_slices(commit.step, manifest, layout, targets.slices)  # checked before any write
+    fitted = vocab.fit(layout)  # the model pieces cut to the checkpoint's vocabulary rows, if they differ
+    planned = plan_merged_slices(commit.step, manifest, fitted, targets.slices, cut=vocab.cut)  # checked first
     metas = [uniform_scalars(commit.step, saved_metas(commit, records), rank.source)]
     check_optimizer_meta(optimizer, layout, metas)
     merged = ChunkReader(ckpt, manifest)
     planned.add_to(merged)
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets)
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, zero=lambda: vocab.zero(planned.slices))
     await merged.run()  # second: the main params win where they share memory with the model (fp32)
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
@@ -334,6 +344,7 @@ async def _load_resharded(
     layout: MegatronLayout,
     *,
     rng: bool,
+    vocab: VocabFit,
 ) -> LoadedCheckpoint:
     """Load into another parallel or bucket layout straight from the stored DP bucket slices.
 
@@ -348,11 +359,13 @@ async def _load_resharded(
     # into the optimizer's memory where it can
     states = _main_dtype(commit.step, saved_states(commit, saved), optimizer, layout)
     targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
-    planned = plan_dp_slices(commit, saved, layout, targets.slices)  # checked before anything is written
+    fitted = vocab.fit(layout)  # the model pieces cut to the checkpoint's vocabulary rows, if they differ
+    planned = plan_dp_slices(commit, saved, fitted, targets.slices, cut=vocab.cut)  # checked before any write
     metas = [uniform_scalars(commit.step, saved_metas(commit, records), rank.source)]
     check_optimizer_meta(optimizer, layout, metas)
     # the model, but not where the main params share its memory (fp32): the optimizer's read fills that
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, then=planned.add_to)
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, then=planned.add_to,
+                      zero=lambda: vocab.zero(planned.slices))
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
     slices[OPTIM_META] = metas
@@ -372,7 +385,7 @@ async def _load_model_only(
     """The model alone (finetune, ``--no-load-optim``): model tensors are in model space, so any TP/PP/DP
     loads them. RNG, ``_extra_state`` and ``extra`` as on every path (:mod:`~ckptd.client.megatron.rank_state`)."""
     ranks = introspect.parallel_ranks()
-    template = model_template(model_chunks)
+    template, vocab = fit_vocab(commit, model_template(model_chunks), model_chunks)  # another padded vocab
     plan_reads(commit, template)  # every model key, shape and dtype checked before anything is written
     if strict and ranks.pp_size == 1 and all(rec["pp_size"] == 1 for rec in records.values()):
         have = {sh.key for sh in template.values()}
@@ -384,7 +397,7 @@ async def _load_model_only(
             )
     coords = (ranks.tp_rank, ranks.pp_rank, ranks.tp_size, ranks.pp_size, ranks.dp_rank)
     rank = plan_rank_state(commit, records, model_chunks, coords, rng=rng)
-    await fill_async(ckpt, commit, {**template, **rank.rng})
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, SliceTargets(), zero=vocab.zero)
     rank.restore(model_chunks, rng=rng)
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)

@@ -12,7 +12,7 @@ way. Each rank reads only the params its slices touch. Nothing here imports mega
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +81,7 @@ def plan_merged_slices(
     step: int,
     manifest: CommitManifest,
     layout: MegatronLayout,
-    dest: Mapping[str, torch.Tensor] | None = None,
+    dest: Mapping[str, torch.Tensor] | None = None, cut: Collection[ParamLayout] = (),
 ) -> SliceRead:
     """Plan this rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the merged layout;
     every check runs here, before anything is read or written.
@@ -90,7 +90,7 @@ def plan_merged_slices(
     Every model piece of every param the rank's slices touch is one region of a merged array, read through
     one :class:`~ckptd.client.fastread.ChunkReader` for the whole load (raw chunks straight into place,
     crc32c checked, bounded concurrency) straight into the slice; of a param that straddles a slice
-    boundary only the part inside is read (:func:`_places`). ``dest`` as in :func:`plan_dp_slices`.
+    boundary only the part inside is read (:func:`_places`). ``dest``, ``cut`` as in :func:`plan_dp_slices`.
     """
     if manifest.step != step:
         raise StateMismatchError(f"the merge manifest is of step {manifest.step}, not of step {step}")
@@ -100,7 +100,7 @@ def plan_merged_slices(
     for buf, bucket in layout.buckets():
         s = buf.slice_numel(bucket)
         lo, hi = buf.dp_rank * s, (buf.dp_rank + 1) * s
-        touched = [covered(p) for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
+        touched = [covered(p, cut) for p in bucket.params if p.start - bucket.start < hi and p.end - bucket.start > lo]
         # where each param's pieces go, worked out once for every state (a scrambled one: per state)
         meta = torch.empty(s, device="meta")
         where = [None if _scrambled(p, bucket.start, lo, hi) else
@@ -247,7 +247,7 @@ def plan_dp_slices(
     commit: CommitManifest,
     saved: Sequence[MegatronLayout],
     layout: MegatronLayout,
-    dest: Mapping[str, torch.Tensor] | None = None,
+    dest: Mapping[str, torch.Tensor] | None = None, cut: Collection[ParamLayout] = (),
 ) -> SliceRead:
     """Plan this rank's ``{optim/<mp>/buf<g>/bucket<b>/<state>: 1-D slice}`` rebuilt from the stored DP
     layout; every check runs here, before anything is read or written.
@@ -268,7 +268,8 @@ def plan_dp_slices(
     optimizer's own memory); only the params' ranges are written there (padding is left as it is). Keys
     it lacks get fresh zeroed tensors. Of a param that straddles this rank's slice boundary (DP > 1) only
     the part inside is read, straight into place (:func:`_places`): a rank of a large DP group reads and
-    holds its share of a large embedding, not all of it.
+    holds its share of a large embedding, not all of it. ``cut``: params whose pieces were cut to a
+    checkpoint's vocabulary rows (:mod:`~ckptd.client.megatron.vocab`): only their pieces are read.
     """
     arrays = {rec.name: rec for rec in commit.arrays}
     index = _SavedIndex.of(saved)
@@ -285,7 +286,7 @@ def plan_dp_slices(
             if not (p.start - bucket.start < hi and p.end - bucket.start > lo):
                 continue
             sources = []
-            for piece in covered(p).model_pieces:
+            for piece in covered(p, cut).model_pieces:
                 found = index.overlapping(piece)
                 if not found:
                     raise StateMismatchError(
@@ -414,7 +415,7 @@ def _places(
         if all(monotone(r.sizes, r.strides) for r in regions):
             return [[_place(piece, part, sel, block.offset - (i - a)) for sel, block in boxes(r, i - a, j - a)]
                     for piece, r in zip(p.model_pieces, regions, strict=True)]
-        value = torch.empty(p.shape, dtype=out.dtype)
+        value = torch.zeros(p.shape, dtype=out.dtype)  # (a cut param: zero where no piece is)
         planned.straddling.append((part, value.view(-1)[i - a : j - a]))
     else:
         value = part.view(p.shape)
