@@ -25,6 +25,11 @@ from ckptd.testing.launch import run_ranks
 from ckptd.writer.errors import DuplicateSaveError, SaveTimeoutError, StepFailedError
 
 pytestmark = pytest.mark.timeout(120)
+# Node 1's --commit-timeout: run A's attempt there ends by it, and run B's must commit within it. Run B's
+# coordinator polls for node 1's part up to a second apart by then, then writes the metadata and syncs the
+# filesystem before its marker: 3 s left little room for that on a loaded runner. (Under SUPERSEDE_WAIT_S, 20 s,
+# which a rank of run B waits at most for run A's attempt to end on its node.)
+N1_COMMIT_TIMEOUT_S = 10
 
 
 def _state(run: str, rank: int) -> dict[str, Shard]:
@@ -55,7 +60,8 @@ def test_coordinator_never_commits_another_attempts_part(start_daemon, tmp_path,
     waits for node 1's part of the new run instead of committing the stale one."""
     root = tmp_path / "ckpt"
     n0 = start_daemon(str(root), "n0", "--stage-grace", "0", arena="64MiB")
-    n1 = start_daemon(str(root), "n1", "--stage-grace", "0", "--commit-timeout", "3", arena="64MiB")
+    n1 = start_daemon(str(root), "n1", "--stage-grace", "0", "--commit-timeout", str(N1_COMMIT_TIMEOUT_S),
+                      arena="64MiB")
     # run A: node 1's rank saves step 2; node 0's rank died before its save
     old = _client(monkeypatch, "runA", n1.socket, Placement(1, 2, 1, 1))
     stale = old.save(2, _state("A", 1))
@@ -65,9 +71,10 @@ def test_coordinator_never_commits_another_attempts_part(start_daemon, tmp_path,
     # run B: node 0 first; its coordinator finds only run A's part of node 1 and must not take it
     new = {r: _client(monkeypatch, "runB", d.socket, Placement(r, 2, 1, r)) for r, d in ((0, n0), (1, n1))}
     first = new[0].save(2, _state("B", 0))
-    time.sleep(1.0)
+    # its coordinator found run A's part of node 1 (node 0's part written first: no fixed sleep covers that on a
+    # loaded runner) and waits on; nothing of run B reached node 1 yet, so nothing may be committed
+    wait_for(lambda: "from attempt runA.1, not this one (runB.1)" in n0.log_tail(), "node 0's coordinator", 60)
     assert not (root / "step_2" / "_ckptd" / "COMMITTED").exists()
-    assert "from attempt runA.1, not this one (runB.1)" in n0.log_tail()
     # node 1's new rank waits for run A to end there (its commit timeout), then saves run B's bytes
     with pytest.raises(SaveTimeoutError):
         stale.wait(30)
@@ -146,12 +153,14 @@ def _save_step_2(rank: int, world: int, sockets: list[str], run: str, saving: li
         client.close()
 
 
+@pytest.mark.timeout(300)  # two launches of gloo ranks, four daemon stops: over 120 s on a heavily loaded runner
 def test_a_restarted_gloo_job_names_its_attempt_through_the_process_group(start_daemon, tmp_path):
     """The same as the first test without ``CKPTD_INCARNATION``: two real gloo jobs, one after the other;
     each agrees on its own incarnation through its process group's store."""
     root = tmp_path / "ckpt"
     n0 = start_daemon(str(root), "n0", "--stage-grace", "0", arena="64MiB")
-    n1 = start_daemon(str(root), "n1", "--stage-grace", "0", "--commit-timeout", "3", arena="64MiB")
+    n1 = start_daemon(str(root), "n1", "--stage-grace", "0", "--commit-timeout", str(N1_COMMIT_TIMEOUT_S),
+                      arena="64MiB")
     sockets = [n0.socket, n1.socket]
     env = {"CKPTD_INCARNATION": ""}
     first = run_ranks(_save_step_2, 2, sockets, "A", [1], local_world_size=1, env=env)

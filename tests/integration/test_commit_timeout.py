@@ -6,7 +6,6 @@ the coordinator committed it); the next step commits on both and loads bit-exact
 from __future__ import annotations
 
 import asyncio
-import time
 
 import torch
 
@@ -17,7 +16,9 @@ from ckptd.writer.errors import SaveTimeoutError
 from ckptd.writer.root import open_root
 
 WORLD = 2
-TIMEOUT_S = 2.0
+# long enough that the step both nodes save together (step 2) commits on a loaded runner (node 1 waits this long
+# for the commit, the coordinator as long for node 1's part); step 1's order does not depend on it (a barrier)
+TIMEOUT_S = 10.0
 
 
 def _shard(rank: int, step: int) -> Shard:
@@ -28,14 +29,16 @@ def _rank(rank: int, world: int, sockets: list[str]) -> dict[int, str]:
     client = CheckpointClient(sockets[rank], placement=Placement(rank, world, 1, rank))
     outcome: dict[int, str] = {}
     for step in (1, 2):
-        if step == 1 and rank == 0:  # the coordinator's part comes after node 1 stopped waiting
-            time.sleep(2.5 * TIMEOUT_S)
+        if step == 1 and rank == 0:  # the coordinator's part comes after node 1 stopped waiting (and said so)
+            torch.distributed.barrier()
         handle = client.save(step, {"w": _shard(rank, step)})
         try:
             handle.wait(60)
             outcome[step] = "committed"
         except SaveTimeoutError as exc:
             outcome[step] = str(exc)
+        if step == 1 and rank == 1:  # node 1 gave step 1 up at its commit timeout: now the coordinator saves
+            torch.distributed.barrier()
         torch.distributed.barrier()
     client.close()
     return outcome

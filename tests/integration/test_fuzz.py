@@ -199,7 +199,7 @@ def test_after_fuzzing_a_normal_client_saves_bit_exact(daemon: tuple[DaemonProce
     assert tree_digest(os.path.join(root, "step_1000001")) == committed, "a committed step changed"
     client.close()
     # allocator slack: the daemon frees what the connections held; fragmentation may keep a little
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # the daemon gets there in its own time on a loaded runner
     while _rss_anon(d.proc.pid) > baseline + 24 * MiB and time.monotonic() < deadline:
         time.sleep(0.2)
     grown = _rss_anon(d.proc.pid) - baseline

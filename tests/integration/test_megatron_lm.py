@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import re
@@ -316,7 +317,8 @@ def test_a_step_lost_with_its_daemon_gets_no_tracker(tmp_path: Path, sockdir: st
         left = [p for p in psutil.process_iter(["cmdline"])
                 if "serve" in (p.info["cmdline"] or []) and any(sockdir in a for a in p.info["cmdline"] or [])]
         for p in left:
-            p.terminate()
+            with contextlib.suppress(psutil.NoSuchProcess):  # it may have exited by itself since it was listed
+                p.terminate()
         psutil.wait_procs(left, timeout=20)
     saves = got["saves"]
     for mode in (False, True):

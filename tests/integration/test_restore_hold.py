@@ -59,8 +59,8 @@ def _hold_then_exit(daemon: DaemonProcess) -> None:
         source = arena_source(client, 7)
         assert source is not None and len(source.shards) == 1  # restored from memory
     finally:
+        gone = time.monotonic()  # taken before the close: the daemon cannot start counting the hold earlier
         client.close()
-    gone = time.monotonic()
     took = _exit_after(daemon, gone)  # the hold counts from the last client's leaving again
     assert HOLD_S - 0.5 <= took < HOLD_S + 10, (took, daemon.log_tail())
     assert "holding step 7 for an in-memory restore" in daemon.log_tail()

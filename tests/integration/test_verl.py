@@ -12,6 +12,7 @@ for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -178,7 +179,8 @@ def verl_job(tmp_path: Path, sockdir: str) -> Any:
     stop()
     embedded = _serving({socket_for(root, env) for root in roots})
     for p in embedded:  # started by the ranks of this test (start_new_session: not our children)
-        p.terminate()
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may have exited by itself since it was listed
+            p.terminate()
     psutil.wait_procs(embedded, timeout=20)
 
 

@@ -12,6 +12,7 @@ committed before that or never.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,8 @@ def ray_env(sockdir: str) -> Any:
     left = [p for p in psutil.process_iter(["cmdline"])
             if "serve" in (p.info["cmdline"] or []) and any(sockdir in a for a in p.info["cmdline"] or [])]
     for p in left:
-        p.terminate()
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may have exited by itself since it was listed
+            p.terminate()
     psutil.wait_procs(left, timeout=20)
 
 

@@ -256,7 +256,7 @@ async def test_a_lease_larger_than_the_arena_fails_at_once(arena: Arena) -> None
     t0 = time.monotonic()
     with pytest.raises(ArenaError, match="larger --arena-size"):
         await arena.lease(1, [MiB // 2, MiB // 2 + 1], timeout=30)
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 10  # not its 30 s timeout (a loaded runner may pause this process a moment)
     assert issubclass(ArenaError, CkptdError) and issubclass(ArenaError, MemoryError)
     assert arena.free_bytes == MiB
 
@@ -274,7 +274,7 @@ async def test_full_arena_with_a_timeout_times_out(arena: Arena) -> None:
     with pytest.raises(SaveTimeoutError) as info:
         await arena.lease(2, [PAGE], timeout=0.2)
     waited = time.monotonic() - t0
-    assert 0.18 <= waited < 1.5
+    assert 0.18 <= waited < 10  # its 0.2 s (not a wait for space that never comes), however loaded the runner
     assert isinstance(info.value, TimeoutError)
     assert not arena._waiters  # the waiter cleaned up after itself
 

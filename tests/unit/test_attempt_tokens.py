@@ -147,22 +147,38 @@ def test_a_node_that_stops_waiting_and_the_coordinator_agree_on_the_outcome(tmp_
             assert (await w.commit(1, 2, timeout=1.0, attempt="A.2")).attempts == ["A.2", "A.2"]
             assert (await w.wait_committed(1, timeout=0.1, attempt="A.2", node=1)).step == 1
 
-            # the coordinator decided first, its marker late: the node waits past its timeout for it
+            # the coordinator decided first, its marker late: the node waits past its timeout for it. Ordered by
+            # events, not by sleeps (the coordinator's metadata writes and filesystem sync before its claim, and
+            # the node's polls, take longer than any fixed fraction of a second on a loaded runner): the node
+            # starts waiting once the coordinator's verdict is there; the marker is written once the node, its
+            # timeout over, has claimed the verdict and found the coordinator's
             for node in (0, 1):
                 await w.write_part(_part(2, node, "B.1"))
-            marker = w.write_marker
+            marker, claim = w.write_marker, w._claim_verdict
+            node_claimed = asyncio.Event()
+
+            async def watched_claim(step: int, attempt: str, verdict: str, *, node: int) -> dict[str, object] | None:
+                standing = await claim(step, attempt, verdict, node=node)
+                if verdict == "timeout":
+                    node_claimed.set()
+                return standing
 
             async def late_marker(step: int, data: bytes) -> None:
-                await asyncio.sleep(0.6)
+                await node_claimed.wait()
                 await marker(step, data)
 
+            w._claim_verdict = watched_claim  # type: ignore[method-assign]
             w.write_marker = late_marker  # type: ignore[method-assign]
             committing = asyncio.create_task(w.commit(2, 2, timeout=1.0, attempt="B.1"))
+            deadline = time.monotonic() + 60
+            while not await backend.exists(fmt.verdict_key(2, "B.1")):
+                assert time.monotonic() < deadline, "the coordinator never claimed its verdict"
+                await asyncio.sleep(0.01)
             started = time.monotonic()
-            assert (await w.wait_committed(2, timeout=0.2, attempt="B.1", node=1)).step == 2
-            assert time.monotonic() - started >= 0.5
+            node_timeout = 2.0  # the marker comes after it; the node then waits up to as long again
+            assert (await w.wait_committed(2, timeout=node_timeout, attempt="B.1", node=1)).step == 2
+            assert node_claimed.is_set() and time.monotonic() - started >= node_timeout
             assert (await committing).attempts == ["B.1", "B.1"]
-            assert await backend.exists(fmt.verdict_key(2, "B.1"))
 
             # without attempt names nothing is claimed (the node's report may miss a late commit, as before)
             with pytest.raises(SaveTimeoutError, match=r"did not commit within 0s$"):

@@ -405,8 +405,11 @@ def test_a_cancelled_local_load_returns_once_no_thread_writes(root: str, monkeyp
     the threads ended their chunks, and none starts another; nothing lands in the tensors afterwards."""
     from ckptd.client import fastread
 
+    begun: list[str] = []
+
     def slow(path: str, job: Job) -> None:
-        time.sleep(0.3)
+        begun.append(job.path)
+        time.sleep(1.0)
         read_local(path, job)
 
     monkeypatch.setattr(fastread, "read_local", slow)
@@ -416,12 +419,20 @@ def test_a_cancelled_local_load_returns_once_no_thread_writes(root: str, monkeyp
         async with open_root(root, None, create=False) as ckpt:
             reader = ChunkReader(ckpt, await ckpt.read_commit(1), concurrency=2)
             reader.add("w", dst, (0, 0))
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(reader.run(), 0.1)
+            run = asyncio.create_task(reader.run())
+            # cancelled once both threads are in a chunk (a fixed 0.1 s timeout could come before a thread of
+            # the pool had begun one on a loaded runner), well before either has read it
+            deadline = time.monotonic() + 60
+            while len(begun) < 2:
+                assert time.monotonic() < deadline and not run.done(), begun
+                await asyncio.sleep(0.005)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
             return dst.clone()
 
     at_cancel = asyncio.run(go())
-    time.sleep(0.8)
+    time.sleep(1.5)
     assert torch.equal(dst, at_cancel)  # before: two more chunks landed after the load had returned
     assert int((at_cancel != 0).any(1).sum()) == 4  # the two chunks the threads had begun (2 rows each), no more
 
@@ -670,7 +681,7 @@ def test_a_failed_read_stops_the_others_and_nothing_lands_after_the_error(
         if job.path.endswith("w/c/0/0"):  # fails while the other thread reads the next chunk
             time.sleep(0.01)
             raise CorruptCheckpointError(f"{job.path}: injected")
-        time.sleep(0.05)
+        time.sleep(0.5)  # long after the failure, even with this process's threads slow to run on a loaded runner
         read_local(path, job)
         landed.append(job.path)
 

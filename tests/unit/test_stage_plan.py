@@ -6,7 +6,6 @@ import itertools
 import logging
 import math
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -340,9 +339,10 @@ def test_with_a_core_to_spare_the_static_copy_runs_on_a_worker_and_the_save_wait
     plan, want = _static_plan()
     threads: list[str] = []
     stage_static = plan.stage_static
+    go = threading.Event()
 
     def on_which_thread(arena: torch.Tensor, base: int) -> None:
-        time.sleep(0.2)  # still copying when the save's own copy starts: it must wait for this one
+        assert go.wait(60)  # still copying when the save's own copy starts: it must wait for this one
         threads.append(threading.current_thread().name)
         stage_static(arena, base)
 
@@ -350,6 +350,7 @@ def test_with_a_core_to_spare_the_static_copy_runs_on_a_worker_and_the_save_wait
     arena = _mapped(tmp_path, plan.span, threaded=True)
     arena.stage_static(plan, 0)
     assert threads == []  # started, not waited for
+    threading.Timer(0.2, go.set).start()  # the copy goes on a moment later, as the save's own copy starts
     arena.stage_plan(plan, 0, plan.sources([]), static=False)
     assert threads and threads[0].startswith("ckptd-stage")
     assert torch.equal(arena._bytes(False), want)  # the static run, the looked-up state, in one span

@@ -49,9 +49,11 @@ def test_a_save_refused_because_its_step_failed_meanwhile_gives_its_lease_back(t
     async def go() -> tuple[int, int, int]:
         async with _service(tmp_path) as (svc, arena):
             write_sidecar = svc.root.write_sidecar
+            writing, failed = asyncio.Event(), asyncio.Event()
 
-            async def slow_sidecar(name: str, text: str) -> None:
-                await asyncio.sleep(0.2)  # an S3 round trip or two
+            async def slow_sidecar(name: str, text: str) -> None:  # an S3 round trip or two, lasting until ...
+                writing.set()
+                await failed.wait()  # ... the step failed meanwhile
                 await write_sidecar(name, text)
 
             svc.root.write_sidecar = slow_sidecar  # type: ignore[method-assign]
@@ -61,8 +63,9 @@ def test_a_save_refused_because_its_step_failed_meanwhile_gives_its_lease_back(t
                               num_nodes=1, local_world_size=2, objects={}, sidecars={fmt.sidecar_name(text): text},
                               shards=[ShardMeta("w", "float32", [1024], [0], [1024], [1024], 0)])
             accept = asyncio.create_task(svc.accept(req, 7))
-            await asyncio.sleep(0.05)  # the accept is writing the sidecar
+            await asyncio.wait_for(writing.wait(), 60)  # the accept is writing the sidecar
             svc.jobs[5].fail(StorageError("rank 1's write failed"))
+            failed.set()
             with pytest.raises(CkptdError):
                 await accept
             return arena.free_bytes, arena.size, arena.leases
@@ -167,10 +170,12 @@ def test_an_attempt_given_up_ends_outside_the_job_lock(tmp_path: Path) -> None:
     async def go() -> StepJob:
         async with _service(tmp_path) as (svc, _arena):
             mark_failed = svc.root.mark_failed
+            note_started, step_4_prepared = asyncio.Event(), asyncio.Event()
 
             async def slow_note(step: int, error: BaseException, **kw: object) -> None:
                 events.append("note started")
-                await asyncio.sleep(0.5)
+                note_started.set()
+                await step_4_prepared.wait()  # slow storage: still writing while step 4 is prepared
                 await mark_failed(step, error, **kw)
                 events.append("note written")
 
@@ -183,8 +188,9 @@ def test_an_attempt_given_up_ends_outside_the_job_lock(tmp_path: Path) -> None:
                 events.append(f"step {step} rank {rank} prepared")
 
             new = asyncio.create_task(prepared(3, 1))
-            await asyncio.sleep(0.1)  # the give-up's note is being written
-            await asyncio.wait_for(prepared(4, 0), 0.3)  # not behind the note
+            await asyncio.wait_for(note_started.wait(), 60)  # the give-up's note is being written
+            await asyncio.wait_for(prepared(4, 0), 60)  # not behind the note (which waits for this)
+            step_4_prepared.set()
             await new
             assert old.state is StepState.FAILED and old.superseded
             return svc.jobs[3]

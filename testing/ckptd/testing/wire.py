@@ -4,8 +4,20 @@ would (malformed frames, hostile values, requests out of order) and read the dae
 from __future__ import annotations
 
 import socket
+import time
 
-from ckptd.client.protocol import HEADER, PROTOCOL_VERSION, ErrorReply, LeaseGranted, LeaseRequest, decode_reply, encode
+from ckptd.client.protocol import (
+    HEADER,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    LeaseGranted,
+    LeaseRequest,
+    StatusRequest,
+    StepState,
+    StepStatus,
+    decode_reply,
+    encode,
+)
 from ckptd.writer.errors import error_classes
 
 __all__ = ["RawPeer", "refused"]
@@ -41,6 +53,16 @@ class RawPeer:
         reply = self.call(LeaseRequest(v=PROTOCOL_VERSION, step=step, rank=0, sizes=list(sizes), timeout_s=timeout_s))
         assert isinstance(reply, LeaseGranted), reply
         return reply
+
+    def final_status(self, step: int, timeout: float = 60.0) -> StepStatus:
+        """The status of ``step`` once it committed or failed, asked again until ``timeout``: the daemon holds a
+        status request back at most ``MAX_STATUS_WAIT_S`` (5 s), however long ``wait_s`` asks for."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.call(StatusRequest(v=PROTOCOL_VERSION, step=step, wait_s=5.0))
+            assert isinstance(status, StepStatus), status
+            if StepState(status.state).final or time.monotonic() > deadline:
+                return status
 
     def recv(self) -> object:
         (n,) = HEADER.unpack(self._exactly(HEADER.size))
