@@ -95,19 +95,22 @@ def _load(rank: int, world: int, roots: dict[str, tuple[str, str]]) -> dict[str,
         model, optimizer, _train = build_gpt(seed=4321, initialize_parallel=build["tp"] != tp, **build)
         tp = build["tp"]
         if build is CONTROL:  # the model alone first (optimizer=None): this TP rank's rows of each
+            del logged[:]
             try:
                 model_only = {"layout": load_checkpoint(roots["fp32"][1], K, model, None).layout}
             except Exception as exc:
                 model_only = {"layout": f"{type(exc).__name__}: {exc}"}
             params = dict(model[0].module.named_parameters())
             model_only.update({k: params[k].detach().clone() for k in VOCAB})
+            model_only["logged"] = list(logged)
         before = [p.detach().clone() for p in model[0].parameters()]
+        del logged[:]
         try:
             load_checkpoint(roots["fp32"][1], K, model, optimizer)
             refused.append(None)
         except Exception as exc:
             untouched = all(torch.equal(a, b) for a, b in zip(before, model[0].parameters(), strict=True))
-            refused.append((type(exc).__name__, str(exc), untouched))
+            refused.append((type(exc).__name__, str(exc), untouched and not logged))  # nor said to be loaded
     return {"loads": loads, "refused": refused, "model_only": model_only}
 
 
@@ -163,8 +166,11 @@ def test_another_padded_vocab_loads_the_rows_both_hold(run: dict[str, Any], case
         assert all(isinstance(p, tuple) for p in per_rank), f"{which}: {per_rank}"
         assert {p[0] for p in per_rank} == {layout}
         _assert_fits(run["saved"][saved], [p[1] for p in per_rank], rows, f"{which}, case {case}")
-        for _layout, _states, logged in per_rank:  # one INFO line naming the refitted tensors
+        grown = rows > SAVES[saved]["vocab"]
+        for _layout, _states, logged in per_rank:  # one INFO line naming the refitted tensors, saying what it did
             assert len(logged) == 1 and all(f"model/{k}" in logged[0] for k in VOCAB), logged
+            assert ("zeroed and their optimizer state" in logged[0]) == grown, logged
+            assert ("left out" in logged[0]) == (not grown), logged
 
 
 def test_other_shape_differences_are_still_refused(run: dict[str, Any]) -> None:
@@ -180,6 +186,8 @@ def test_the_model_alone_loads_the_rows_both_hold(run: dict[str, Any]) -> None:
     """``optimizer=None`` (finetune, no_load_optim): the fp32 checkpoint's 64 rows at TP2 with 128, 64 a rank."""
     for tp_rank, r in enumerate(run["results"]):
         assert r["model_only"]["layout"] == "model", r["model_only"]["layout"]
+        (said,) = r["model_only"]["logged"]
+        assert "zeroed (" in said and "optimizer" not in said, said
         for name in VOCAB:
             saved, live = run["saved"]["fp32"].states[name]["model"], r["model_only"][name]
             assert live.shape == (64, 32)

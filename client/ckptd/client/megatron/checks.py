@@ -82,14 +82,13 @@ def _held(spec: Mapping[str, Any], ranks: list[int], dtype: bool) -> str:
 
 
 def check_parallel_sizes(step: int, records: Mapping[int, Record], layout: MegatronLayout) -> None:
-    """The step was saved at the live TP and PP sizes (any DP)."""
+    """The step was saved at the live TP and PP sizes (any DP); else :class:`LayoutMismatchError`, the loader's
+    reason to read each param by its place in model space."""
     sizes = {(rec["tp_size"], rec["pp_size"]) for rec in records.values()}
     if sizes != {(layout.tp_size, layout.pp_size)}:
         saved = ", ".join(f"TP={t} PP={p}" for t, p in sorted(sizes))
-        raise LayoutMismatchError(
-            f"step {step} was saved with {saved}; this model runs TP={layout.tp_size} PP={layout.pp_size}. Its "
-            "optimizer state is in the DP layout, which loads only with the same TP/PP (any DP). To change TP/PP, "
-            f"build the merged (fully reshardable) layout first: `ckptd merge ROOT --step {step}`, then load that"
+        raise LayoutMismatchError(  # the loader's reason to read by place in model space (merged or merge-free)
+            f"step {step} was saved with {saved}; this model runs TP={layout.tp_size} PP={layout.pp_size}"
         )
 
 

@@ -385,7 +385,7 @@ async def _load_model_only(
     """The model alone (finetune, ``--no-load-optim``): model tensors are in model space, so any TP/PP/DP
     loads them. RNG, ``_extra_state`` and ``extra`` as on every path (:mod:`~ckptd.client.megatron.rank_state`)."""
     ranks = introspect.parallel_ranks()
-    template, vocab = fit_vocab(commit, model_template(model_chunks), model_chunks)  # another padded vocab
+    template, vocab = fit_vocab(commit, model_template(model_chunks), model_chunks, with_optimizer=False)
     plan_reads(commit, template)  # every model key, shape and dtype checked before anything is written
     if strict and ranks.pp_size == 1 and all(rec["pp_size"] == 1 for rec in records.values()):
         have = {sh.key for sh in template.values()}

@@ -49,6 +49,10 @@ class VocabFit:
     fresh: list[torch.Tensor] = field(default_factory=list)  # live model rows the checkpoint lacks
     cut: frozenset[ParamLayout] = frozenset()  # params of the fitted layout that hold such rows
     layout: MegatronLayout | None = None  # the fitted layout (:meth:`fit`)
+    live: dict[str, tuple[int, ...]] = field(default_factory=dict)  # model array -> the live global shape
+    step: int = 0
+    with_optimizer: bool = True
+    _told: bool = False
 
     def fit(self, layout: MegatronLayout) -> MegatronLayout:
         """``layout`` with the model pieces of the refitted keys cut to the stored rows (the global shape the
@@ -91,7 +95,9 @@ class VocabFit:
     def zero(self, slices: Mapping[str, torch.Tensor] | None = None) -> None:
         """Zero the live model rows the checkpoint lacks, and in ``slices`` (this rank's bucket slices, by
         optimizer key) the ranges of the :attr:`cut` params, whose overlap the read then fills. The first write
-        of the load: call it after every check."""
+        of the load: call it after every check. Logs the one INFO line naming the keys (a refused load never
+        gets here, so never logs it)."""
+        self._tell()
         for t in self.fresh:
             t.zero_()
         if not slices or not self.cut or self.layout is None:
@@ -110,18 +116,37 @@ class VocabFit:
                         t[a:b].zero_()
 
 
+    def _tell(self) -> None:
+        if self._told or not self.shapes:
+            return
+        self._told = True
+        grown = sorted(k for k in self.shapes if self.live[k][0] > self.shapes[k][0])
+        shrunk = sorted(k for k in self.shapes if self.live[k][0] < self.shapes[k][0])
+        what = " and their optimizer state" if self.with_optimizer else ""
+        said = [f"{k} {self.shapes[k]} -> {self.live[k]}" for k in sorted(self.shapes)]
+        done = ["the rows both hold are loaded"]
+        if grown:
+            done.append(f"the live rows beyond the checkpoint's are zeroed{what} ({', '.join(grown)})")
+        if shrunk:
+            done.append(f"the checkpoint's rows beyond the live vocabulary are left out ({', '.join(shrunk)})")
+        logger.info("step %d: another padded vocabulary than the checkpoint's (checkpoint -> live shape: %s): %s",
+                    self.step, ", ".join(said), "; ".join(done))
+
+
 def fit_vocab(
-    commit: CommitManifest, template: Mapping[str, Shard], model_chunks: Sequence[torch.nn.Module]
+    commit: CommitManifest, template: Mapping[str, Shard], model_chunks: Sequence[torch.nn.Module], *,
+    with_optimizer: bool = True,
 ) -> tuple[dict[str, Shard], VocabFit]:
     """``template`` fitted to ``commit``'s vocabulary rows (see the module's docstring), and the fit; the
-    template as it is when every shape matches. Pure: nothing is written. Logs one INFO line naming the keys."""
+    template as it is when every shape matches. Pure: nothing is written (nor logged: :meth:`VocabFit.zero`
+    says what the load did, once every check passed)."""
     arrays = {rec.name: tuple(rec.shape) for rec in commit.arrays}
     differ = {sh.key: arrays[sh.key] for sh in template.values()
               if sh.key in arrays and arrays[sh.key] != tuple(sh.global_shape)}
     if not differ:
         return dict(template), VocabFit()
     flexible = _flexible(model_chunks)
-    fit = VocabFit()
+    fit = VocabFit(step=commit.step, with_optimizer=with_optimizer)
     out: dict[str, Shard] = {}
     for path, sh in template.items():
         shape = differ.get(sh.key)
@@ -129,7 +154,7 @@ def fit_vocab(
         if shape is None or sh.key not in flexible or len(shape) != len(live) or shape[1:] != live[1:]:
             out[path] = sh  # plan_reads refuses a difference not of the vocab rows, naming the key
             continue
-        fit.shapes[sh.key] = shape
+        fit.shapes[sh.key], fit.live[sh.key] = shape, live
         n, at = sh.data.shape[0], min(sh.global_offset[0], shape[0])
         rows = min(shape[0] - at, n)
         if rows < n:
@@ -137,17 +162,7 @@ def fit_vocab(
         # (a shard of no stored row is kept, empty: the key is still the model's, read or not)
         out[path] = replace(sh, data=sh.data.narrow(0, 0, rows), global_shape=shape,
                             global_offset=(at, *sh.global_offset[1:]), chunk_shape=None)
-    if fit.shapes:
-        logger.info(
-            "step %d: the padded vocabulary differs from the checkpoint's for %s (checkpoint -> live shape): the "
-            "rows both hold are loaded, live rows beyond the checkpoint's are zeroed (model and optimizer state), "
-            "the checkpoint's rows beyond the live vocabulary are left out", commit.step,
-            ", ".join(f"{k} {fit.shapes[k]} -> {_live(template, k)}" for k in sorted(fit.shapes)))
     return out, fit
-
-
-def _live(template: Mapping[str, Shard], key: str) -> tuple[int, ...]:
-    return next(tuple(sh.global_shape) for sh in template.values() if sh.key == key)
 
 
 def _flexible(model_chunks: Sequence[torch.nn.Module]) -> set[str]:
