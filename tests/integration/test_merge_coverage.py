@@ -63,20 +63,15 @@ async def _doctor(root: str, step: int, change: Callable[[ParamLayout], ParamLay
         record = commit.objects["0"][fmt.MEGATRON_RECORD]
         layout = decode_layout(await ckpt.read_sidecar(record[fmt.LAYOUT_FIELD]))
         found: list[ParamLayout] = []
-        buffers = []
-        for buf in layout.buffers:
-            buckets = []
-            for bucket in buf.buckets:
-                params = []
-                for p in bucket.params:
-                    new = None if found else change(p)
-                    if new is not None:
-                        found.append(p)
-                    params.append(new or p)
-                buckets.append(msgspec.structs.replace(bucket, params=tuple(params)))
-            buffers.append(msgspec.structs.replace(buf, buckets=tuple(buckets)))
+
+        def first(p: ParamLayout) -> ParamLayout:
+            new = None if found else change(p)
+            if new is not None:
+                found.append(p)
+            return new or p
+
+        text = layout.with_params(first).to_json()
         assert found, "no param to doctor"
-        text = msgspec.structs.replace(layout, buffers=tuple(buffers)).to_json()
         await CheckpointWriter(ckpt.backend).write_sidecar(fmt.sidecar_name(text), text)
         objects = {**commit.objects, "0": {**commit.objects["0"],
                                            fmt.MEGATRON_RECORD: {**record, fmt.LAYOUT_FIELD: fmt.sidecar_name(text)}}}

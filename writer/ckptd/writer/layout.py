@@ -14,7 +14,7 @@ version first. Building a layout from live Megatron objects is the client's busi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import numpy as np
@@ -202,6 +202,16 @@ class MegatronLayout(msgspec.Struct, frozen=True):
         for buf in self.buffers:
             for bucket in buf.buckets:
                 yield buf, bucket
+
+    def with_params(self, change: Callable[[ParamLayout], ParamLayout]) -> MegatronLayout:
+        """This layout with every param replaced by ``change(param)`` (buffers and buckets as they are)."""
+        buffers = tuple(
+            msgspec.structs.replace(buf, buckets=tuple(
+                msgspec.structs.replace(bucket, params=tuple(change(p) for p in bucket.params))
+                for bucket in buf.buckets))
+            for buf in self.buffers
+        )
+        return msgspec.structs.replace(self, buffers=buffers)
 
     def to_json(self) -> str:
         return encode_layout(self)

@@ -61,22 +61,18 @@ class VocabFit:
         if not self.shapes:
             return layout
         cut: set[ParamLayout] = set()
-        buffers = []
-        for buf in layout.buffers:
-            buckets = []
-            for bucket in buf.buckets:
-                params = []
-                for p in bucket.params:
-                    pieces = [c for piece in p.model_pieces if (c := self._piece(layout, piece)) is not None]
-                    if pieces != list(p.model_pieces):
-                        fitted = msgspec.structs.replace(covered(p), model_pieces=tuple(pieces))
-                        if fitted.uncovered() is not None:
-                            cut.add(fitted)
-                        p = fitted
-                    params.append(p)
-                buckets.append(msgspec.structs.replace(bucket, params=tuple(params)))
-            buffers.append(msgspec.structs.replace(buf, buckets=tuple(buckets)))
-        self.cut, self.layout = frozenset(cut), msgspec.structs.replace(layout, buffers=tuple(buffers))
+
+        def fitted(p: ParamLayout) -> ParamLayout:
+            pieces = [c for piece in p.model_pieces if (c := self._piece(layout, piece)) is not None]
+            if pieces == list(p.model_pieces):
+                return p
+            out = msgspec.structs.replace(covered(p), model_pieces=tuple(pieces))
+            if out.uncovered() is not None:
+                cut.add(out)
+            return out
+
+        self.layout = layout.with_params(fitted)
+        self.cut = frozenset(cut)
         return self.layout
 
     def _piece(self, layout: MegatronLayout, piece: ModelPiece) -> ModelPiece | None:
