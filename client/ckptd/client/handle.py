@@ -55,13 +55,16 @@ class SaveHandle:
             return
         try:
             st = self._client._status(self.step, wait_s, self.attempt)
-        except DaemonUnavailableError as exc:  # the daemon died, restarted or hangs: unless it committed first,
-            if self._committed_in_storage():  # this save is lost with it
+        except DaemonUnavailableError as exc:  # the daemon died, restarted or hangs: this save is lost with it,
+            # unless the daemon committed it first (it died after its marker). Not asked of a hung daemon: it may
+            # hang in storage, and the rank would then hang there too
+            if isinstance(exc, DaemonUnresponsiveError):
+                self._fail(DaemonUnresponsiveError(f"step {self.step}: lost the daemon before the commit: {exc}"))
+            elif self._committed_in_storage():
                 self.state = StepState.COMMITTED
-                return
-            cls = DaemonUnresponsiveError if isinstance(exc, DaemonUnresponsiveError) else DaemonUnavailableError
-            self._fail(cls(f"step {self.step}: lost the daemon before the commit (storage holds none of this "
-                           f"save): {exc}"))
+            else:
+                self._fail(DaemonUnavailableError(
+                    f"step {self.step}: lost the daemon before the commit (storage holds none of this save): {exc}"))
             return
         self._apply(st)
 
