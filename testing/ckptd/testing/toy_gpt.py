@@ -61,6 +61,7 @@ def build_gpt(
     etp: int | None = None,
     frozen: tuple[str, ...] = (),
     stage_layers: tuple[int, int] | None = None,
+    vpp: int | None = None,
 ) -> ToyGPT:
     """Build the toy GPT on an already-initialized default process group (gloo; NCCL on a GPU).
 
@@ -87,6 +88,20 @@ def build_gpt(
 
     ``stage_layers=(first, last)`` gives the first and last pipeline stages that many layers (Megatron-LM's
     ``--decoder-first/last-pipeline-num-layers``), the middle stages share the rest evenly.
+
+    ``vpp`` builds that many model chunks per pipeline rank (the interleaved schedule, Megatron-LM's
+    ``--num-layers-per-virtual-pipeline-stage``; needs ``pp`` > 1) as Megatron-LM's ``get_model`` does with
+    megatron-core 0.16: ``initialize_model_parallel(virtual_pipeline_model_parallel_size=vpp)``, one
+    ``GPTModel(vp_stage=i)`` per chunk with ``pre_process``/``post_process`` of its virtual stage, each in its
+    own DDP (bucketing off past the first chunk), one optimizer over all chunks; ``train_step`` runs the
+    interleaved schedule with one data iterator per chunk. ``global_microbatches`` // DP must then be a
+    multiple of ``pp``. The config takes Megatron-LM's VPP defaults ``overlap_p2p_comm=True``,
+    ``batch_p2p_comm=False``: with megatron-core 0.16's batched p2p (``batch_isend_irecv`` of
+    send_prev, recv_prev, send_next, recv_next on every rank) at PP2 on gloo, where both neighbours are one
+    rank, the loss of the same weights depended on the number of micro-batches (seen: 4.86254 at DP1, 4.86151
+    at DP2, before any update; by our reading the ops pair one rank's activation with the other's gradient
+    receive, not confirmed by a trace).
+    With VPP the losses of DP sizes agree to float rounding, not bit for bit.
     """
     # the GPU only for NCCL ranks: gloo ranks (the tests, the demo) run on the CPU through the shim, GPU or not
     on_gpu = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
@@ -114,9 +129,12 @@ def build_gpt(
         # megatron-core 0.16 names TE's gemm in the router even without TE installed (NameError otherwise)
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
+    if vpp is not None and pp < 2:
+        raise ValueError(f"vpp={vpp} needs pp > 1 (megatron-core's interleaved schedule), not pp={pp}")
     if initialize_parallel:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vpp,
                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
@@ -135,6 +153,10 @@ def build_gpt(
         num_attention_heads=heads,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Megatron-LM's defaults with VPP (--overlap-p2p-communication on, so batch_p2p_comm off); the batched
+        # ops pair the wrong tensors at PP2, where the previous and next stage are the same rank (see above)
+        **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if vpp is not None else {}),
         pipeline_dtype=dtype,
         params_dtype=torch.float32,
         bf16=bf16,
@@ -162,32 +184,36 @@ def build_gpt(
     )
     if config.sequence_parallel:
         _torch_norm_with_sequence_parallel()
-    pre = ps.is_pipeline_first_stage()
-    post = ps.is_pipeline_last_stage()
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False),
-        vocab_size=vocab,
-        max_sequence_length=seq,
-        pre_process=pre,
-        post_process=post,
-        share_embeddings_and_output_weights=share_embeddings and not llama,
-        **({"position_embedding_type": "rope"} if llama else {}),
-    )
-    if device is not None:  # initialized on the CPU (bit-reproducible), trained on this rank's GPU
-        gpt.cuda(device)
-    for name, param in gpt.named_parameters():
-        if any(part in name for part in frozen):
-            param.requires_grad_(False)
-    module: torch.nn.Module = Float16Module(config, gpt) if bf16 else gpt
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=True,
         bucket_size=bucket_size,
     )
-    chunk = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
-    model: list[torch.nn.Module] = [chunk]
+    model: list[torch.nn.Module] = []
+    for vp_stage in range(vpp or 1):  # Megatron-LM's get_model: one chunk per virtual stage, built in order
+        stage = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp is not None else {}
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False),
+            vocab_size=vocab,
+            max_sequence_length=seq,
+            pre_process=ps.is_pipeline_first_stage(**stage),
+            post_process=ps.is_pipeline_last_stage(**stage),
+            share_embeddings_and_output_weights=share_embeddings and not llama,
+            **({"position_embedding_type": "rope"} if llama else {}),
+            **({"vp_stage": vp_stage} if vpp is not None else {}),
+        )
+        if device is not None:  # initialized on the CPU (bit-reproducible), trained on this rank's GPU
+            gpt.cuda(device)
+        for name, param in gpt.named_parameters():
+            if any(part in name for part in frozen):
+                param.requires_grad_(False)
+        module: torch.nn.Module = Float16Module(config, gpt) if bf16 else gpt
+        # Megatron-LM: bucketing only for the first chunk (the others' grads are reduced as one bucket each)
+        model.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                             disable_bucketing=vp_stage > 0))
+    post = ps.is_pipeline_last_stage()  # this rank computes the loss (its last chunk is the model's last)
 
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -201,9 +227,11 @@ def build_gpt(
     optimizer = get_megatron_optimizer(opt_config, model)
 
     config.finalize_model_grads_func = finalize_model_grads
-    if overlap_grad_reduce:
-        config.no_sync_func = chunk.no_sync
-        config.grad_sync_func = chunk.start_grad_sync
+    if overlap_grad_reduce:  # as Megatron-LM's train(): one per chunk, a bare one for a single chunk
+        no_sync = [c.no_sync for c in model]
+        grad_sync = [c.start_grad_sync for c in model]
+        config.no_sync_func = no_sync if len(model) > 1 else no_sync[0]
+        config.grad_sync_func = grad_sync if len(model) > 1 else grad_sync[0]
 
     forward_backward = get_forward_backward_func()
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1).view(1, 1, seq, seq)
@@ -232,7 +260,9 @@ def build_gpt(
         for c in model:
             c.zero_grad_buffer()  # type: ignore[operator]
         optimizer.zero_grad()
-        data = iter([batch(iteration, dp_rank * local_microbatches + i) for i in range(local_microbatches)])
+        batches = [batch(iteration, dp_rank * local_microbatches + i) for i in range(local_microbatches)]
+        # the interleaved schedule takes one iterator per chunk, each over the same micro-batches
+        data: Any = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         reduced = forward_backward(
             forward_step_func=forward_step,
             data_iterator=data,

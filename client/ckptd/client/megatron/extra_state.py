@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import dis
 import io
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,22 @@ from ckptd.client.state import dtype_name, torch_dtype
 from ckptd.writer.errors import InvalidRequestError, StateMismatchError
 
 EXTRA_STATE_RECORD = "extra_state"  # the per-rank objects entry: {"<chunk>/<module name>": encoded state}
+LAYERS_FIELD = "layers"  # the megatron record's entry: per model chunk, its transformer layers' global numbers
+
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+$")
+
+
+def chunk_layers(model_chunks: Sequence[torch.nn.Module]) -> list[list[int]]:
+    """Per model chunk, the ``layer_number`` (global, 1-based) of each of its transformer layers in order.
+
+    The stored names (``<chunk>/<module name>``) say which module's ``_extra_state`` it is only together with
+    this: the same name is another layer when the layers are split otherwise over the chunks (virtual pipeline
+    stages added or removed, another ``--decoder-first/last-pipeline-num-layers``) at the same TP/PP sizes."""
+    out = []
+    for chunk in model_chunks:
+        out.append([m.layer_number for name, m in introspect.unwrap(chunk).named_modules()
+                    if _LAYER.search(name) and isinstance(getattr(m, "layer_number", None), int)])
+    return out
 
 
 def _with_extra_state(model_chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module]]:

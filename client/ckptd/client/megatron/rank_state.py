@@ -10,7 +10,11 @@ merge-free reshard, model only):
   every DP rank alike unless ``data_parallel_random_init``; TE's amax is reduced over DP): logged once per
   process.
 * With a counterpart, its RNG state and ``_extra_state`` are restored, whatever else changed (DP size,
-  bucket layout, merged or merge-free read).
+  bucket layout, merged or merge-free read); its ``_extra_state`` only where it held the same transformer layers
+  in the same model chunks (its record's ``layers``, records saved before it: taken as the same): the stored
+  names are per chunk and local layer index, so with virtual pipeline stages added or removed, or the layers
+  split otherwise over the stages, a name is another layer's. There ``_extra_state`` is left as it is, with one
+  warning per process.
 * Without one (the TP, PP, EP or ETP size changed), no saved generator belongs to this rank — Megatron
   derives the tensor-parallel seed from the TP rank, the expert one from the EP and ETP ranks and the default
   one from the PP rank, and the experts' ``_extra_state`` (TE's amax) belongs to the saved rank's experts —
@@ -30,7 +34,13 @@ from typing import Any
 import torch
 
 from ckptd.client.megatron import introspect
-from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, check_extra_states, restore_extra_states
+from ckptd.client.megatron.extra_state import (
+    EXTRA_STATE_RECORD,
+    LAYERS_FIELD,
+    check_extra_states,
+    chunk_layers,
+    restore_extra_states,
+)
 from ckptd.client.megatron.rng import restore_rng, rng_template
 from ckptd.client.state import Shard
 from ckptd.writer.format import EXTRA, RNG_RECORD, CommitManifest
@@ -75,6 +85,7 @@ class RankState:
     source: int  # the counterpart, else the lowest saved rank (``extra`` only)
     matched: bool  # ``source`` is this rank's counterpart
     rng: dict[str, Shard] = field(default_factory=dict)  # buffers for the stored RNG arrays, filled by the load
+    same_layers: bool = True  # ``source`` held this rank's layers in its chunks: its ``_extra_state`` is ours
 
     @property
     def objects(self) -> Mapping[str, Any]:
@@ -89,7 +100,8 @@ class RankState:
         """Set ``_extra_state`` and (``rng``) the generators from the counterpart; nothing without one."""
         if not self.matched:
             return
-        restore_extra_states(model_chunks, self.objects.get(EXTRA_STATE_RECORD))
+        if self.same_layers:
+            restore_extra_states(model_chunks, self.objects.get(EXTRA_STATE_RECORD))
         if rng:
             restore_rng(self.rng, self.objects.get(RNG_RECORD))
 
@@ -123,7 +135,15 @@ def plan_rank_state(
     if records[source]["dp"] != dp:
         _once("dp-fallback", "step %d: DP rank %d did not exist at save time; RNG state and _extra_state come "
               "from the lowest DP rank of the same TP/PP/EP rank", commit.step, dp, level=logging.INFO)
-    check_extra_states(model_chunks, state.objects.get(EXTRA_STATE_RECORD))
+    saved_layers = records[source].get(LAYERS_FIELD)
+    if saved_layers is not None and saved_layers != (live := chunk_layers(model_chunks)):
+        state.same_layers = False
+        _once("other-layers", "step %d: saved rank %d held the transformer layers %s in its model chunks, this rank "
+              "holds %s (virtual pipeline stages or the split of the layers changed): _extra_state is left as it "
+              "is (restored only where the same chunks hold the same layers); RNG state is restored",
+              commit.step, source, saved_layers, live)
+    else:
+        check_extra_states(model_chunks, state.objects.get(EXTRA_STATE_RECORD))
     if rng:
         state.rng = rng_template(commit, source)
     return state

@@ -14,7 +14,13 @@ from ckptd.client.collector import paused
 from ckptd.client.early import EarlyCopy, copied_ahead
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.constant import capture
-from ckptd.client.megatron.extra_state import EXTRA_STATE_RECORD, extra_state_modules, extra_states
+from ckptd.client.megatron.extra_state import (
+    EXTRA_STATE_RECORD,
+    LAYERS_FIELD,
+    chunk_layers,
+    extra_state_modules,
+    extra_states,
+)
 from ckptd.client.megatron.layout import Binding, bind, get_layout, rank_plan
 from ckptd.client.megatron.model import model_state, refuse_copies
 from ckptd.client.megatron.optimizer import optimizer_shards, state_names
@@ -70,9 +76,11 @@ def _param_signature(model_chunks: Sequence[torch.nn.Module]) -> tuple[int, ...]
     return tuple(p.data_ptr() for c in model_chunks for p in c.parameters())
 
 
-def megatron_record(layout: MegatronLayout, layout_json: str) -> dict[str, Any]:
-    """The per-rank ``megatron`` record: the layout sidecar's name and this rank's parallel coordinates (expert
-    parallel ones included)."""
+def megatron_record(
+    layout: MegatronLayout, layout_json: str, model_chunks: Sequence[torch.nn.Module] | None = None
+) -> dict[str, Any]:
+    """The per-rank ``megatron`` record: the layout sidecar's name, this rank's parallel coordinates (expert
+    parallel ones included) and, given ``model_chunks``, their layers (:func:`~.extra_state.chunk_layers`)."""
     return {
         "version": MEGATRON_CHECKPOINT_VERSION,
         LAYOUT_FIELD: sidecar_name(layout_json),
@@ -84,6 +92,7 @@ def megatron_record(layout: MegatronLayout, layout_json: str) -> dict[str, Any]:
         "dp_size": layout.dp_size,
         "megatron_core": layout.megatron_core_version,
         **introspect.expert_ranks(),
+        **({LAYERS_FIELD: chunk_layers(model_chunks)} if model_chunks is not None else {}),
     }
 
 
@@ -111,7 +120,7 @@ def save_plan(
     planned = plan_state(state, rank)  # validates keys, dtypes and chunk grids; sets replicas apart
     shards = planned.shards
     layout_json = layout.to_json()
-    record = megatron_record(layout, layout_json)
+    record = megatron_record(layout, layout_json, model_chunks)
     plan = SavePlan(chunk_ids, signature, elem_names, layout_json, record, shards, planned.replicas)
     cache.save = plan
     logger.info(
@@ -136,6 +145,7 @@ def model_only_plan(model_chunks: Sequence[torch.nn.Module], rank: int) -> SaveP
         "version": MEGATRON_CHECKPOINT_VERSION, LAYOUT_FIELD: "", "tp": ranks.tp_rank, "tp_size": ranks.tp_size,
         "pp": ranks.pp_rank, "pp_size": ranks.pp_size, "dp": ranks.dp_rank, "dp_size": ranks.dp_size,
         "megatron_core": introspect.megatron_version(), **introspect.expert_ranks(),
+        LAYERS_FIELD: chunk_layers(model_chunks),
     }
     refuse_copies(model_chunks, state)
     planned = plan_state(state, rank)
