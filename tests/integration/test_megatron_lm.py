@@ -29,6 +29,7 @@ from ckptd.client.megatron.megatron_lm import TRACKER, checkpoint_args, load_che
 from ckptd.client.megatron.megatron_lm import finalize_async_saves as maybe_finalize_async_save
 from ckptd.client.reader import read_commit
 from ckptd.testing.launch import run_ranks
+from ckptd.testing.te_state import AmaxState
 from ckptd.testing.toy_gpt import build_gpt
 from ckptd.writer.errors import StateMismatchError
 
@@ -36,20 +37,6 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(240)]
 
 N, M = 3, 2  # save at iteration N, then M more iterations
 GBS = 8  # global batch size: 4 micro-batches of 2
-
-
-class FP8Meta(torch.nn.Module):
-    """Stands in for a Transformer Engine module: no params, extra state that changes every step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.amax = torch.zeros(4)
-
-    def get_extra_state(self) -> torch.Tensor:
-        return self.amax.clone().view(torch.uint8)  # TE: a uint8 tensor
-
-    def set_extra_state(self, state: Any) -> None:
-        self.amax = state.view(torch.float32).clone()
 
 
 def _args(root: str, **over: Any) -> argparse.Namespace:
@@ -64,11 +51,11 @@ def _args(root: str, **over: Any) -> argparse.Namespace:
     return args
 
 
-def _setup(seed: int, initialize_parallel: bool = True, tp: int = 1) -> tuple[Any, Any, Any, Any, FP8Meta]:
+def _setup(seed: int, initialize_parallel: bool = True, tp: int = 1) -> tuple[Any, Any, Any, Any, AmaxState]:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model, optimizer, train_step = build_gpt(tp, seed=seed, data_seed=7, initialize_parallel=initialize_parallel)
-    fp8 = FP8Meta()
+    fp8 = AmaxState()
     model[0].module.decoder.add_module("fp8_meta", fp8)
     for group in optimizer.param_groups:  # Megatron-LM's OptimizerConfig sets these from --min-lr/--lr
         group["max_lr"], group["min_lr"] = 1e-3, 1e-5
@@ -79,7 +66,7 @@ def _setup(seed: int, initialize_parallel: bool = True, tp: int = 1) -> tuple[An
     return model, optimizer, train_step, scheduler, fp8
 
 
-def _train(iteration: int, steps: int, args: argparse.Namespace, train_step: Any, scheduler: Any, fp8: FP8Meta,
+def _train(iteration: int, steps: int, args: argparse.Namespace, train_step: Any, scheduler: Any, fp8: AmaxState,
            nfp: float) -> tuple[int, float, list[float], list[float]]:
     """Megatron-LM's loop body: train_step, scheduler.step(increment=GBS), consumed samples, flops."""
     losses, lrs = [], []

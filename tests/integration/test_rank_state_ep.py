@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.testing.te_state import AmaxState
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks, spawn_with_daemon
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(240)]
@@ -25,36 +25,22 @@ EXPERTS, K = 4, 2
 UNSET = -1.0
 
 
-class Amax(torch.nn.Module):
-    """An FP8-meta-like module: its ``_extra_state`` is a tensor of the value it was made with."""
-
-    def __init__(self, value: float) -> None:
-        super().__init__()
-        self.amax = torch.full((4,), value)
-
-    def get_extra_state(self) -> torch.Tensor:
-        return self.amax.clone().view(torch.uint8)
-
-    def set_extra_state(self, state: torch.Tensor) -> None:
-        self.amax = state.view(torch.float32).clone()
-
-
-def _attach(model: list[Any]) -> dict[str, tuple[float, Amax]]:
+def _attach(model: list[Any]) -> dict[str, tuple[float, AmaxState]]:
     """Extra-state modules on the experts, valued by what they hold: ``{name: (value, module)}``, where the
     grouped one holds 100 + the EP rank and the per-expert ones (on ``linear_fc1``) their global expert id."""
     from megatron.core import parallel_state as ps
 
     ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     local = EXPERTS // ep_size
-    mods: dict[str, tuple[float, Amax]] = {}
+    mods: dict[str, tuple[float, AmaxState]] = {}
     for name, module in model[0].module.named_modules():
         if not name.endswith("mlp.experts"):
             continue
-        grouped = Amax(100.0 + ep_rank)
+        grouped = AmaxState(100.0 + ep_rank)
         module.add_module("fp8", grouped)
         mods[f"{name}.fp8"] = (100.0 + ep_rank, grouped)
         for i, expert in enumerate(module.local_experts):
-            per = Amax(float(ep_rank * local + i))
+            per = AmaxState(float(ep_rank * local + i))
             expert.linear_fc1.get_extra_state = per.get_extra_state
             expert.linear_fc1.set_extra_state = per.set_extra_state
             mods[f"{name}.local_experts.{i}"] = (float(ep_rank * local + i), per)

@@ -35,6 +35,7 @@ from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
 from ckptd.testing.crosscheck import assert_loaded_as_saved, model_space_states, reference
 from ckptd.testing.launch import DaemonProcess, socket_dir
+from ckptd.testing.te_state import AmaxState
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 
 pytestmark = pytest.mark.megatron
@@ -45,22 +46,8 @@ CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 MULTI = {"overlap_grad_reduce": True, "bucket_size": 6000}
 
 
-class FP8Meta(torch.nn.Module):
-    """Stands in for a Transformer Engine module: no params, per-rank extra state (a uint8 tensor, as TE)."""
-
-    def __init__(self, value: float) -> None:
-        super().__init__()
-        self.amax = torch.full((4,), value)
-
-    def get_extra_state(self) -> torch.Tensor:
-        return self.amax.clone().view(torch.uint8)
-
-    def set_extra_state(self, state: Any) -> None:
-        self.amax = state.view(torch.float32).clone()
-
-
-def _with_fp8(model: list[torch.nn.Module], value: float) -> FP8Meta:
-    fp8 = FP8Meta(value)
+def _with_fp8(model: list[torch.nn.Module], value: float) -> AmaxState:
+    fp8 = AmaxState(value)
     model[0].module.decoder.add_module("fp8_meta", fp8)
     return fp8
 

@@ -31,6 +31,7 @@ from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.testing.crosscheck import assert_loaded_as_saved, model_space_states, reference
 from ckptd.testing.launch import DaemonProcess, socket_dir
+from ckptd.testing.te_state import AmaxState
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
 
 pytestmark = pytest.mark.megatron
@@ -41,29 +42,15 @@ SMALL: dict[str, Any] = {"hidden": 32, "heads": 2, "vocab": 64, "seq": 8, "layer
 VPP: dict[str, Any] = {"pp": 2, "vpp": 2, **SMALL}
 
 
-class LayerMeta(torch.nn.Module):
-    """Stands in for a TE module's per-layer extra state (a uint8 tensor, as TE's)."""
-
-    def __init__(self, value: float) -> None:
-        super().__init__()
-        self.amax = torch.full((4,), value)
-
-    def get_extra_state(self) -> torch.Tensor:
-        return self.amax.clone().view(torch.uint8)
-
-    def set_extra_state(self, state: Any) -> None:
-        self.amax = state.view(torch.float32).clone()
-
-
 def _layers(chunk: Any) -> list[Any]:
     return list(chunk.module.decoder.layers)
 
 
-def _metas(model: list[torch.nn.Module], saving: bool) -> list[tuple[int, LayerMeta]]:
+def _metas(model: list[torch.nn.Module], saving: bool) -> list[tuple[int, AmaxState]]:
     out = []
     for chunk in model:
         for layer in _layers(chunk):
-            meta = LayerMeta(1000.0 + layer.layer_number if saving else -1.0)
+            meta = AmaxState(1000.0 + layer.layer_number if saving else -1.0)
             layer.add_module("fp8_meta", meta)
             out.append((layer.layer_number, meta))
     return out
