@@ -19,9 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +31,13 @@ pytest.importorskip("megatron.core")
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
 from ckptd.testing.crosscheck import assert_loaded_as_saved, model_space_states, reference
-from ckptd.testing.launch import DaemonProcess, socket_dir
 from ckptd.testing.te_state import AmaxState
-from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+from ckptd.testing.toy_gpt import build_gpt, saved_and_merged, spawn_ranks
 
 pytestmark = pytest.mark.megatron
 
 K, AFTER = 3, 2
 REL_TOL = 1e-6
-CLI = [sys.executable, "-m", "ckptd.daemon.cli"]
 MULTI = {"overlap_grad_reduce": True, "bucket_size": 6000}
 
 
@@ -137,17 +132,7 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any], 
 
 
 def _saved(tmp: Path, name: str, world: int, build: dict[str, Any]) -> dict[str, Any]:
-    root = str(tmp / "plain")
-    with socket_dir("ckd-") as sockets:
-        daemon = DaemonProcess(root, f"{sockets}/d.sock", "--arena-size", "64MiB", "--no-prefault",
-                               log_path=str(tmp / "daemon.log")).wait_ready()
-        try:
-            saved = spawn_ranks(_save, world, daemon.socket, build)
-        finally:
-            daemon.stop(timeout=20)
-    merged = str(tmp / "merged")
-    shutil.copytree(root, merged)
-    subprocess.run([*CLI, "merge", merged, "--json"], check=True, capture_output=True)
+    merged, root, saved = saved_and_merged(_save, world, str(tmp), build)
     assert not (Path(root) / "step_3" / "merged").exists()
     return {"roots": (merged, root), "losses": saved[0]["losses"], "rng": [r["rng"] for r in saved],
             "saved": reference([r["states"] for r in saved])}

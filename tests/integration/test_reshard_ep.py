@@ -10,9 +10,6 @@ moments after the same load and misses them."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -23,7 +20,7 @@ pytest.importorskip("megatron.core")
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import get_layout, load_checkpoint, save_checkpoint
 from ckptd.testing.crosscheck import FullStates, assert_loaded_as_saved, model_space_states, reference
-from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+from ckptd.testing.toy_gpt import build_gpt, saved_and_merged, spawn_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(240)]
 
@@ -59,22 +56,8 @@ def _load(rank: int, world: int, roots: tuple[str, str], drop: bool) -> dict[str
 
 
 @pytest.fixture(scope="module")
-def saved(
-    tmp_path_factory: pytest.TempPathFactory, module_sockdir: str
-) -> tuple[tuple[str, str], list[float], FullStates]:
-    from ckptd.testing.launch import DaemonProcess
-
-    tmp = tmp_path_factory.mktemp("ep2")
-    root = str(tmp / "ckpt")
-    daemon = DaemonProcess(root, f"{module_sockdir}/ep.sock", "--arena-size", "64MiB", "--no-prefault",
-                           log_path=str(tmp / "daemon.log")).wait_ready()
-    try:
-        ranks = spawn_ranks(_save, 2, daemon.socket)
-    finally:
-        daemon.stop(timeout=20)
-    merged = str(tmp / "merged")
-    shutil.copytree(root, merged)
-    subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "merge", merged], check=True, capture_output=True)
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[str, str], list[float], FullStates]:
+    merged, root, ranks = saved_and_merged(_save, 2, str(tmp_path_factory.mktemp("ep2")))
     return (merged, root), ranks[0]["losses"], reference([r["states"] for r in ranks])
 
 

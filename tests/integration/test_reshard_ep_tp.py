@@ -14,7 +14,6 @@ case (TP2 x EP2, expert-TP 2, DP2 -> TP2 x EP1 on 2 ranks and TP1 x EP4 on 4 ran
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,7 @@ pytest.importorskip("megatron.core")
 from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.testing.crosscheck import assert_loaded_as_saved, model_space_states, reference
-from ckptd.testing.launch import DaemonProcess
-from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
-from ckptd.writer.merge import merge
+from ckptd.testing.toy_gpt import build_gpt, saved_and_merged, spawn_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
@@ -75,17 +72,8 @@ def _load(rank: int, world: int, roots: tuple[str, str], par: dict[str, int]) ->
     return {"states": states, "losses": losses, "dropped": dropped, "sizes": _sizes()}
 
 
-def _saved(tmp: Path, sockdir: str, world: int, par: dict[str, int]) -> dict[str, Any]:
-    root = str(tmp / "ckpt")
-    daemon = DaemonProcess(root, f"{sockdir}/eptp{world}.sock", "--arena-size", "64MiB", "--no-prefault",
-                           log_path=str(tmp / "daemon.log")).wait_ready()
-    try:
-        saved = spawn_ranks(_save, world, daemon.socket, par)
-    finally:
-        daemon.stop(timeout=20)
-    merged = str(tmp / "merged")
-    shutil.copytree(root, merged)
-    assert merge(merged, progress=False).tasks > 0  # in process: a CLI start costs seconds
+def _saved(tmp: Path, world: int, par: dict[str, int]) -> dict[str, Any]:
+    merged, root, saved = saved_and_merged(_save, world, str(tmp), par)
     return {"roots": (merged, root), "losses": saved[0]["losses"], "sizes": saved[0]["sizes"],
             "saved": reference([r["states"] for r in saved])}
 
@@ -105,15 +93,15 @@ def _check_loads(saved: dict[str, Any], world: int, par: dict[str, int], sizes: 
         assert abs(r["dropped"][1] - original[1]) > 10 * REL_TOL * abs(original[1]), (r["dropped"], original)
 
 
-def test_tp2_ep2_over_tp_ranks_loads_at_ep1_etp2(tmp_path: Path, module_sockdir: str) -> None:
-    saved = _saved(tmp_path, module_sockdir, 2, {"tp": 2, "ep": 2, "etp": 1})
+def test_tp2_ep2_over_tp_ranks_loads_at_ep1_etp2(tmp_path: Path) -> None:
+    saved = _saved(tmp_path, 2, {"tp": 2, "ep": 2, "etp": 1})
     assert saved["sizes"] == (2, 2, 1, 1)  # (TP, EP, expert TP, DP)
     _check_loads(saved, 2, {"tp": 2, "ep": 1}, (2, 1, 2, 1))
 
 
 @pytest.fixture(scope="module")
-def tp2ep2dp2(tmp_path_factory: pytest.TempPathFactory, module_sockdir: str) -> dict[str, Any]:
-    saved = _saved(tmp_path_factory.mktemp("tp2ep2"), module_sockdir, 4, {"tp": 2, "ep": 2})
+def tp2ep2dp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    saved = _saved(tmp_path_factory.mktemp("tp2ep2"), 4, {"tp": 2, "ep": 2})
     assert saved["sizes"] == (2, 2, 2, 2)
     return saved
 

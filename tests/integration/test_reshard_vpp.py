@@ -32,7 +32,7 @@ from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.testing.crosscheck import assert_loaded_as_saved, model_space_states, reference
 from ckptd.testing.launch import DaemonProcess, socket_dir
 from ckptd.testing.te_state import AmaxState
-from ckptd.testing.toy_gpt import build_gpt, spawn_ranks
+from ckptd.testing.toy_gpt import build_gpt, saved_and_merged, spawn_ranks
 
 pytestmark = pytest.mark.megatron
 
@@ -86,18 +86,8 @@ def _load(rank: int, world: int, roots: tuple[str, str], build: dict[str, Any]) 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("vpp")
-    root = str(tmp / "plain")
-    with socket_dir("ckv-") as sockets:
-        daemon = DaemonProcess(root, f"{sockets}/d.sock", "--arena-size", "64MiB", "--no-prefault",
-                               log_path=str(tmp / "daemon.log")).wait_ready()
-        try:
-            results = spawn_ranks(_save, 2, daemon.socket)
-        finally:
-            daemon.stop(timeout=20)
+    merged, root, results = saved_and_merged(_save, 2, str(tmp))
     assert [r["layers"] for r in results] == [[[1], [3]], [[2], [4]]]  # interleaved: chunk v of rank p
-    merged = str(tmp / "merged")
-    shutil.copytree(root, merged)
-    subprocess.run([*CLI, "merge", merged, "--json"], check=True, capture_output=True)
     return {"roots": (merged, root), "saved": reference([r["states"] for r in results]), "next": results[0]["next"]}
 
 

@@ -14,6 +14,8 @@ reported for a given set of parameters is bit-identical whatever the DP size.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -337,3 +339,23 @@ def spawn_with_daemon(
         return spawn_ranks(fn, world_size, daemon.socket, root, *args, timeout_s=timeout_s)
     finally:
         daemon.stop(timeout=20)
+
+
+def saved_and_merged(fn: Callable[..., Any], world_size: int, tmp: str, *args: Any) -> tuple[str, str, list[Any]]:
+    """A step saved by ``fn(rank, world_size, socket_path, *args)`` on ``world_size`` ranks under ``tmp/plain``
+    (a ``ckptd serve`` daemon for the save), then a copy of it merged (``ckptd merge``, in process) under
+    ``tmp/merged``: ``(merged, plain, the ranks' results)``, for loads from both."""
+    from ckptd.testing.launch import socket_dir
+    from ckptd.writer.merge import merge
+
+    plain, merged = os.path.join(tmp, "plain"), os.path.join(tmp, "merged")
+    with socket_dir("ckm-") as sockets:
+        daemon = DaemonProcess(plain, os.path.join(sockets, "d.sock"), "--arena-size", "64MiB", "--no-prefault",
+                               log_path=os.path.join(tmp, "daemon.log")).wait_ready()
+        try:
+            results = spawn_ranks(fn, world_size, daemon.socket, *args)
+        finally:
+            daemon.stop(timeout=20)
+    shutil.copytree(plain, merged)
+    assert merge(merged, progress=False).tasks > 0
+    return merged, plain, results
