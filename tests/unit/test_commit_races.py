@@ -131,5 +131,12 @@ def test_latest_moves_back_past_a_deleted_step(tmp_path: Path) -> None:
             await w.write_part(_part(11, 0))
             await w.commit(11, 1, timeout=1.0)
             assert await w.latest_hint() == 11 and await w.latest() == 11
+            for step in (15, 30):  # a step between: a late commit of an older step after a rollback names it
+                await w.write_part(_part(step, 0))
+                await w.commit(step, 1, timeout=1.0)
+            await w.delete_step(30)
+            await w.write_part(_part(12, 0))
+            await w.commit(12, 1, timeout=1.0)
+            assert await w.latest_hint() == 15 and await w.latest() == 15
 
     asyncio.run(go())

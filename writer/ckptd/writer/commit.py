@@ -240,9 +240,13 @@ class CheckpointWriter(CheckpointRoot):
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
         try:  # only a hint: the step is committed whatever happens to it (readers trust the markers)
             current = await self.latest_hint()
-            # a newer step named there may have been deleted since (a rollback): then this one is the newest
-            if current is None or step >= current or not await self.is_committed(current):
-                await self.backend.replace(latest_key(), str(step).encode())
+            newest: int | None = step
+            if current is not None and step < current:
+                # the newer step named there may have been deleted since (a rollback): then the newest by the
+                # markers, which may be a step between the two
+                newest = None if await self.is_committed(current) else max(step, await self.latest() or step)
+            if newest is not None:
+                await self.backend.replace(latest_key(), str(newest).encode())
         except CkptdError as exc:
             log.warning("step %d is committed under %s, but its 'latest' hint was not moved: %s", step, self.url, exc)
 
