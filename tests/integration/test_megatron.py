@@ -236,8 +236,8 @@ def _load_changed_structure(rank: int, world: int, root: str) -> list[str]:
 def _frozen_then_trainable(rank: int, world: int, socket: str, root: str) -> list[str]:
     """Saved while the final norm was frozen (no optimizer state), loaded where it trains: merge-free, then
     from the merged layout. The rank whose slice holds the norm finds no saved state for it and says so
-    before writing anything; the other rank needs none and loads (no collective). Returns each attempt's
-    error, or "" where the load went on."""
+    before writing anything; the other rank needs none, and is told so before it writes: it raises the same
+    error class, naming the rank. Returns each attempt's error, or "" where the load went on."""
     model, optimizer, train_step = build_gpt(**MULTIBUCKET, frozen=("final_layernorm",))
     train_step(0)
     client = CheckpointClient(socket, timeout_s=60)
@@ -374,10 +374,12 @@ def test_structure_change_raises_state_mismatch_before_overwriting(saved_run: di
 def test_param_without_saved_state_raises_before_overwriting(tmp_path: Path, module_sockdir: str) -> None:
     messages = spawn_with_daemon(_frozen_then_trainable, 2, str(tmp_path / "root-frozen"),
                                  os.path.join(module_sockdir, "frozen.sock"), log_path=str(tmp_path / "frozen.log"))
-    free, merged = ([m for m in attempt if m] for attempt in zip(*messages, strict=True))
-    assert len(free) == 1 and len(merged) == 1, messages
+    free, merged = (sorted(attempt, key=lambda m: "refused this load" in m) for attempt in zip(*messages, strict=True))
     assert "no saved optimizer state covers" in free[0] and "final_layernorm" in free[0], free
     assert "the merged checkpoint has no state" in merged[0] and "final_layernorm" in merged[0], merged
+    holder = messages.index([free[0], merged[0]])  # the rank whose slice holds the norm, on both paths
+    for told in (free[1], merged[1]):  # the other rank wrote nothing either, and says who refused
+        assert f"rank {holder} refused this load (StateMismatchError" in told, messages
 
 
 def test_cpu_shim_is_not_on_the_library_import_path() -> None:

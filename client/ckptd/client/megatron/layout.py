@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckptd.client.megatron import introspect
 from ckptd.client.megatron.introspect import DistOpt, Owned
 from ckptd.writer.errors import InvalidRequestError
-from ckptd.writer.layout import MegatronLayout, ModelPiece
+from ckptd.writer.format import LAYOUT_FIELD, OPTIM_PREFIX, CommitManifest
+from ckptd.writer.layout import MegatronLayout, ModelPiece, decode_layout
 
 if TYPE_CHECKING:
     from ckptd.client.megatron.save import SavePlan
+    from ckptd.writer.root import CheckpointRoot
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +121,25 @@ def bind(optimizer: object, layout: MegatronLayout) -> Binding:
         owned, dist = introspect.bind_owned(optimizer, layout)
         plan.binding = Binding(layout, owned, dist)
     return plan.binding
+
+
+async def saved_layouts(
+    ckpt: CheckpointRoot, commit: CommitManifest, records: Mapping[int, Mapping[str, Any]]
+) -> list[MegatronLayout]:
+    """Layout sidecars covering every model-parallel tag the step stores: the first saved rank of each TP/PP
+    rank, then (expert parallelism: the EP rank is not in the record) further distinct sidecars, in rank
+    order, until every stored ``optim/<mp>/`` has one."""
+    stored = {r.name[len(OPTIM_PREFIX) :].split("/", 1)[0] for r in commit.arrays if r.name.startswith(OPTIM_PREFIX)}
+    firsts: dict[tuple[int, int], int] = {}
+    for r, rec in sorted(records.items()):
+        firsts.setdefault((rec["tp"], rec["pp"]), r)
+    names = [records[r][LAYOUT_FIELD] for r in firsts.values()]
+    names += [rec[LAYOUT_FIELD] for _r, rec in sorted(records.items()) if rec[LAYOUT_FIELD] not in names]
+    layouts: list[MegatronLayout] = []
+    covered: set[str] = set()
+    for i, name in enumerate(dict.fromkeys(names)):
+        if i >= len(firsts) and stored <= covered:
+            break
+        layouts.append(decode_layout(await ckpt.read_sidecar(name)))
+        covered |= {buf.mp for buf in layouts[-1].buffers}
+    return layouts

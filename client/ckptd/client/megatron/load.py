@@ -17,6 +17,7 @@ import torch
 from ckptd.client.collector import paused
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.megatron import introspect
+from ckptd.client.megatron.agree import LoadAgreement
 from ckptd.client.megatron.checks import (
     Record,
     check_no_extra_keys,
@@ -26,25 +27,22 @@ from ckptd.client.megatron.checks import (
     saved_records,
     uniform_scalars,
 )
-from ckptd.client.megatron.layout import bind, get_layout
+from ckptd.client.megatron.layout import get_layout, saved_layouts
 from ckptd.client.megatron.model import model_template
 from ckptd.client.megatron.optimizer import apply_optimizer_state, check_optimizer_meta, drop_unsaved_state
 from ckptd.client.megatron.rank_state import RankState, plan_rank_state
 from ckptd.client.megatron.reshard import plan_dp_slices, plan_merged_slices, saved_states
-from ckptd.client.megatron.targets import SliceTargets, slice_targets
+from ckptd.client.megatron.targets import SliceTargets, main_dtype, optimizer_regions, slice_regions, slice_targets
 from ckptd.client.megatron.vocab import VocabFit, fit_vocab
 from ckptd.client.reader import plan_reads
 from ckptd.client.restore import ArenaSource, arena_source
-from ckptd.client.state import Shard, dtype_name
-from ckptd.writer.errors import CkptdError, LayoutMismatchError, StateMismatchError
+from ckptd.client.state import Shard
+from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, LayoutMismatchError, StateMismatchError
 from ckptd.writer.format import (
     LAYOUT_FIELD,
-    MAIN_PARAM,
     MODEL_PREFIX,
     OPTIM_META,
-    OPTIM_PREFIX,
     CommitManifest,
-    bucket_states,
 )
 from ckptd.writer.layout import MegatronLayout, decode_layout
 from ckptd.writer.merge import merged_states
@@ -91,8 +89,10 @@ def load_checkpoint(
     any grad-buffer bucket layout loads: with the saving run's TP/PP and buckets each rank reads its own
     slice of every stored bucket (clipped to the stored padding when DP changed); otherwise each param's
     optimizer state is read from the merged layout when ``ckptd merge`` built one, else straight from the
-    stored DP bucket slices through the saved layout sidecars (no merge needed). No collective. The store
-    is opened once for the whole load and closed before returning.
+    stored DP bucket slices through the saved layout sidecars (no merge needed). The store is opened once
+    for the whole load and closed before returning. Under an initialized process group every rank of it
+    calls this: the ranks agree on the step (the highest any resolved) and, before the first write, on
+    whether all can load it; one rank's refusal is raised on every rank (:mod:`~ckptd.client.megatron.agree`).
 
     Everything is checked before any live tensor is written: a model key missing from the checkpoint,
     another global shape or dtype, a param no saved state covers, or (``strict``, same layout) a
@@ -138,11 +138,42 @@ async def load_checkpoint_async(
     """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed).
 
     With ``client``, a same-layout load first asks its daemon for the step's shards kept in memory
-    (in-memory restore, :mod:`ckptd.client.restore`) and reads the rest from storage."""
-    commit = await ckpt.read_commit(await ckpt.resolve(step))  # N, "latest", "step_N" or "iter_NNNNNNN"
+    (in-memory restore, :mod:`ckptd.client.restore`) and reads the rest from storage. Under an initialized
+    process group every rank of it loads together: they agree on the step, and before the first write on
+    whether every rank can load it (:mod:`~ckptd.client.megatron.agree`)."""
+    together = LoadAgreement()
+    try:
+        return await _load(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng, client=client,
+                           together=together)
+    except Exception as exc:
+        together.refuse(exc)  # the ranks still waiting on this one learn it will not load (no-op once settled)
+        raise
+
+
+async def _load(
+    ckpt: CheckpointRoot,
+    step: int | str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    *,
+    strict: bool,
+    rng: bool,
+    client: CheckpointClient | None,
+    together: LoadAgreement,
+) -> LoadedCheckpoint:
+    missing: CheckpointNotFoundError | None = None
+    try:
+        resolved: int | None = await ckpt.resolve(step)  # N, "latest", "step_N" or "iter_NNNNNNN"
+    except CheckpointNotFoundError as exc:  # none here; another rank may have found one (a commit just landed)
+        resolved, missing = None, exc
+    agreed = together.step(resolved)
+    if agreed is None:
+        raise missing or CheckpointNotFoundError(f"no committed checkpoint for {step!r}")
+    commit = await ckpt.read_commit(agreed)
     records = saved_records(commit)
     if optimizer is None:
-        return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng)
+        return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng,
+                                      together=together)
     with introspect.leaves_reused():  # the layout and the model template walk the model's sharded_state_dict() once
         layout = get_layout(model_chunks, optimizer)
         template, vocab = fit_vocab(commit, model_template(model_chunks), model_chunks)  # another padded vocab
@@ -178,11 +209,11 @@ async def load_checkpoint_async(
         manifest = await ckpt.read_merged_manifest(commit.step, source=commit)
         if manifest is not None:
             return await _load_merged(ckpt, commit, manifest, records, template, model_chunks, optimizer, layout,
-                                      rng=rng, vocab=vocab)
+                                      rng=rng, vocab=vocab, together=together)
         return await _load_resharded(ckpt, commit, records, template, model_chunks, optimizer, layout, rng=rng,
-                                     vocab=vocab)
+                                     vocab=vocab, together=together)
 
-    regions, dtypes = _optimizer_regions(commit, layout, optimizer)
+    regions, dtypes = optimizer_regions(commit, layout, optimizer)
     # at the saved layout each rank restores its own saved rank's scalar state (Adam's step...); at another DP
     # size every rank takes the one value all saved ranks hold, as on every path to another layout
     at_saved = (records[source]["dp"], records[source]["dp_size"]) == (layout.dp_rank, layout.dp_size)
@@ -205,7 +236,8 @@ async def load_checkpoint_async(
         for key in targets.slices:
             targets.add_reads(reader, key, regions[key][0])
 
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory, then=optimizer_reads, zero=vocab.zero)
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, memory, agreed=together.verdict,
+                      then=optimizer_reads, zero=vocab.zero)
     targets.install()
     slices: dict[str, Any] = dict(targets.slices)
     slices[OPTIM_META] = metas
@@ -230,6 +262,7 @@ async def _fill_model(
     targets: SliceTargets,
     memory: ArenaSource | None = None,
     *,
+    agreed: Callable[[], None],
     then: Callable[[ChunkReader], None] | None = None,
     zero: Callable[[], None] | None = None,
 ) -> None:
@@ -241,7 +274,8 @@ async def _fill_model(
     share memory. The parts are not staged shards, so an in-memory restore reads them from storage while the
     main params come from the arena: each rank reads the rest of such a param, not all of it a second time
     under the arena's copy. Every read is added, and so checked, before the first is made, and before ``zero``
-    (:meth:`~.vocab.VocabFit.zero`), the load's first write."""
+    (:meth:`~.vocab.VocabFit.zero`), the load's first write; ``agreed`` comes between (the ranks' verdict,
+    :meth:`~.agree.LoadAgreement.verdict`)."""
     shards = [sh for sh in plan_reads(commit, template) if not targets.covers(sh.data)]
     first, rest = ChunkReader(ckpt, commit, memory=memory), ChunkReader(ckpt, commit, memory=memory)
     for sh in shards:  # every read is added (and checked) before any is made
@@ -255,6 +289,7 @@ async def _fill_model(
         (first if then is None or touches else rest).add(sh.key, sh.data, sh.global_offset)
     if then is not None:
         then(rest)
+    agreed()
     if zero is not None:
         zero()
     await first.run()
@@ -273,6 +308,7 @@ async def _load_merged(
     *,
     rng: bool,
     vocab: VocabFit,
+    together: LoadAgreement,
 ) -> LoadedCheckpoint:
     """Load a step saved with another TP/PP or bucket layout from its merged (fully reshardable) layout.
 
@@ -286,15 +322,16 @@ async def _load_merged(
     """
     plan_reads(commit, template)  # every model key and shape checked before anything is written
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
-    states = _main_dtype(commit.step, merged_states(manifest), optimizer, layout)
-    targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
+    states = main_dtype(commit.step, merged_states(manifest), optimizer, layout)
+    targets = slice_targets(optimizer, layout, *slice_regions(layout, states))
     fitted = vocab.fit(layout)  # the model pieces cut to the checkpoint's vocabulary rows, if they differ
     planned = plan_merged_slices(commit.step, manifest, fitted, targets.slices, cut=vocab.cut)  # checked first
     metas = [uniform_scalars(commit.step, saved_metas(commit, records), rank.source)]
     check_optimizer_meta(optimizer, layout, metas)
     merged = ChunkReader(ckpt, manifest)
     planned.add_to(merged)
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, zero=lambda: vocab.zero(planned.slices))
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, agreed=together.verdict,
+                      zero=lambda: vocab.zero(planned.slices))
     await merged.run()  # second: the main params win where they share memory with the model (fp32)
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
@@ -345,6 +382,7 @@ async def _load_resharded(
     *,
     rng: bool,
     vocab: VocabFit,
+    together: LoadAgreement,
 ) -> LoadedCheckpoint:
     """Load into another parallel or bucket layout straight from the stored DP bucket slices.
 
@@ -355,17 +393,17 @@ async def _load_resharded(
     """
     plan_reads(commit, template)
     rank = plan_rank_state(commit, records, model_chunks, _coords(layout), rng=rng)
-    saved = await _saved_layouts(ckpt, commit, records)
+    saved = await saved_layouts(ckpt, commit, records)
     # into the optimizer's memory where it can
-    states = _main_dtype(commit.step, saved_states(commit, saved), optimizer, layout)
-    targets = slice_targets(optimizer, layout, *_slice_regions(layout, states))
+    states = main_dtype(commit.step, saved_states(commit, saved), optimizer, layout)
+    targets = slice_targets(optimizer, layout, *slice_regions(layout, states))
     fitted = vocab.fit(layout)  # the model pieces cut to the checkpoint's vocabulary rows, if they differ
     planned = plan_dp_slices(commit, saved, fitted, targets.slices, cut=vocab.cut)  # checked before any write
     metas = [uniform_scalars(commit.step, saved_metas(commit, records), rank.source)]
     check_optimizer_meta(optimizer, layout, metas)
     # the model, but not where the main params share its memory (fp32): the optimizer's read fills that
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, then=planned.add_to,
-                      zero=lambda: vocab.zero(planned.slices))
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, targets, agreed=together.verdict,
+                      then=planned.add_to, zero=lambda: vocab.zero(planned.slices))
     slices: dict[str, Any] = dict(planned.finish())
     targets.install()
     slices[OPTIM_META] = metas
@@ -381,6 +419,7 @@ async def _load_model_only(
     *,
     strict: bool,
     rng: bool,
+    together: LoadAgreement,
 ) -> LoadedCheckpoint:
     """The model alone (finetune, ``--no-load-optim``): model tensors are in model space, so any TP/PP/DP
     loads them. RNG, ``_extra_state`` and ``extra`` as on every path (:mod:`~ckptd.client.megatron.rank_state`)."""
@@ -397,33 +436,12 @@ async def _load_model_only(
             )
     coords = (ranks.tp_rank, ranks.pp_rank, ranks.tp_size, ranks.pp_size, ranks.dp_rank)
     rank = plan_rank_state(commit, records, model_chunks, coords, rng=rng)
-    await _fill_model(ckpt, commit, {**template, **rank.rng}, SliceTargets(), zero=vocab.zero)
+    await _fill_model(ckpt, commit, {**template, **rank.rng}, SliceTargets(), agreed=together.verdict,
+                      zero=vocab.zero)
     rank.restore(model_chunks, rng=rng)
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)
     return LoadedCheckpoint(commit.step, rank.extra, rank.source, layout="model")
-
-
-async def _saved_layouts(
-    ckpt: CheckpointRoot, commit: CommitManifest, records: Mapping[int, Record]
-) -> list[MegatronLayout]:
-    """Layout sidecars covering every model-parallel tag the step stores: the first saved rank of each TP/PP
-    rank, then (expert parallelism: the EP rank is not in the record) further distinct sidecars, in rank
-    order, until every stored ``optim/<mp>/`` has one."""
-    stored = {r.name[len(OPTIM_PREFIX) :].split("/", 1)[0] for r in commit.arrays if r.name.startswith(OPTIM_PREFIX)}
-    firsts: dict[tuple[int, int], int] = {}
-    for r, rec in sorted(records.items()):
-        firsts.setdefault((rec["tp"], rec["pp"]), r)
-    names = [records[r][LAYOUT_FIELD] for r in firsts.values()]
-    names += [rec[LAYOUT_FIELD] for _r, rec in sorted(records.items()) if rec[LAYOUT_FIELD] not in names]
-    layouts: list[MegatronLayout] = []
-    covered: set[str] = set()
-    for i, name in enumerate(dict.fromkeys(names)):
-        if i >= len(firsts) and stored <= covered:
-            break
-        layouts.append(decode_layout(await ckpt.read_sidecar(name)))
-        covered |= {buf.mp for buf in layouts[-1].buffers}
-    return layouts
 
 
 def _saved_without_optimizer(step: int) -> StateMismatchError:
@@ -431,64 +449,6 @@ def _saved_without_optimizer(step: int) -> StateMismatchError:
                               "(no_load_optim)")
 
 
-def _main_dtype(step: int, states: dict[str, str], optimizer: object, layout: MegatronLayout) -> dict[str, str]:
-    """``states`` (state -> stored dtype) once the stored main params are of the live ones' dtype: a load
-    that cast them would hold other values than were saved (the same-layout path refuses it too)."""
-    live = next((e.main.dtype for entries in bind(optimizer, layout).owned.values() for e in entries), None)
-    stored = states.get(MAIN_PARAM)
-    if live is not None and stored is not None and stored != dtype_name(live):
-        raise StateMismatchError(f"step {step}: the checkpoint's main params are {stored}, the optimizer's {live}")
-    return states
-
-
-def _slice_regions(
-    layout: MegatronLayout, states: Mapping[str, str]
-) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
-    """This rank's whole slice of every bucket for each state, and the state's dtype (``{key: ...}`` twice)."""
-    regions: dict[str, tuple[int, int]] = {}
-    dtypes: dict[str, str] = {}
-    for buf, bucket in layout.buckets():
-        s = buf.slice_numel(bucket)
-        for state, dtype in states.items():
-            key = layout.bucket_key(buf, bucket, state)
-            regions[key], dtypes[key] = (buf.dp_rank * s, (buf.dp_rank + 1) * s), dtype
-    return regions, dtypes
-
-
 def _coords(layout: MegatronLayout) -> tuple[int, int, int, int, int]:
     """(tp, pp, tp_size, pp_size, dp) of the live rank, as :func:`plan_rank_state` takes them."""
     return layout.tp_rank, layout.pp_rank, layout.tp_size, layout.pp_size, layout.dp_rank
-
-
-def _optimizer_regions(
-    commit: CommitManifest, layout: MegatronLayout, optimizer: object
-) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
-    """Every stored state of every bucket of this rank, with the region this rank reads (clipped to the
-    stored array: a checkpoint saved at another DP size is padded differently), and its stored dtype."""
-    arrays = {rec.name: rec for rec in commit.arrays}
-    binding = bind(optimizer, layout)
-    regions: dict[str, tuple[int, int]] = {}
-    dtypes: dict[str, str] = {}
-    for buf, bucket in layout.buckets():
-        prefix = layout.bucket_prefix(buf, bucket)
-        start, stop = buf.dp_rank * buf.slice_numel(bucket), (buf.dp_rank + 1) * buf.slice_numel(bucket)
-        main_key = prefix + MAIN_PARAM
-        if main_key not in arrays:
-            raise StateMismatchError(f"{main_key}: not in checkpoint step {commit.step}")
-        for state in bucket_states(list(arrays), prefix):
-            name = prefix + state
-            rec = arrays[name]
-            if len(rec.shape) != 1 or rec.shape[0] < bucket.numel_unpadded:
-                raise StateMismatchError(
-                    f"{name}: the checkpoint holds shape {tuple(rec.shape)}, the model's bucket has "
-                    f"{bucket.numel_unpadded} elements"
-                )
-            entries = binding.owned[(buf.index, bucket.index)]
-            if name == main_key and entries and rec.torch_dtype != dtype_name(entries[0].main.dtype):
-                raise StateMismatchError(
-                    f"{name}: the checkpoint has dtype {rec.torch_dtype}, the main params {entries[0].main.dtype}"
-                )
-            end = min(stop, rec.shape[0])
-            regions[name] = (min(start, end), end)
-            dtypes[name] = rec.torch_dtype
-    return regions, dtypes

@@ -34,9 +34,9 @@ from ckptd.client.gather import Strided, boxes, monotone
 from ckptd.client.megatron.introspect import Owned
 from ckptd.client.megatron.layout import bind
 from ckptd.client.megatron.optimizer import padding_gaps
-from ckptd.client.state import torch_dtype
+from ckptd.client.state import dtype_name, torch_dtype
 from ckptd.writer.errors import ShardLayoutError, StateMismatchError
-from ckptd.writer.format import MAIN_PARAM, split_bucket_key
+from ckptd.writer.format import MAIN_PARAM, CommitManifest, bucket_states, split_bucket_key
 from ckptd.writer.layout import MegatronLayout
 
 if TYPE_CHECKING:
@@ -241,3 +241,61 @@ def flat_alias(
         ):
             return None
     return torch.empty(0, dtype=dtype, device=first.device).set_(storage, rel // isz, (numel,), (1,))
+
+
+def main_dtype(step: int, states: dict[str, str], optimizer: object, layout: MegatronLayout) -> dict[str, str]:
+    """``states`` (state -> stored dtype) once the stored main params are of the live ones' dtype: a load
+    that cast them would hold other values than were saved (the same-layout path refuses it too)."""
+    live = next((e.main.dtype for entries in bind(optimizer, layout).owned.values() for e in entries), None)
+    stored = states.get(MAIN_PARAM)
+    if live is not None and stored is not None and stored != dtype_name(live):
+        raise StateMismatchError(f"step {step}: the checkpoint's main params are {stored}, the optimizer's {live}")
+    return states
+
+
+def slice_regions(
+    layout: MegatronLayout, states: Mapping[str, str]
+) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """This rank's whole slice of every bucket for each state, and the state's dtype (``{key: ...}`` twice)."""
+    regions: dict[str, tuple[int, int]] = {}
+    dtypes: dict[str, str] = {}
+    for buf, bucket in layout.buckets():
+        s = buf.slice_numel(bucket)
+        for state, dtype in states.items():
+            key = layout.bucket_key(buf, bucket, state)
+            regions[key], dtypes[key] = (buf.dp_rank * s, (buf.dp_rank + 1) * s), dtype
+    return regions, dtypes
+
+
+def optimizer_regions(
+    commit: CommitManifest, layout: MegatronLayout, optimizer: object
+) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """Every stored state of every bucket of this rank, with the region this rank reads (clipped to the
+    stored array: a checkpoint saved at another DP size is padded differently), and its stored dtype."""
+    arrays = {rec.name: rec for rec in commit.arrays}
+    binding = bind(optimizer, layout)
+    regions: dict[str, tuple[int, int]] = {}
+    dtypes: dict[str, str] = {}
+    for buf, bucket in layout.buckets():
+        prefix = layout.bucket_prefix(buf, bucket)
+        start, stop = buf.dp_rank * buf.slice_numel(bucket), (buf.dp_rank + 1) * buf.slice_numel(bucket)
+        main_key = prefix + MAIN_PARAM
+        if main_key not in arrays:
+            raise StateMismatchError(f"{main_key}: not in checkpoint step {commit.step}")
+        for state in bucket_states(list(arrays), prefix):
+            name = prefix + state
+            rec = arrays[name]
+            if len(rec.shape) != 1 or rec.shape[0] < bucket.numel_unpadded:
+                raise StateMismatchError(
+                    f"{name}: the checkpoint holds shape {tuple(rec.shape)}, the model's bucket has "
+                    f"{bucket.numel_unpadded} elements"
+                )
+            entries = binding.owned[(buf.index, bucket.index)]
+            if name == main_key and entries and rec.torch_dtype != dtype_name(entries[0].main.dtype):
+                raise StateMismatchError(
+                    f"{name}: the checkpoint has dtype {rec.torch_dtype}, the main params {entries[0].main.dtype}"
+                )
+            end = min(stop, rec.shape[0])
+            regions[name] = (min(start, end), end)
+            dtypes[name] = rec.torch_dtype
+    return regions, dtypes

@@ -1,0 +1,105 @@
+"""The ranks of a load agree, before anything is written, on the step and on whether every one can load it.
+
+Each rank checks what it reads, and what it reads differs (its TP/PP/DP coordinates, its slice of every
+bucket), so one rank may refuse a checkpoint another would load. Left alone, the ranks that loaded would go
+on into the trainer's next collective and wait there for the refusing one until the process group times
+out; and ranks that resolve ``"latest"`` a moment apart, while the job before still commits, could load
+two different steps. :class:`LoadAgreement` makes two small all-reduces, always both and always in this
+order on every rank whatever happened before (so the collectives stay paired):
+
+1. :meth:`~LoadAgreement.step`: the step every rank loads: the highest any rank resolved (as Megatron-LM's
+   own load agrees on its tracker file's iteration), with one warning on a rank that saw another.
+2. :meth:`~LoadAgreement.verdict`, right before the load's first write: the lowest rank that refused, if
+   any. That rank raises its own error; every other raises the same class naming that rank, so a trainer
+   that catches the error handles it on every rank, and no rank has written anything.
+
+Without an initialized process group (one process) there is nothing to agree on and no collective.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ckptd.writer.errors import CkptdError, error_classes
+
+logger = logging.getLogger(__name__)
+
+_NONE = -1  # a rank that found no committed step
+_FAILED = -2  # a rank whose resolution failed otherwise (its refusal follows in the verdict)
+_CLASSES = sorted(error_classes())  # the same list on every rank: the code of an error class is its index
+
+
+class LoadAgreement:
+    """The two agreements of one load among the ranks of ``group`` (the default group when None)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        together = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self._group = group if together else None
+        self._together = together
+        self._stepped = False
+        self._settled = False
+
+    def step(self, resolved: int | None) -> int | None:
+        """The step to load: the highest ``resolved`` over the ranks (None: this rank found none; returned
+        when no rank found one)."""
+        mine = _NONE if resolved is None else resolved
+        agreed = self._reduce(mine, highest=True) if self._together else mine
+        self._stepped = True
+        if agreed < 0:
+            return None
+        if resolved is not None and agreed != resolved:
+            logger.warning("this rank resolved step %d, another rank step %d: loading step %d on every rank",
+                           resolved, agreed, agreed)
+        return agreed
+
+    def verdict(self) -> None:
+        """Every rank can load: go on and write. Else raise the refusing rank's error class, naming it."""
+        if self._settled:
+            return
+        self._settled = True
+        if not self._together:
+            return
+        world = dist.get_world_size(self._group)
+        lowest = self._reduce(world * len(_CLASSES), highest=False)
+        if lowest < world * len(_CLASSES):
+            rank, code = divmod(lowest, len(_CLASSES))
+            cls = error_classes()[_CLASSES[code]]
+            raise cls(f"rank {rank} refused this load ({cls.__name__}: that rank's error says why); no rank "
+                      "has written into its model or optimizer")
+
+    def refuse(self, exc: BaseException) -> None:
+        """This rank cannot load (``exc``): take part in what is left of the agreement, saying so.
+
+        A no-op once the verdict is settled (the error came while reading, or from the verdict itself)."""
+        if self._settled:
+            return
+        if not self._stepped:
+            self.step_failed()
+        self._settled = True
+        if not self._together:
+            return
+        name = type(exc).__name__ if isinstance(exc, CkptdError) else CkptdError.__name__
+        code = _CLASSES.index(name) if name in _CLASSES else _CLASSES.index(CkptdError.__name__)
+        self._reduce(dist.get_rank(self._group) * len(_CLASSES) + code, highest=False)
+
+    def step_failed(self) -> None:
+        """This rank could not resolve the step: take part in the step's agreement without one."""
+        if self._together:
+            self._reduce(_FAILED, highest=True)
+        self._stepped = True
+
+    def _reduce(self, value: int, *, highest: bool) -> int:
+        flag = torch.tensor([value], dtype=torch.int64, device=_device(self._group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX if highest else dist.ReduceOp.MIN, group=self._group)
+        return int(flag.item())
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where this group's collectives take their tensors: CUDA when its backend is NCCL alone."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

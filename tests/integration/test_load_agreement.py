@@ -1,0 +1,139 @@
+"""The ranks of a load agree on the step and, before anything is written, on whether every one can load.
+
+A rank that refuses (its slice names a param no saved state covers, a storage error while it plans) must not
+leave the others loading on into the trainer's next collective, where they would wait for it until the
+process group timed out; and ranks that resolve ``"latest"`` a moment apart, while the job before still
+commits, must not load two steps. First :class:`LoadAgreement` alone on three gloo ranks, then a real load
+(a daemon, the toy GPT) where one rank resolved ``"latest"`` before the newest step committed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from ckptd.client import CheckpointClient
+from ckptd.client.megatron import load_checkpoint, save_checkpoint
+from ckptd.client.megatron.agree import LoadAgreement
+from ckptd.testing.toy_gpt import build_gpt, spawn_ranks, spawn_with_daemon
+from ckptd.writer.errors import CkptdError, CorruptCheckpointError, StateMismatchError, StorageError
+from ckptd.writer.root import CheckpointRoot
+
+pytestmark = pytest.mark.megatron
+
+TINY = {"hidden": 32, "layers": 2, "heads": 4}
+
+
+def _outcome(agreement: LoadAgreement, refusal: BaseException | None) -> str:
+    """What one rank's load would do at the verdict: refuse (its own error), raise a peer's, or write."""
+    if refusal is not None:
+        agreement.refuse(refusal)
+        return f"own {type(refusal).__name__}"
+    try:
+        agreement.verdict()
+    except CkptdError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "write"
+
+
+def _agreements(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # 1. the step: the highest any rank resolved; a rank that found none takes it too; none anywhere: None
+    out["step"] = LoadAgreement().step({0: 10, 1: None, 2: 12}[rank])
+    out["none"] = LoadAgreement().step(None)
+    ok = LoadAgreement()
+    ok.step(5)
+    out["all_can"] = _outcome(ok, None)
+    # 2. two ranks refuse: every other rank raises the lowest refusing rank's error class, naming it
+    two = LoadAgreement()
+    two.step(5)
+    refusals: dict[int, BaseException] = {1: StateMismatchError("a param no saved state covers"),
+                                         2: CorruptCheckpointError("a chunk's crc32c")}
+    out["two_refuse"] = _outcome(two, refusals.get(rank))
+    # 3. a rank fails before the step is agreed (its storage times out while it resolves): the collectives
+    # stay paired, and the others learn it at the verdict
+    early = LoadAgreement()
+    if rank == 0:
+        early.refuse(StorageError("a read timed out after its retries"))
+        out["early"] = "own StorageError"
+    else:
+        out["early_step"] = early.step(7)
+        out["early"] = _outcome(early, None)
+    # 4. an error that is not ckptd's: the others raise CkptdError naming the rank
+    foreign = LoadAgreement()
+    foreign.step(7)
+    out["foreign"] = _outcome(foreign, RuntimeError("a bug") if rank == 2 else None)
+    # 5. the verdict is given once: a later error (while reading) takes part in nothing
+    once = LoadAgreement()
+    once.step(7)
+    once.verdict()
+    once.refuse(StorageError("a read failed after the verdict"))
+    torch.distributed.barrier()  # would pair with a stray all-reduce of another rank and fail or hang
+    out["after"] = "ok"
+    return out
+
+
+def test_the_ranks_agree_on_the_step_and_the_verdict() -> None:
+    results = spawn_ranks(_agreements, 3, timeout_s=120)
+    assert [r["step"] for r in results] == [12, 12, 12]
+    assert [r["none"] for r in results] == [None, None, None]
+    assert [r["all_can"] for r in results] == ["write"] * 3
+    assert results[1]["two_refuse"] == "own StateMismatchError"
+    assert results[2]["two_refuse"] == "own CorruptCheckpointError"
+    told = results[0]["two_refuse"]
+    assert told.startswith("StateMismatchError: rank 1 refused this load (StateMismatchError"), results
+    assert "no rank has written" in told
+    assert [r.get("early_step") for r in results] == [None, 7, 7]
+    assert results[0]["early"] == "own StorageError"
+    for r in results[1:]:
+        assert r["early"].startswith("StorageError: rank 0 refused this load (StorageError"), results
+    for r in results[:2]:
+        assert r["foreign"].startswith("CkptdError: rank 2 refused this load (CkptdError"), results
+    assert [r["after"] for r in results] == ["ok"] * 3
+
+
+def test_one_process_agrees_without_a_collective() -> None:
+    agreement = LoadAgreement()  # no process group here
+    assert agreement.step(3) == 3 and LoadAgreement().step(None) is None
+    agreement.verdict()
+    agreement.refuse(StorageError("after the verdict: nothing to tell"))
+
+
+def _latest_a_moment_apart(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
+    """Save steps 1 and 2; rank 1 then resolves ``"latest"`` as it read before step 2 committed (step 1).
+    Both ranks must load step 2, bit for bit what they saved there."""
+    model, optimizer, train_step = build_gpt(**TINY)
+    client = CheckpointClient(socket, timeout_s=60)
+    saved: dict[int, list[torch.Tensor]] = {}
+    for step in (1, 2):
+        train_step(step)
+        save_checkpoint(client, step, model, optimizer).wait(60)
+        saved[step] = [p.detach().clone() for p in model[0].parameters()]
+    client.close()
+    model2, optimizer2, train_step2 = build_gpt(**TINY, seed=99)
+    train_step2(0)
+    if rank == 1:
+        real = CheckpointRoot.resolve
+
+        async def before_the_commit(self: CheckpointRoot, step: int | str) -> int:
+            return 1 if step == "latest" else await real(self, step)
+
+        CheckpointRoot.resolve = before_the_commit  # type: ignore[method-assign]
+    loaded = load_checkpoint(root, "latest", model2, optimizer2)
+    live = list(model2[0].parameters())
+    return {"step": loaded.step,
+            "equal_2": all(torch.equal(a, b) for a, b in zip(saved[2], live, strict=True)),
+            "equal_1": all(torch.equal(a, b) for a, b in zip(saved[1], live, strict=True))}
+
+
+def test_ranks_that_resolve_latest_apart_load_the_same_step(tmp_path: Path, module_sockdir: str) -> None:
+    results = spawn_with_daemon(_latest_a_moment_apart, 2, str(tmp_path / "root"),
+                                os.path.join(module_sockdir, "apart.sock"), log_path=str(tmp_path / "apart.log"))
+    assert [r["step"] for r in results] == [2, 2], results
+    assert all(r["equal_2"] and not r["equal_1"] for r in results), results
