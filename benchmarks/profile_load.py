@@ -172,7 +172,7 @@ def _time_phases() -> dict[str, list[float]]:
     spent: dict[str, list[float]] = {}
     for name in ("read_flat_async", "fill_async", "apply_optimizer_state", "drop_unsaved_state",
                  "plan_dp_slices", "plan_merged_slices", "plan_reads", "arena_source", "get_layout",
-                 "_optimizer_regions",
+                 "optimizer_regions",
                  "plan_rank_state", "model_template", "decode_layout", "slice_targets", "run_sync",
                  "load_checkpoint_async", "open_root"):
         fn = getattr(load, name, None)

@@ -44,7 +44,7 @@ def _scenario(root: str, separator: str | None = None) -> dict[str, Any]:
     from ckptd.client.megatron.checks import saved_records
     from ckptd.client.megatron.introspect import Owned
     from ckptd.client.megatron.layout import Binding, rank_plan
-    from ckptd.client.megatron.load import _optimizer_regions
+    from ckptd.client.megatron.targets import optimizer_regions
     from ckptd.client.megatron.optimizer import apply_optimizer_state, optimizer_read_regions, optimizer_shards
     from ckptd.client.megatron.reshard import merged_optimizer_slices
     from ckptd.client.megatron.save import megatron_record
@@ -148,7 +148,7 @@ def _scenario(root: str, separator: str | None = None) -> dict[str, Any]:
 
             # the DP-layout loader: the records, every stored state's region, the slices, and apply
             assert saved_records(commit) == {0: record}
-            regions, _dtypes = _optimizer_regions(commit, layout, opt)
+            regions, _dtypes = optimizer_regions(commit, layout, opt)
             assert set(regions) == set(saved)
             flat = await read_flat_async(ckpt, commit, regions)
             before = {n: {k: v.clone() for k, v in inner.state[m].items()} for n, m in mains.items()}

@@ -13,16 +13,18 @@ from ckptd.writer.errors import (
     DaemonUnavailableError,
     DuplicateSaveError,
     SaveTimeoutError,
+    StepCommittedError,
     StepFailedError,
     error_classes,
 )
-from ckptd.writer.format import other_attempt
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient
 
 _ERRORS = error_classes()
 _POLL_S = 0.5
+_STORAGE_POLL_S = 2.0  # how often a handle whose daemon is gone asks storage
+_COMMIT_WAIT_S = 600.0  # how long it waits for the coordinator's commit when the daemon did not say
 # the process's clients: a step saved through one is in flight for every client of the same rank and daemon
 _CLIENTS: weakref.WeakSet[CheckpointClient] = weakref.WeakSet()
 
@@ -44,6 +46,10 @@ class SaveHandle:
         self._error: CkptdError | None = None
         self._polled = False  # its state is asked for with each pipelined save (client.pipeline), not per save
         self._delivered = False  # the error reached the caller (wait() raised it, or a warning told it)
+        self._wall_start = time.time()  # failure notes of an unnamed attempt count from here
+        self._lost: DaemonUnavailableError | None = None  # why the daemon is gone, once it is
+        self._orphaned_at: float | None = None  # when the daemon was lost with this node's part written
+        self._asked_at = 0.0  # when storage was last asked (at most every _STORAGE_POLL_S)
 
     def _fail(self, error: CkptdError) -> SaveHandle:
         self.state = StepState.FAILED
@@ -53,32 +59,75 @@ class SaveHandle:
     def _update(self, wait_s: float) -> None:
         if self.state.final or self._client is None:
             return
+        if self._orphaned_at is not None:  # the daemon is gone, this node's part is written: storage says more
+            self._from_storage()
+            return
         try:
             st = self._client._status(self.step, wait_s, self.attempt)
         except DaemonUnavailableError as exc:  # the daemon died, restarted or hangs: this save is lost with it,
-            # unless the daemon committed it first (it died after its marker). Not asked of a hung daemon: it may
-            # hang in storage, and the rank would then hang there too
+            # unless storage says otherwise (_from_storage). Not asked of a hung daemon: it may hang in storage,
+            # and the rank would then hang there too
             if isinstance(exc, DaemonUnresponsiveError):
                 self._fail(DaemonUnresponsiveError(f"step {self.step}: lost the daemon before the commit: {exc}"))
-            elif self._committed_in_storage():
-                self.state = StepState.COMMITTED
             else:
-                self._fail(DaemonUnavailableError(
-                    f"step {self.step}: lost the daemon before the commit (storage holds none of this save): {exc}"))
+                self._lost = exc
+                self._from_storage()
             return
         self._apply(st)
 
-    def _committed_in_storage(self) -> bool:
-        """Whether storage holds this save's commit: a daemon can die after its commit and before it said so.
-        Asked once, when the daemon is lost; a step that is not readable as committed counts as not."""
-        from ckptd.client.reader import read_commit  # the read path: zarr and fsspec, not on the save path
+    def _from_storage(self) -> None:
+        """The save's fate read from storage, once its daemon is gone (dead or restarted, not hung: a hung one
+        may hang in storage, and the rank with it). The daemon may have died after its commit, or, on any
+        node but the coordinator's (node 0), after its node's part was written: the coordinator may still
+        commit the step then, so the handle waits for it, asking storage every few seconds, as long as the
+        daemons wait for a commit (their ``--commit-timeout``)."""
+        from ckptd.client.reader import stored_fate  # the read path: zarr and fsspec, not on the save path
 
-        assert self._client is not None
+        client, now = self._client, time.monotonic()
+        assert client is not None and self._lost is not None
+        if self._asked_at and now - self._asked_at < _STORAGE_POLL_S:
+            return
+        self._asked_at = now
         try:  # the root: the one given, else the daemon's from its welcome
-            commit = read_commit(self._client.root, self.step, storage_options=self._client.storage_options)
-        except (CkptdError, OSError):
-            return False
-        return not any(other_attempt(a, self.attempt) for a in commit.attempts)
+            fate, note = stored_fate(client.root, self.step, client.placement.node, self.attempt, self._wall_start,
+                                     storage_options=client.storage_options)
+        except (CkptdError, OSError) as exc:
+            if self._orphaned_at is None:
+                self._fail(DaemonUnavailableError(
+                    f"step {self.step}: lost the daemon before the commit, and storage could not be read to see "
+                    f"whether the step committed ({exc}): {self._lost}"))
+            else:  # a store that fails a moment: asked again until the wait is over
+                self._orphan_waited(now)
+            return
+        lost = f"step {self.step}: lost the daemon before the commit"
+        if fate == "committed":
+            self.state = StepState.COMMITTED
+        elif fate == "failed" and client.placement.node > 0:  # the coordinator's decision, as a live daemon tells it
+            assert note is not None
+            cls = _ERRORS.get(str(note.get("code")), StepFailedError)
+            self._fail(cls(f"step {self.step} failed on the coordinator: {note.get('message')}"))
+        elif fate == "other":
+            self._fail(StepCommittedError(f"{lost}, and the step committed with another attempt's part"))
+        elif fate == "part" and client.placement.node > 0:
+            if self._orphaned_at is None:
+                self._orphaned_at, self.state = now, StepState.DURABLE
+            self._orphan_waited(now)
+        elif fate in ("part", "failed"):
+            self._fail(DaemonUnavailableError(f"{lost}; this node's part is on storage, but its daemon was to "
+                                              f"commit the step (a restarted daemon does not): {self._lost}"))
+        else:
+            self._fail(DaemonUnavailableError(f"{lost} (storage holds none of this save): {self._lost}"))
+
+    def _orphan_waited(self, now: float) -> None:
+        """Fail once the daemons' commit wait is over with no commit seen (the daemon's own, else 600 s)."""
+        assert self._client is not None and self._orphaned_at is not None
+        welcome = self._client._welcome
+        limit = (welcome.commit_timeout_s if welcome is not None else 0.0) or _COMMIT_WAIT_S
+        if now - self._orphaned_at >= limit:
+            self._fail(DaemonUnavailableError(
+                f"step {self.step}: lost the daemon before the commit; this node's part is on storage, but the "
+                f"step did not commit within {limit:.0f}s (the coordinator may still commit it: ckptd ls): "
+                f"{self._lost}"))
 
     def _apply(self, st: StepStatus) -> None:
         if self.state.final:  # the daemon refused this save: its answer was read on the way (client.pipeline)

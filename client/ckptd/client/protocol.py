@@ -152,6 +152,9 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     job_id: str = ""
     owner_pid: int = 0
     draining: bool = False
+    # how long its node parts wait for their commit: a rank that lost the daemon after its node's part was
+    # written waits as long for the coordinator's commit, through storage (ckptd.client.handle)
+    commit_timeout_s: float = 0.0
 
 
 class LeaseGranted(_Msg, frozen=True, tag="granted"):

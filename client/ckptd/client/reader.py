@@ -30,8 +30,8 @@ from ckptd.client.collector import paused
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.restore import ArenaSource
 from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard, torch_dtype
-from ckptd.writer.errors import StateMismatchError
-from ckptd.writer.format import ArrayRecord, CommitManifest, validate_key
+from ckptd.writer.errors import CheckpointNotFoundError, StateMismatchError
+from ckptd.writer.format import ArrayRecord, CommitManifest, note_of, other_attempt, validate_key
 from ckptd.writer.root import CheckpointRoot, open_root
 from ckptd.writer.sync import run_sync
 
@@ -69,6 +69,32 @@ async def opened(
 
 
 # --- async core -----------------------------------------------------------------------------------
+Fate = Literal["committed", "other", "failed", "part", "none"]
+
+
+async def stored_fate_async(
+    root: str | CheckpointRoot, step: int, node: int, attempt: str, since: float = 0.0, *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[Fate, Mapping[str, Any] | None]:
+    """What storage says of one node's attempt at a step, for a rank whose daemon is gone: ``"committed"``
+    (with this attempt), ``"other"`` (committed with another attempt's part), ``"none"`` (this node's part of
+    this attempt is not written: the save died with the daemon), ``"failed"`` (the part is written and a
+    failure note of this attempt says the step will not commit; returned with it; ``since``: the save's
+    wall-clock start, for unnamed attempts), or ``"part"`` (the part is written, the step not decided yet)."""
+    async with opened(root, storage_options) as ckpt:
+        try:
+            commit = await ckpt.read_commit(step)
+        except CheckpointNotFoundError:
+            pass
+        else:
+            return ("other" if any(other_attempt(a, attempt) for a in commit.attempts) else "committed"), None
+        part = (await ckpt.read_parts(step)).get(node)
+        if part is None or other_attempt(part.attempt, attempt):
+            return "none", None
+        note = await ckpt.read_failed(step, attempt)
+        return ("failed", note) if note is not None and note_of(note, attempt, since) else ("part", None)
+
+
 async def load_async(
     root: str | CheckpointRoot,
     step: Step,
@@ -154,6 +180,14 @@ def load(
     never committed and :class:`StateMismatchError` (naming the key) when the template does not fit.
     """
     return run_sync(load_async(root, step, template, rank=rank, storage_options=storage_options))
+
+
+def stored_fate(
+    root: str, step: int, node: int, attempt: str, since: float = 0.0, *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[Fate, Mapping[str, Any] | None]:
+    """Sync :func:`stored_fate_async`."""
+    return run_sync(stored_fate_async(root, step, node, attempt, since, storage_options=storage_options))
 
 
 def read_commit(root: str, step: Step, *, storage_options: Mapping[str, Any] | None = None) -> CommitManifest:

@@ -391,7 +391,7 @@ class Daemon:
                 return Welcome(
                     v=v, daemon_pid=os.getpid(), arena_path=arena.path, arena_bytes=arena.size,
                     root=self.config.root, job_id=self.config.job_id or "", owner_pid=self.config.owner_pid or 0,
-                    draining=service.draining or self._stop.is_set(),
+                    draining=service.draining or self._stop.is_set(), commit_timeout_s=self.config.commit_timeout_s,
                 )
             case LeaseRequest():
                 if service.draining:

@@ -53,6 +53,7 @@ from ckptd.writer.format import (
     failed_marker,
     latest_key,
     merge_parts,
+    note_of,
     other_attempt,
     part_key,
     sidecar_key,
@@ -301,7 +302,7 @@ class CheckpointWriter(CheckpointRoot):
         decided = False  # the coordinator's verdict to commit seen: its marker is its next write
         while not await self.is_committed(step):
             failed = await self.read_failed(step, attempt)
-            if failed is not None and _note_of(failed, attempt, since):
+            if failed is not None and note_of(failed, attempt, since):
                 cls = error_classes().get(str(failed.get("code")), StepFailedError)
                 raise cls(f"step {step} failed on the coordinator: {failed.get('message')}")
             if time.monotonic() >= deadline:
@@ -374,15 +375,6 @@ class CheckpointWriter(CheckpointRoot):
             await self.delete_step(step)
             removed.append(step)
         return removed
-
-
-def _note_of(note: dict[str, object], attempt: str, since: float) -> bool:
-    """Whether a failure note is about the waiter's attempt (the rule of :meth:`CheckpointWriter.wait_committed`)."""
-    theirs = str(note.get("attempt", ""))
-    if theirs and attempt:
-        return theirs == attempt
-    at = note.get("at", 0.0)
-    return float(at) >= since if isinstance(at, int | float) else False
 
 
 def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Collection[int] = ()) -> list[int]:

@@ -301,6 +301,16 @@ def other_attempt(a: str, b: str) -> bool:
     return bool(a) and bool(b) and a != b
 
 
+def note_of(note: dict[str, object], attempt: str, since: float) -> bool:
+    """Whether a failure note is about the waiter's attempt (the rule of
+    :meth:`~ckptd.writer.commit.CheckpointWriter.wait_committed`)."""
+    theirs = str(note.get("attempt", ""))
+    if theirs and attempt:
+        return theirs == attempt
+    at = note.get("at", 0.0)
+    return float(at) >= since if isinstance(at, int | float) else False
+
+
 def encode_json(obj: object) -> bytes:
     """``obj`` as compact JSON; a manifest (:class:`CommitManifest`, also ``MERGED``, :class:`PartManifest`)
     sealed with the crc32c of its bytes (:func:`~ckptd.writer.checksum.seal_json`; readers check it:

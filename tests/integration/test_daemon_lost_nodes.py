@@ -1,0 +1,103 @@
+"""A step of two nodes whose node daemon is lost after it wrote its node's part: the save is not lost.
+
+On any node but the coordinator's (node 0) the part is durable and the coordinator still commits the step
+once every part is in, so the rank's handle must not report a lost save (nor raise one under
+``on_daemon_lost="raise"``): it waits for the commit through storage, as long as the daemons wait for
+theirs (``--commit-timeout``, told in the daemon's welcome), and reports what the coordinator decided. On
+the coordinator's own node nobody is left to commit, and the handle fails at once, saying why.
+
+Two daemons on one root stand for two nodes (``Placement``'s node index); the kill waits until the node's
+part is on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import CheckpointClient, DaemonUnavailableError, Placement, StepState
+from ckptd.client.reader import load
+from ckptd.client.state import Shard
+from ckptd.testing.fixtures import wait_for
+from ckptd.writer.errors import ShardLayoutError
+from ckptd.writer.format import commit_marker, part_key
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUT_S = 60.0
+
+
+def _rank(socket: str, rank: int, policy: str = "raise") -> CheckpointClient:
+    return CheckpointClient(socket, placement=Placement(rank, 2, 1, rank), timeout_s=TIMEOUT_S,
+                            on_daemon_lost=policy)  # type: ignore[arg-type]
+
+
+def _state(rank: int, data: torch.Tensor) -> dict[str, Shard]:
+    return {"x": Shard.per_rank("x", data, rank, 2)}
+
+
+def _node1_part_then_kill(start_daemon, root: Path, *flags: str) -> tuple[CheckpointClient, object, torch.Tensor]:
+    d1 = start_daemon(str(root), "d1", *flags)
+    c1 = _rank(d1.socket, 1)
+    data = torch.arange(100.0) + 1
+    handle = c1.save(1, _state(1, data))
+    wait_for(lambda: (root / part_key(1, 1)).exists(), "node 1's part")
+    d1.kill()
+    return c1, handle, data
+
+
+def test_a_node_that_lost_its_daemon_after_its_part_reports_the_coordinators_commit(start_daemon, tmp_path):
+    root = tmp_path / "ckpt"
+    d0 = start_daemon(str(root), "d0")
+    c1, h1, data1 = _node1_part_then_kill(start_daemon, root)
+    assert not h1.done() and h1.state is StepState.DURABLE and h1.durable()  # not lost: waiting for node 0
+    c0 = _rank(d0.socket, 0)
+    data0 = torch.arange(100.0)
+    assert c0.save(1, _state(0, data0)).wait(60).state is StepState.COMMITTED
+    assert h1.wait(30) is h1 and h1.state is StepState.COMMITTED and h1.exception() is None  # no raise
+    assert (root / commit_marker(1)).exists()
+    for rank, data in ((0, data0), (1, data1)):
+        template = _state(rank, torch.zeros(100))
+        load(str(root), 1, template, rank=rank)
+        assert torch.equal(template["x"].data[0], data), rank
+    c0.close()
+    c1.close()
+
+
+def test_the_coordinators_refusal_reaches_the_node_that_lost_its_daemon(start_daemon, tmp_path):
+    root = tmp_path / "ckpt"
+    d0 = start_daemon(str(root), "d0")
+    c1, h1, _ = _node1_part_then_kill(start_daemon, root)
+    c0 = _rank(d0.socket, 0)
+    with pytest.raises(ShardLayoutError, match="ranks disagree"):
+        c0.save(1, _state(0, torch.arange(100, dtype=torch.float64))).wait(60)  # another dtype than node 1's
+    with pytest.raises(ShardLayoutError, match="failed on the coordinator"):  # not a lost daemon: raised
+        h1.wait(30)
+    assert not (root / commit_marker(1)).exists()
+    c0.close()
+    c1.close()
+
+
+def test_the_wait_for_the_coordinator_is_bounded_by_the_commit_timeout(start_daemon, tmp_path):
+    root = tmp_path / "ckpt"
+    c1, h1, _ = _node1_part_then_kill(start_daemon, root, "--commit-timeout", "3")  # node 0 never saves
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailableError, match="did not commit within 3s"):
+        h1.wait(60)
+    assert time.monotonic() - t0 < 30
+    assert h1.state is StepState.FAILED
+    c1.close()
+
+
+def test_the_coordinators_node_that_lost_its_daemon_fails_at_once(start_daemon, tmp_path):
+    root = tmp_path / "ckpt"
+    d0 = start_daemon(str(root), "d0")
+    c0 = _rank(d0.socket, 0)
+    handle = c0.save(1, _state(0, torch.arange(100.0)))  # node 1 never saves: node 0 waits for its part
+    wait_for(lambda: (root / part_key(1, 0)).exists(), "node 0's part")
+    d0.kill()
+    with pytest.raises(DaemonUnavailableError, match="its daemon was to commit the step"):
+        handle.wait(30)
+    c0.close()
