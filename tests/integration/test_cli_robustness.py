@@ -278,3 +278,30 @@ def test_verify_reports_an_unreadable_failure_note_and_goes_on(tmp_path: Path, m
     assert rc == EXIT_UNREADABLE, (rc, rows)
     assert rows[2]["state"] == "unreadable" and "StoragePermissionError" in rows[2]["errors"][0], rows[2]
     assert rows[1]["ok"] and rows[3]["ok"]
+
+
+def test_ls_of_a_steps_folder_names_its_root_and_an_empty_root_is_refused(tmp_path: Path, capsys) -> None:
+    """A step's own folder given for the root (as Megatron users point at ``iter_N``) is an error that names the
+    root and the step; an empty root (the current directory, wherever the command runs) is refused; a root
+    with no steps yet lists an empty table and says so on stderr."""
+    root = str(tmp_path / "ckpt")
+    write_steps(root, 12)
+    assert main(["ls", os.path.join(root, "step_12")]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "is the folder of step 12, not a checkpoint root" in err and f"ckptd ls {root} --step 12" in err, err
+    for empty in ("", "file://"):
+        assert main(["ls", empty]) == EXIT_ERROR
+        assert "ConfigError: the checkpoint root is empty" in capsys.readouterr().err
+    (tmp_path / "new").mkdir()
+    assert main(["ls", str(tmp_path / "new")]) == 0
+    assert f"no steps under {tmp_path / 'new'}" in capsys.readouterr().err
+
+
+def test_an_unknown_log_level_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--log-level", "bogus", "ls", "."])
+    assert exc.value.code == 2 and "not a log level: 'bogus'" in capsys.readouterr().err
+    monkeypatch.setenv("CKPTD_LOG_LEVEL", "verbose")
+    with pytest.raises(SystemExit) as exc:
+        main(["ls", "."])
+    assert exc.value.code == 2 and "not a log level: 'verbose'" in capsys.readouterr().err

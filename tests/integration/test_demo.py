@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import zarr
 
 pytest.importorskip("megatron.core")
 
@@ -41,7 +43,11 @@ def test_demo_json(tmp_path: Path) -> None:
     assert out["bytes_per_step"] > 1 << 20
     assert 0 < out["stall_s_median"] < 30
     assert all(p["bytes"] == out["bytes_per_step"] for p in out["per_step"])
-    assert sorted(os.listdir(root)) == [".ckptd-demo", "_ckptd", "step_4", "step_8", "zarr.json"]
+    assert sorted(os.listdir(root)) == ["_ckptd", "step_4", "step_8", "zarr.json"]
+    assert os.path.isfile(os.path.join(root, "_ckptd", "demo"))  # the demo's mark, where zarr lists nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # zarr warns of an object at the root it does not know
+        assert sorted(zarr.open_group(str(root), mode="r").group_keys()) == ["step_4", "step_8"]
 
     # any other non-empty directory is refused, untouched
     other = tmp_path / "other"

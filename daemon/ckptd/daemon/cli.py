@@ -16,6 +16,7 @@ import msgspec
 
 from ckptd.daemon.commands import COMMANDS, add_commands, run_command
 from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, ConfigError, CorruptCheckpointError
+from ckptd.writer.format import split_step_path
 
 if TYPE_CHECKING:
     from ckptd.writer.root import CheckpointRoot
@@ -35,8 +36,14 @@ EXIT_UNREADABLE = 3  # verify: no step is corrupt, but a step (or part of one) c
 VERIFY_SHOWN = 20  # verify: the failures a step lists on a terminal
 
 
+def _log_level(value: str) -> str:
+    if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"not a log level: {value!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return value.upper()
+
+
 def _setup_logging(level: str) -> None:
-    numeric = getattr(logging, level.upper(), logging.INFO)
+    numeric = getattr(logging, level)
     logging.basicConfig(
         level=numeric,
         format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s",
@@ -91,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptd", description="Asynchronous checkpoint daemon for large-model training"
     )
-    parser.add_argument("--log-level", default=os.environ.get("CKPTD_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", type=_log_level, default=os.environ.get("CKPTD_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $CKPTD_LOG_LEVEL, else INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the node daemon")
@@ -233,8 +241,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _offline(args: argparse.Namespace) -> int:
+    from ckptd.daemon.config import root_given
     from ckptd.writer.root import open_root
 
+    try:
+        root_given(args.root)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     options = _storage_options(args)
     async with open_root(args.root, options, create=False) as root:
         if args.command == "ls":
@@ -264,6 +277,8 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
         except Exception as exc:  # one step that cannot be read is a row saying so, not the end of the listing
             row["state"], row["error"] = _failure(root, exc)
         rows.append(row)
+    if not steps:
+        _no_steps(root.url)
     if as_json:
         print(json.dumps(rows))
         return 0
@@ -277,6 +292,15 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
         print(f"{r['step']:>8}  {r['state']:<17} {size:>10} {r.get('arrays', '-'):>7} {r.get('nodes', '-'):>5} "
               f"{r.get('world_size', '-'):>5}  {saved_at:<14} {last}")
     return 0
+
+
+def _no_steps(url: str) -> None:
+    """A root with no steps: an empty table (a new root), but a step's own folder given for its root is an error."""
+    parent, step = split_step_path(url)
+    if step is not None:
+        raise CheckpointNotFoundError(f"{url} is the folder of step {step}, not a checkpoint root: "
+                                      f"ckptd ls {parent} --step {step}")
+    print(f"ckptd ls: no steps under {url}", file=sys.stderr)
 
 
 async def _ls_row(root: CheckpointRoot, row: dict[str, Any]) -> None:

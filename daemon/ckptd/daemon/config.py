@@ -168,7 +168,7 @@ class _Options(BaseSettings):
         return self.storage.given()
 
 
-def _root_given(value: str | None) -> str | None:
+def root_given(value: str | None) -> str | None:
     """An empty root (``""``, ``file://``) would be the current directory, wherever the daemon started."""
     if value is not None and not value.lower().removeprefix("file:").removeprefix("//").strip():
         raise ValueError("the checkpoint root is empty; give a path or a file:// or s3:// URL")
@@ -178,13 +178,13 @@ def _root_given(value: str | None) -> str | None:
 class DaemonConfig(_Options):
     """What ``ckptd serve`` runs with (frozen). Build it with :func:`load_config`."""
 
-    root: Annotated[str, AfterValidator(_root_given)]
+    root: Annotated[str, AfterValidator(root_given)]
 
 
 class OfflineConfig(_Options):
     """The same file and environment seen by an offline command, whose root is an argument."""
 
-    root: Annotated[str | None, AfterValidator(_root_given)] = None
+    root: Annotated[str | None, AfterValidator(root_given)] = None
 
 
 class _MappingEnvSource(EnvSettingsSource):

@@ -44,7 +44,10 @@ from ckptd.testing.launch import DaemonProcess, run_ranks
 from ckptd.writer.errors import InvalidRequestError
 from ckptd.writer.merge import merge
 
-MARKER = ".ckptd-demo"  # a root holding this file was made by the demo and may be emptied by it
+# a root holding this file was made by the demo and may be emptied by it: in the control folder, which zarr
+# reads as an (empty) array, so that zarr lists nothing it does not know; roots of earlier demos hold the old one
+MARKER = "_ckptd/demo"
+OLD_MARKER = ".ckptd-demo"
 MODEL = {"hidden": 128, "layers": 4, "vocab": 512, "seq": 32, "heads": 4}
 ARENA = "256MiB"
 
@@ -154,12 +157,12 @@ def other_layout(ranks: int, tp: int) -> tuple[int, int, int, int]:
 
 def _prepare_root(root: str) -> None:
     if os.path.isdir(root) and os.listdir(root):
-        if not os.path.exists(os.path.join(root, MARKER)):
+        if not any(os.path.exists(os.path.join(root, m)) for m in (MARKER, OLD_MARKER)):
             raise InvalidRequestError(
                 f"{root} exists and was not made by `ckptd demo`; pass --root with a new or empty directory"
             )
         shutil.rmtree(root)  # an earlier demo's checkpoints: start over, the step numbers repeat
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.join(root, MARKER)), exist_ok=True)
     with open(os.path.join(root, MARKER), "w") as fh:
         fh.write("made by `ckptd demo`; the demo empties this directory when it runs again\n")
 
