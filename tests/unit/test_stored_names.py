@@ -44,10 +44,10 @@ def _scenario(root: str, separator: str | None = None) -> dict[str, Any]:
     from ckptd.client.megatron.checks import saved_records
     from ckptd.client.megatron.introspect import Owned
     from ckptd.client.megatron.layout import Binding, rank_plan
-    from ckptd.client.megatron.targets import optimizer_regions
     from ckptd.client.megatron.optimizer import apply_optimizer_state, optimizer_read_regions, optimizer_shards
     from ckptd.client.megatron.reshard import merged_optimizer_slices
     from ckptd.client.megatron.save import megatron_record
+    from ckptd.client.megatron.targets import optimizer_regions
     from ckptd.client.reader import read_flat_async
     from ckptd.writer import format as fmt
     from ckptd.writer.arrays import ChunkSink, array_metadata, write_metadata
