@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("root")
     m.add_argument("--step", default="latest",
                    help="a step: N, step_N, Megatron-LM's iter_NNNNNNN, or 'latest' (default)")
-    m.add_argument("--workers", type=int, default=2, help="buckets merged at once (memory: ~1 bucket each)")
+    m.add_argument("--workers", type=int, default=2, help="buckets merged at once (default 2; memory: ~1 bucket each)")
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
     _storage_flags(m, config=True)
 

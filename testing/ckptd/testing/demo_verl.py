@@ -23,10 +23,12 @@ import contextlib
 import functools
 import io
 import json
+import logging
 import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -71,12 +73,18 @@ def plan_verl_demo(ranks: int | None = None, steps: int | None = None, save_ever
 
 def require_verl() -> None:
     """Raise :class:`ConfigError` naming the extra when verl or megatron-core does not import."""
-    try:  # verl's Megatron manager imports megatron-core itself
-        import verl.utils.checkpoint.megatron_checkpoint_manager  # noqa: F401
+    try:  # verl's Megatron manager imports megatron-core itself; their import-time notes (no GPU, no Apex, no
+        # Transformer Engine, engines not installed) are not the demo's business
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logging.disable(logging.WARNING)  # verl sets its loggers' levels itself as it imports them
+            import verl.utils.checkpoint.megatron_checkpoint_manager  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
             f"`ckptd demo --trainer verl` needs verl 0.9 and megatron-core ({exc}): pip install ckptd[verl]"
         ) from exc
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 # --- ranks (module level: run in forked rank processes) ----------------------------------------------

@@ -316,8 +316,10 @@ async def read_chunk_checked(
         return None
     try:
         data = await read_region(arr, [s.start for s in sel], [s.stop - s.start for s in sel])
-    except CorruptCheckpointError as exc:  # the codec's own crc32c: say which chunk
-        raise CorruptCheckpointError(f"{rec.name}: chunk {ch.coords} ({key}): {exc}") from exc
+    except CorruptCheckpointError as exc:  # the codec's own crc32c: say which chunk (once)
+        raise CorruptCheckpointError(
+            f"{rec.name}: chunk {ch.coords} ({key}): stored bytes fail their crc32c ({exc.__cause__ or exc})"
+        ) from exc
     stored = full_chunk(data, rec.chunks) if data.nbytes != ch.nbytes and ch.nbytes == full else data  # format 3
     # piece values are compared where they fit this version's pieces (as a partial read uses them)
     fits = pieces_fit(ch.pieces, ch.nbytes)
