@@ -27,7 +27,7 @@ from ckptd.writer.arrays import ChunkSink
 from ckptd.writer.backends import open_backend
 from ckptd.writer.checksum import crc32c
 from ckptd.writer.commit import CheckpointWriter, plan_retention
-from ckptd.writer.errors import CkptdError, StorageError
+from ckptd.writer.errors import CkptdError, StepFailedError, StorageError
 
 
 @contextlib.asynccontextmanager
@@ -120,6 +120,31 @@ def test_retention_spares_a_step_started_while_it_deletes(tmp_path: Path) -> Non
 
     removed, kept = asyncio.run(go())
     assert removed == [9, 11] and kept
+
+
+def test_retention_spares_a_step_that_failed_while_other_nodes_may_still_wait_for_its_note(tmp_path: Path) -> None:
+    """A step the coordinator failed is kept for the commit timeout: another node still waiting for its
+    commit learns the cause only from the failure note (deleted, it would wait out its timeout and report
+    a timeout). Older failures, and failed steps this daemon no longer tracks, go as before."""
+    jobs: dict[int, StepJob] = {step: StepJob(NodeStep(step, 0, 1, 1, 1)) for step in (10, 11)}
+    for step in (10, 11):
+        jobs[step].fail(StepFailedError(f"step {step}: a node's part did not arrive"))
+    jobs[10].failed_at -= 601.0  # failed longer ago than the commit timeout
+
+    async def go() -> tuple[list[int], bool, bool]:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            writer, sink = CheckpointWriter(backend), ChunkSink(backend)
+            for step in (9, 10, 11, 12):
+                await sink.put(f"{fmt.step_dir(step)}/x/c.0", np.zeros(4, "float32"))
+            await writer.mark_failed(11, StepFailedError("step 11: a node's part did not arrive"))
+            await writer.write_marker(12, b"{}")
+            removed = await writer.retain(1, busy=InFlightSteps(jobs, failed_grace_s=600.0))
+            note, old = fmt.failed_marker(11), f"{fmt.step_dir(10)}/x/c.0"
+            return removed, await backend.exists(note), await backend.exists(old)
+
+    removed, note_kept, old_kept = asyncio.run(go())
+    assert removed == [9, 10] and note_kept and not old_kept
+    assert 11 in InFlightSteps(jobs, failed_grace_s=600.0) and 11 not in InFlightSteps(jobs)
 
 
 def test_a_commit_makes_its_metadata_durable_before_the_marker(

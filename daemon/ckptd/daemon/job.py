@@ -207,18 +207,25 @@ class StepJob:
 
 
 class InFlightSteps(Collection[int]):
-    """The steps of ``jobs`` (step -> its job on this node) not final yet, read at each use: retention asks
-    again before each delete, so a step started while it lists and deletes is spared too."""
+    """The steps of ``jobs`` (step -> its job on this node) that retention must spare, read at each use:
+    those not final yet (retention asks again before each delete, so a step started while it lists and
+    deletes is spared too), and those that failed within ``failed_grace_s``: another node may still be
+    waiting for the step's commit, and only its failure note tells it the step failed (deleted, the node
+    would wait out its commit timeout and report a timeout instead of the cause)."""
 
-    def __init__(self, jobs: Mapping[int, StepJob]) -> None:
+    def __init__(self, jobs: Mapping[int, StepJob], failed_grace_s: float = 0.0) -> None:
         self._jobs = jobs
+        self._grace_s = failed_grace_s
+
+    def _spared(self, job: StepJob) -> bool:
+        return not job.final or (job.state is StepState.FAILED and time.monotonic() - job.failed_at < self._grace_s)
 
     def __contains__(self, step: object) -> bool:
         job = self._jobs.get(step) if isinstance(step, int) else None
-        return job is not None and not job.final
+        return job is not None and self._spared(job)
 
     def __iter__(self) -> Iterator[int]:
-        return iter([step for step, job in self._jobs.items() if not job.final])
+        return iter([step for step, job in self._jobs.items() if self._spared(job)])
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

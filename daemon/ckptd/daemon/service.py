@@ -325,7 +325,7 @@ class CheckpointService:
         """Delete the steps ``--keep`` no longer keeps. A store that refuses deletes (a bucket policy, Object
         Lock) or fails one leaves them and a warning (never fails the commit); the next commit tries again."""
         try:  # never a step this node still writes (asked before each delete): steps may commit out of order
-            await self.root.retain(self.config.keep, busy=InFlightSteps(self.jobs))
+            await self.root.retain(self.config.keep, busy=InFlightSteps(self.jobs, self.config.commit_timeout_s))
         except Exception as exc:
             log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
                         self.config.keep, self.root.backend.error(exc))
