@@ -305,3 +305,33 @@ def test_an_unknown_log_level_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(SystemExit) as exc:
         main(["ls", "."])
     assert exc.value.code == 2 and "not a log level: 'verbose'" in capsys.readouterr().err
+
+
+def test_gc_after_rolls_the_root_back_to_a_committed_step(tmp_path: Path, capsys) -> None:
+    """``gc --after 10``: every step after 10 goes, committed or not (newest first), and ``latest`` names 10;
+    an unfinished step after it written to within ``--grace`` stays (a daemon may be writing it); a step that
+    is not committed is refused as the rollback's target; ``--dry-run`` removes nothing."""
+    root = tmp_path / "ckpt"
+    write_steps(str(root), 5, 10, 20, 30)
+    for step in (15, 25):  # unfinished: chunks without a commit
+        (root / f"step_{step}" / "x").mkdir(parents=True)
+        (root / f"step_{step}" / "x" / "c.0").write_bytes(b"\0" * 16)
+    os.utime(root / "step_15" / "x" / "c.0", (0, 0))  # long ago; step 25 was written just now
+    assert main(["gc", str(root), "--after", "10", "--dry-run"]) == 0
+    assert "would remove steps after 10: [30, 20, 15]" in capsys.readouterr().out
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_10", "step_15", "step_20", "step_25", "step_30",
+                                                           "step_5"]
+    assert main(["gc", str(root), "--after", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "kept unfinished steps after 10 written to within 1200s (--grace): [25]" in out, out
+    assert "removed steps after 10: [30, 20, 15]" in out, out
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_10", "step_25", "step_5"]
+    assert (root / fmt.latest_key()).read_text() == "10"
+    assert main(["ls", str(root), "--step", "latest", "--json"]) == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [10]
+    assert main(["gc", str(root), "--after", "7"]) == EXIT_ERROR  # not committed: not a rollback target
+    assert "step 7 is not committed" in capsys.readouterr().err
+    assert main(["gc", str(root)]) == EXIT_ERROR
+    assert "gc needs --keep N, --after STEP, or both" in capsys.readouterr().err
+    assert main(["gc", str(root), "--after", "10", "--keep", "1", "--grace", "0"]) == 0  # both: rollback, then keep
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_10"]

@@ -9,6 +9,7 @@ commits, must not load two steps. First :class:`LoadAgreement` alone on three gl
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,8 @@ def test_one_process_agrees_without_a_collective() -> None:
 
 def _latest_a_moment_apart(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
     """Save steps 1 and 2; rank 1 then resolves ``"latest"`` as it read before step 2 committed (step 1).
-    Both ranks must load step 2, bit for bit what they saved there."""
+    Both ranks must load step 2, bit for bit what they saved there. Then step 1 by number: a rollback, which
+    the first rank's log tells (``latest`` and retention still go by step number)."""
     model, optimizer, train_step = build_gpt(**TINY)
     client = CheckpointClient(socket, timeout_s=60)
     saved: dict[int, list[torch.Tensor]] = {}
@@ -127,9 +129,17 @@ def _latest_a_moment_apart(rank: int, world: int, socket: str, root: str) -> dic
         CheckpointRoot.resolve = before_the_commit  # type: ignore[method-assign]
     loaded = load_checkpoint(root, "latest", model2, optimizer2)
     live = list(model2[0].parameters())
-    return {"step": loaded.step,
-            "equal_2": all(torch.equal(a, b) for a, b in zip(saved[2], live, strict=True)),
-            "equal_1": all(torch.equal(a, b) for a, b in zip(saved[1], live, strict=True))}
+    out = {"step": loaded.step,
+           "equal_2": all(torch.equal(a, b) for a, b in zip(saved[2], live, strict=True)),
+           "equal_1": all(torch.equal(a, b) for a, b in zip(saved[1], live, strict=True))}
+    # step 1 loaded by number while step 2 is committed: a rollback, told once (by rank 0)
+    told: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptd.client.megatron.load").addHandler(handler)
+    out["rollback_step"] = load_checkpoint(root, 1, model2, optimizer2).step
+    out["told"] = [m for m in told if "newest committed" in m]
+    return out
 
 
 def test_ranks_that_resolve_latest_apart_load_the_same_step(tmp_path: Path, module_sockdir: str) -> None:
@@ -137,3 +147,7 @@ def test_ranks_that_resolve_latest_apart_load_the_same_step(tmp_path: Path, modu
                                 os.path.join(module_sockdir, "apart.sock"), log_path=str(tmp_path / "apart.log"))
     assert [r["step"] for r in results] == [2, 2], results
     assert all(r["equal_2"] and not r["equal_1"] for r in results), results
+    assert [r["rollback_step"] for r in results] == [1, 1]
+    (told,) = results[0]["told"]
+    assert "loading step 1 while step 2 is the newest committed" in told and "--after 1" in told, told
+    assert results[1]["told"] == []

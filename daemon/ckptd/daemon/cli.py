@@ -165,11 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
     _storage_flags(m, config=True)
 
-    g = sub.add_parser("gc", help="delete old and unfinished steps, keeping the newest N committed")
+    g = sub.add_parser("gc", help="delete old and unfinished steps, keeping the newest N committed; or every "
+                       "step after one (a rollback)")
     g.add_argument("root")
-    g.add_argument("--keep", type=_count, required=True,
+    g.add_argument("--keep", type=_count,
                    help="committed steps to keep, newest first; 0 keeps them all (as `serve --keep 0`) and "
                    "removes only failed and unfinished steps")
+    g.add_argument("--after", type=_count, metavar="STEP",
+                   help="roll back to committed step STEP: delete every step after it, committed or not (not "
+                   "an unfinished one written to within --grace), so that `latest` and retention follow the "
+                   "steps saved from STEP on; run it before training resumes from STEP")
     g.add_argument("--dry-run", action="store_true")
     g.add_argument("--grace", type=float, default=GC_GRACE_S, metavar="SECONDS",
                    help="keep unfinished steps written to within SECONDS: a daemon may still be writing one "
@@ -255,7 +260,11 @@ async def _offline(args: argparse.Namespace) -> int:
         if args.command == "verify":
             return await _verify(root, args.step, args.json)
         if args.command == "gc":
-            return await _gc(root, args.keep, args.dry_run, args.grace)
+            if args.keep is None and args.after is None:
+                raise ConfigError("gc needs --keep N, --after STEP, or both")
+            if args.after is not None:
+                await _rollback(root, args.after, args.dry_run, args.grace)
+            return 0 if args.keep is None else await _gc(root, args.keep, args.dry_run, args.grace)
         if args.command == "merge":
             return await _merge(root, args.step, args.workers, args.json)
         raise ConfigError(f"unknown command {args.command!r}")
@@ -464,6 +473,17 @@ async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) 
               f"{summary.arrays} model-space arrays; read {summary.bytes_read / 2**20:.1f} MiB, wrote "
               f"{summary.bytes_written / 2**20:.1f} MiB in {summary.seconds:.1f}s ({rate:.0f} MiB/s)")
     return 0
+
+
+async def _rollback(root: CheckpointRoot, step: int, dry_run: bool, grace_s: float) -> None:
+    from ckptd.writer.commit import CheckpointWriter
+
+    writer = CheckpointWriter(root.backend)
+    lately = await writer.written_lately(grace_s, after=step) if grace_s > 0 else []
+    if lately:
+        print(f"kept unfinished steps after {step} written to within {grace_s:.0f}s (--grace):", lately)
+    removed = await writer.drop_after(step, busy=lately, dry_run=dry_run)
+    print(f"{'would remove' if dry_run else 'removed'} steps after {step}:", removed or "none")
 
 
 async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float) -> int:

@@ -206,7 +206,8 @@ class CheckpointService:
                 check_steps_in_flight([s for s, j in self.jobs.items() if j.state is StepState.PENDING], req.step)
                 left = await self.root.leftovers(req.step, req.node)
                 if left.committed:
-                    raise StepCommittedError(f"step {req.step} already committed under {self.config.root}")
+                    raise StepCommittedError(f"step {req.step} already committed under {self.config.root} (a "
+                                             "rollback? `ckptd gc ROOT --after STEP` removes the abandoned steps)")
                 if left.part:
                     await self.root.discard_part(req.step, req.node)
                 if left.failed and req.node == 0 and not req.attempt:  # a named attempt ignores others' notes

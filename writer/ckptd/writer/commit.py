@@ -29,6 +29,7 @@ from zarr.abc.store import Store
 
 from ckptd.writer.arrays import array_metadata, write_control_doc, write_group, write_metadata
 from ckptd.writer.errors import (
+    CheckpointNotFoundError,
     CkptdError,
     CorruptCheckpointError,
     SaveTimeoutError,
@@ -350,13 +351,15 @@ class CheckpointWriter(CheckpointRoot):
         """What :meth:`retain` would remove now (see :func:`plan_retention`)."""
         return plan_retention(await self.committed_steps(), await self.steps(), keep, busy)
 
-    async def written_lately(self, within_s: float) -> list[int]:
+    async def written_lately(self, within_s: float, after: int | None = None) -> list[int]:
         """The unfinished steps something wrote under in the last ``within_s`` seconds (or whose time the
         store cannot tell): maybe still being written by a daemon, as a step may commit after a newer one.
-        What ``ckptd gc``, which does not know the daemons' steps in flight, leaves alone."""
+        What ``ckptd gc``, which does not know the daemons' steps in flight, leaves alone. Those older than
+        the newest commit (what retention removes), or with ``after``, those after that step."""
         committed = set(await self.committed_steps())
         newest = max(committed, default=-1)  # only older unfinished steps are ever removed: list no others
-        unfinished = [s for s in await self.steps() if s < newest and s not in committed]
+        unfinished = [s for s in await self.steps() if s not in committed
+                      and (s < newest if after is None else s > after)]
         written = self.backend.newest_write
         times = await bounded_map(lambda s: written(step_dir(s)), unfinished, limit=METADATA_CONCURRENCY)
         now = time.time()
@@ -375,6 +378,26 @@ class CheckpointWriter(CheckpointRoot):
             await self.delete_step(step)
             removed.append(step)
         return removed
+
+
+    async def drop_after(self, step: int, busy: Collection[int] = (), *, dry_run: bool = False) -> list[int]:
+        """Roll the root back to ``step`` (committed): remove every step after it, committed or not, newest
+        first, except those in ``busy``; then ``latest`` names the newest committed step left. Afterwards a
+        load of ``latest`` and retention (which go by step number) follow the steps saved from ``step`` on,
+        not the abandoned ones. Cut short, it leaves a shorter rollback; run it again to finish."""
+        if not await self.is_committed(step):
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed under {self.url}: roll back to a committed step"
+            )
+        doomed = sorted((s for s in await self.steps() if s > step and s not in busy), reverse=True)
+        if dry_run:
+            return doomed
+        for s in doomed:
+            log.info("rollback to step %d: removing step %d", step, s)
+            await self.delete_step(s)
+        if doomed:
+            await self.backend.replace(latest_key(), str(await self.latest()).encode())
+        return doomed
 
 
 def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Collection[int] = ()) -> list[int]:

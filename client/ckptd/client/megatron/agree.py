@@ -39,6 +39,7 @@ class LoadAgreement:
         together = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         self._group = group if together else None
         self._together = together
+        self.first = not together or dist.get_rank(group) == 0  # the rank that speaks for all (one log line)
         self._stepped = False
         self._settled = False
 

@@ -170,6 +170,8 @@ async def _load(
     if agreed is None:
         raise missing or CheckpointNotFoundError(f"no committed checkpoint for {step!r}")
     commit = await ckpt.read_commit(agreed)
+    if step != "latest" and together.first:
+        await _tell_rollback(ckpt, agreed)
     records = saved_records(commit)
     if optimizer is None:
         return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng,
@@ -442,6 +444,18 @@ async def _load_model_only(
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)
     return LoadedCheckpoint(commit.step, rank.extra, rank.source, layout="model")
+
+
+async def _tell_rollback(ckpt: CheckpointRoot, step: int) -> None:
+    """A step older than the newest committed one, loaded by number, is a rollback: say (once, on the first
+    rank) that ``latest`` and retention still go by step number until the newer steps are removed."""
+    newer = await ckpt.latest_hint()
+    if newer is not None and newer > step and await ckpt.is_committed(newer):
+        logger.warning(
+            "loading step %d while step %d is the newest committed under %s: a save of a step number already "
+            "committed is refused, a later load of 'latest' returns to step %d, and retention (--keep) keeps the "
+            "newest steps by number. To train on from step %d, remove the newer steps before the next save: "
+            "ckptd gc %s --after %d", step, newer, ckpt.url, newer, step, ckpt.url, step)
 
 
 def _saved_without_optimizer(step: int) -> StateMismatchError:
