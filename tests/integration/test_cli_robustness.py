@@ -295,9 +295,12 @@ def test_ls_of_a_steps_folder_names_its_root_and_an_empty_root_is_refused(tmp_pa
     (tmp_path / "new").mkdir()
     assert main(["ls", str(tmp_path / "new")]) == 0
     assert f"no steps under {tmp_path / 'new'}" in capsys.readouterr().err
+    (tmp_path / "iter_0000100" / "_ckptd").mkdir(parents=True)  # a new root that happens to be called so
+    assert main(["ls", str(tmp_path / "iter_0000100")]) == 0
+    assert "no steps under" in capsys.readouterr().err
 
 
-def test_an_unknown_log_level_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_an_unknown_log_level_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--log-level", "bogus", "ls", "."])
     assert exc.value.code == 2 and "not a log level: 'bogus'" in capsys.readouterr().err
@@ -305,6 +308,8 @@ def test_an_unknown_log_level_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(SystemExit) as exc:
         main(["ls", "."])
     assert exc.value.code == 2 and "not a log level: 'verbose'" in capsys.readouterr().err
+    monkeypatch.setenv("CKPTD_LOG_LEVEL", "warn")  # logging's own names pass, WARN and FATAL too
+    assert main(["ls", str(tmp_path)]) == 0
 
 
 def test_gc_after_rolls_the_root_back_to_a_committed_step(tmp_path: Path, capsys) -> None:

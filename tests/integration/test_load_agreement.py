@@ -23,7 +23,13 @@ from ckptd.client import CheckpointClient
 from ckptd.client.megatron import load_checkpoint, save_checkpoint
 from ckptd.client.megatron.agree import LoadAgreement
 from ckptd.testing.toy_gpt import build_gpt, spawn_ranks, spawn_with_daemon
-from ckptd.writer.errors import CkptdError, CorruptCheckpointError, StateMismatchError, StorageError
+from ckptd.writer.errors import (
+    CheckpointNotFoundError,
+    CkptdError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    StorageError,
+)
 from ckptd.writer.root import CheckpointRoot
 
 pytestmark = pytest.mark.megatron
@@ -151,3 +157,81 @@ def test_ranks_that_resolve_latest_apart_load_the_same_step(tmp_path: Path, modu
     (told,) = results[0]["told"]
     assert "loading step 1 while step 2 is the newest committed" in told and "--after 1" in told, told
     assert results[1]["told"] == []
+
+
+def _outcome_of(fn: Any) -> str:
+    try:
+        return f"returned {fn()}"
+    except CkptdError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _refusals_before_the_step(rank: int, world: int, socket: str, root: str) -> dict[str, str]:
+    """Failures that come before the step is agreed on one rank only: the root cannot be opened there (it does
+    not exist; storage refuses), resolving fails there while no rank finds a step, a layout sidecar is missing
+    there. The other rank must raise too (the same class, naming the rank), never wait in a collective, and
+    Megatron-LM's loader must not start from scratch over a committed step; a root that exists nowhere is a
+    start from scratch on every rank."""
+    import argparse
+
+    from ckptd.client.megatron import megatron_lm
+    from ckptd.writer import root as opened
+
+    model, optimizer, train_step = build_gpt(**TINY)
+    train_step(0)
+    client = CheckpointClient(socket, timeout_s=60)
+    save_checkpoint(client, 1, model, optimizer).wait(60)
+    client.close()
+    out: dict[str, str] = {}
+    out["missing_here"] = _outcome_of(lambda: load_checkpoint(root if rank == 0 else root + "-nowhere", "latest",
+                                                              model, optimizer).step)
+    out["missing_everywhere"] = _outcome_of(lambda: load_checkpoint(root + "-nowhere", "latest", model, optimizer))
+    args = argparse.Namespace(load=root + "-nowhere", finetune=False, no_load_optim=False, no_load_rng=False,
+                              exit_on_missing_checkpoint=False, ckpt_step=None)
+    out["megatron_lm_missing_everywhere"] = _outcome_of(lambda: megatron_lm.load_checkpoint(model, optimizer, None,
+                                                                                            args=args))
+    real_open, real_resolve, real_sidecar = opened.open_backend, CheckpointRoot.resolve, CheckpointRoot.read_sidecar
+
+    async def refused_open(*a: Any, **k: Any) -> Any:
+        raise StorageError("HEAD: 503 Slow Down, after its retries")
+
+    async def refused_resolve(self: CheckpointRoot, step: int | str) -> int:
+        raise StorageError("LIST: 503 Slow Down, after its retries")
+
+    async def no_sidecar(self: CheckpointRoot, name: str) -> str:
+        raise CheckpointNotFoundError(f"sidecar {name} not found")
+
+    if rank == 1:
+        opened.open_backend = refused_open  # type: ignore[assignment]
+    out["open_refused"] = _outcome_of(lambda: load_checkpoint(root, "latest", model, optimizer).step)
+    opened.open_backend = real_open  # type: ignore[assignment]
+    if rank == 1:
+        CheckpointRoot.resolve = refused_resolve  # type: ignore[method-assign]
+    out["none_and_refused"] = _outcome_of(lambda: load_checkpoint(root + "-empty", "latest", model, optimizer))
+    CheckpointRoot.resolve = real_resolve  # type: ignore[method-assign]
+    if rank == 1:
+        CheckpointRoot.read_sidecar = no_sidecar  # type: ignore[method-assign]
+    args.load = root
+    out["megatron_lm_sidecar"] = _outcome_of(lambda: megatron_lm.load_checkpoint(model, optimizer, None, args=args))
+    CheckpointRoot.read_sidecar = real_sidecar  # type: ignore[method-assign]
+    return out
+
+
+def test_a_rank_that_fails_before_the_step_is_agreed_is_heard_by_every_rank(tmp_path: Path,
+                                                                            module_sockdir: str) -> None:
+    root = tmp_path / "root"
+    (tmp_path / "root-empty").mkdir()
+    results = spawn_with_daemon(_refusals_before_the_step, 2, str(root), os.path.join(module_sockdir, "early.sock"),
+                                log_path=str(tmp_path / "early.log"), timeout_s=240)
+    zero, one = results
+    assert one["missing_here"].startswith("StorageNotFoundError"), one
+    assert zero["missing_here"].startswith("StorageNotFoundError: rank 1 refused this load"), zero
+    for r in results:
+        assert r["missing_everywhere"].startswith("NoCommittedStepError"), r
+        assert r["megatron_lm_missing_everywhere"] == "returned (0, 0.0)", r
+    assert one["open_refused"].startswith("StorageError: HEAD: 503"), one
+    assert zero["open_refused"].startswith("StorageError: rank 1 refused this load"), zero
+    assert one["none_and_refused"].startswith("StorageError: LIST: 503"), one
+    assert zero["none_and_refused"].startswith("StorageError: rank 1 refused this load"), zero  # not "none found"
+    assert one["megatron_lm_sidecar"].startswith("CheckpointNotFoundError: sidecar"), one
+    assert zero["megatron_lm_sidecar"].startswith("CheckpointNotFoundError: rank 1 refused this load"), zero

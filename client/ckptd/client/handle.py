@@ -61,6 +61,8 @@ class SaveHandle:
             return
         if self._orphaned_at is not None:  # the daemon is gone, this node's part is written: storage says more
             self._from_storage()
+            if not self.state.final and wait_s > 0:  # as long as a daemon's answer would take at most: no spin
+                time.sleep(wait_s)
             return
         try:
             st = self._client._status(self.step, wait_s, self.attempt)
@@ -136,11 +138,9 @@ class SaveHandle:
         if st.state is StepState.FAILED:
             cls = _ERRORS.get(st.error_code, StepFailedError)
             self._error = cls(f"step {self.step} failed: {st.error}")
-        elif st.state is StepState.UNKNOWN:
-            # a restarted daemon never commits its predecessor's unfinished steps: the save is lost
-            self._fail(DaemonUnavailableError(
-                f"step {self.step}: the daemon has no record of this save (it restarted before committing?)"
-            ))
+        elif st.state is StepState.UNKNOWN:  # a restarted daemon (this save's died): storage tells what is left
+            self._lost = DaemonUnavailableError("the daemon has no record of this save (it restarted)")
+            self._from_storage()
 
     def done(self) -> bool:
         """True once the step committed or failed (non-blocking)."""

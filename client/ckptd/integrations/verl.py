@@ -36,7 +36,7 @@ from ckptd.client.paths import default_socket_path
 from ckptd.client.placement import Placement
 from ckptd.client.protocol import StepState
 from ckptd.client.storage_env import storage_options_for
-from ckptd.writer.errors import CheckpointNotFoundError, InvalidRequestError, StepFailedError
+from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, InvalidRequestError, StepFailedError
 from ckptd.writer.root import open_root
 from ckptd.writer.sync import run_sync
 
@@ -415,7 +415,9 @@ def _has_step(root: str, step: int, options: Mapping[str, object]) -> bool:
         async with open_root(root, options) as ckpt:
             return await ckpt.is_committed(step)
 
-    with contextlib.suppress(CheckpointNotFoundError, FileNotFoundError):
+    # any failure is "not here": the load that follows meets it again, and tells every rank (a rank that raised
+    # here instead would leave the others waiting in the load's agreement)
+    with contextlib.suppress(CkptdError, OSError):
         return run_sync(run())
     return False
 

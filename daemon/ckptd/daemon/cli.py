@@ -16,7 +16,7 @@ import msgspec
 
 from ckptd.daemon.commands import COMMANDS, add_commands, run_command
 from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, ConfigError, CorruptCheckpointError
-from ckptd.writer.format import split_step_path
+from ckptd.writer.format import COMMIT_MARKER, CONTROL_DIR, FAILED_MARKER, PARTS_DIR, split_step_path
 
 if TYPE_CHECKING:
     from ckptd.writer.root import CheckpointRoot
@@ -37,13 +37,14 @@ VERIFY_SHOWN = 20  # verify: the failures a step lists on a terminal
 
 
 def _log_level(value: str) -> str:
-    if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    """A level name logging knows (``WARN`` and ``FATAL`` too), upper-cased; else a usage error."""
+    if value.upper() not in logging.getLevelNamesMapping():
         raise argparse.ArgumentTypeError(f"not a log level: {value!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
     return value.upper()
 
 
 def _setup_logging(level: str) -> None:
-    numeric = getattr(logging, level)
+    numeric = logging.getLevelNamesMapping()[level]
     logging.basicConfig(
         level=numeric,
         format="%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s",
@@ -287,7 +288,7 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
             row["state"], row["error"] = _failure(root, exc)
         rows.append(row)
     if not steps:
-        _no_steps(root.url)
+        await _no_steps(root)
     if as_json:
         print(json.dumps(rows))
         return 0
@@ -303,13 +304,24 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
     return 0
 
 
-def _no_steps(url: str) -> None:
-    """A root with no steps: an empty table (a new root), but a step's own folder given for its root is an error."""
+async def _no_steps(root: CheckpointRoot) -> None:
+    """A root with no steps: an empty table (a new root), but a step's own folder given for its root is an
+    error (a root that happens to be called ``iter_N`` holds ckptd's control folder)."""
+    url = root.url
     parent, step = split_step_path(url)
-    if step is not None:
+    if step is not None and await _a_steps_folder(root):
         raise CheckpointNotFoundError(f"{url} is the folder of step {step}, not a checkpoint root: "
                                       f"ckptd ls {parent} --step {step}")
     print(f"ckptd ls: no steps under {url}", file=sys.stderr)
+
+
+async def _a_steps_folder(root: CheckpointRoot) -> bool:
+    """Whether a folder called like a step (``step_12``, ``iter_0000012``) is one: its control folder holds a
+    step's markers or parts, or it has none at all (a root has one from its daemon's first write on)."""
+    names = await root.backend.list_dir(CONTROL_DIR)
+    if any(n.startswith((COMMIT_MARKER, FAILED_MARKER, PARTS_DIR)) for n in names):
+        return True
+    return not names and not os.path.isdir(os.path.join(root.url.removeprefix("file://"), CONTROL_DIR))
 
 
 async def _ls_row(root: CheckpointRoot, row: dict[str, Any]) -> None:

@@ -144,6 +144,11 @@ class CheckpointNotFoundError(CkptdError, FileNotFoundError):
     """No committed checkpoint for the requested step (or none at all for ``latest``)."""
 
 
+class NoCommittedStepError(CheckpointNotFoundError):
+    """The root holds no committed step at all (or does not exist): what ``latest`` finds before the first
+    commit. Megatron-LM's loader starts from scratch on it, and on nothing else."""
+
+
 class UncommittedStepError(CheckpointNotFoundError):
     """The step exists in storage but never committed: it is not a checkpoint."""
 

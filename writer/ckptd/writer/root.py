@@ -24,6 +24,7 @@ from ckptd.writer.errors import (
     CkptdError,
     CorruptCheckpointError,
     InvalidKeyError,
+    NoCommittedStepError,
     UncommittedStepError,
 )
 from ckptd.writer.fanout import bounded_map
@@ -122,7 +123,7 @@ class CheckpointRoot:
         if step == "latest":
             found = await self.latest()
             if found is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {self.url or 'the root'}")
+                raise NoCommittedStepError(f"no committed checkpoint under {self.url or 'the root'}")
             return found
         if not isinstance(step, int):
             raise CheckpointNotFoundError(f"step must be an int or 'latest', got {step!r}")

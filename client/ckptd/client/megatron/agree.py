@@ -40,7 +40,10 @@ class LoadAgreement:
         self._group = group if together else None
         self._together = together
         self.first = not together or dist.get_rank(group) == 0  # the rank that speaks for all (one log line)
-        self._stepped = False
+        # where the collectives' tensors go, taken in the caller's thread: a load run on another thread (an
+        # event loop already running there) would find CUDA device 0 current on every rank
+        self._device = _device(self._group) if together else torch.device("cpu")
+        self.stepped = False
         self._settled = False
 
     def step(self, resolved: int | None) -> int | None:
@@ -48,7 +51,7 @@ class LoadAgreement:
         when no rank found one)."""
         mine = _NONE if resolved is None else resolved
         agreed = self._reduce(mine, highest=True) if self._together else mine
-        self._stepped = True
+        self.stepped = True
         if agreed < 0:
             return None
         if resolved is not None and agreed != resolved:
@@ -77,7 +80,7 @@ class LoadAgreement:
         A no-op once the verdict is settled (the error came while reading, or from the verdict itself)."""
         if self._settled:
             return
-        if not self._stepped:
+        if not self.stepped:
             self.step_failed()
         self._settled = True
         if not self._together:
@@ -90,10 +93,10 @@ class LoadAgreement:
         """This rank could not resolve the step: take part in the step's agreement without one."""
         if self._together:
             self._reduce(_FAILED, highest=True)
-        self._stepped = True
+        self.stepped = True
 
     def _reduce(self, value: int, *, highest: bool) -> int:
-        flag = torch.tensor([value], dtype=torch.int64, device=_device(self._group))
+        flag = torch.tensor([value], dtype=torch.int64, device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX if highest else dist.ReduceOp.MIN, group=self._group)
         return int(flag.item())
 

@@ -37,7 +37,14 @@ from ckptd.client.megatron.vocab import VocabFit, fit_vocab
 from ckptd.client.reader import plan_reads
 from ckptd.client.restore import ArenaSource, arena_source
 from ckptd.client.state import Shard
-from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, LayoutMismatchError, StateMismatchError
+from ckptd.writer.errors import (
+    CheckpointNotFoundError,
+    CkptdError,
+    LayoutMismatchError,
+    NoCommittedStepError,
+    StateMismatchError,
+    StorageNotFoundError,
+)
 from ckptd.writer.format import (
     LAYOUT_FIELD,
     MODEL_PREFIX,
@@ -108,11 +115,22 @@ def load_checkpoint(
     root, opts = _root_of(root_or_client, storage_options)
 
     client = None if isinstance(root_or_client, str) else root_or_client
+    together = LoadAgreement()  # here, in the caller's thread: its CUDA device is the rank's
 
     async def run() -> LoadedCheckpoint:
-        async with open_root(root, opts) as ckpt:
-            return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng,
-                                               client=client)
+        try:
+            async with open_root(root, opts) as ckpt:
+                return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng,
+                                                   client=client, together=together)
+        except StorageNotFoundError as exc:  # the root itself is missing here (nothing else is, yet)
+            if not together.stepped and together.step(None) is None:  # as a root without steps, on every rank
+                together.verdict()
+                raise NoCommittedStepError(f"no committed checkpoint under {root}: it does not exist") from exc
+            together.refuse(exc)
+            raise
+        except Exception as exc:  # the store could not be opened on this rank: the others must hear it
+            together.refuse(exc)
+            raise
 
     return run_sync(run())
 
@@ -134,14 +152,16 @@ async def load_checkpoint_async(
     strict: bool = True,
     rng: bool = True,
     client: CheckpointClient | None = None,
+    together: LoadAgreement | None = None,
 ) -> LoadedCheckpoint:
     """:func:`load_checkpoint` on an opened root (every read goes through ``ckpt``; it is not closed).
 
     With ``client``, a same-layout load first asks its daemon for the step's shards kept in memory
     (in-memory restore, :mod:`ckptd.client.restore`) and reads the rest from storage. Under an initialized
     process group every rank of it loads together: they agree on the step, and before the first write on
-    whether every rank can load it (:mod:`~ckptd.client.megatron.agree`)."""
-    together = LoadAgreement()
+    whether every rank can load it (:mod:`~ckptd.client.megatron.agree`; ``together``: the agreement begun
+    by the caller, made here otherwise)."""
+    together = together or LoadAgreement()
     try:
         return await _load(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng, client=client,
                            together=together)
@@ -167,8 +187,9 @@ async def _load(
     except CheckpointNotFoundError as exc:  # none here; another rank may have found one (a commit just landed)
         resolved, missing = None, exc
     agreed = together.step(resolved)
-    if agreed is None:
-        raise missing or CheckpointNotFoundError(f"no committed checkpoint for {step!r}")
+    if agreed is None:  # no rank found one: unless a rank refused for another reason (its error goes first)
+        together.verdict()
+        raise missing or NoCommittedStepError(f"no committed checkpoint for {step!r}")
     commit = await ckpt.read_commit(agreed)
     if step != "latest" and together.first:
         await _tell_rollback(ckpt, agreed)

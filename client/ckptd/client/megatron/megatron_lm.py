@@ -30,7 +30,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptd.writer.errors import CheckpointNotFoundError, CkptdError, ConfigError
+from ckptd.writer.errors import CkptdError, ConfigError, NoCommittedStepError
 from ckptd.writer.format import CONTROL_DIR, parse_step, split_step_path
 
 if TYPE_CHECKING:
@@ -283,7 +283,7 @@ def load_checkpoint(
             load_dir, step, list(model), optimizer if load_optim else None, strict=strict,
             rng=not (finetune or _flag(args, "no_load_rng")), storage_options=storage_options,
         )
-    except CheckpointNotFoundError:
+    except NoCommittedStepError:  # nothing committed (or no root yet): nothing else starts from scratch
         if _flag(args, "exit_on_missing_checkpoint"):
             raise
         logger.warning("no committed checkpoint under %s: training from scratch", load_dir)
