@@ -14,7 +14,7 @@ from ckptd.client.storage_env import storage_options_for, storage_options_from_e
 from ckptd.daemon.cli import _storage_flag_values, build_parser
 from ckptd.daemon.config import load_config
 from ckptd.integrations.verl import storage_options
-from ckptd.writer.errors import CheckpointNotFoundError, ConfigError
+from ckptd.writer.errors import ConfigError, NoCommittedStepError
 
 ROOT = "s3://bucket/run1/actor"
 
@@ -94,7 +94,7 @@ def test_megatron_lm_adapter_uses_them(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def fake_load(root: str, step: object, *a: Any, storage_options: object = None, **kw: Any) -> Any:
         loads.append((root, step, storage_options))
-        raise CheckpointNotFoundError("nothing there")  # (0, 0): training from scratch
+        raise NoCommittedStepError("nothing there")  # (0, 0): training from scratch
 
     monkeypatch.setattr(load_module, "load_checkpoint", fake_load)
     args = argparse.Namespace(load=f"{ROOT}/iter_0000004", finetune=False, no_load_optim=False)
