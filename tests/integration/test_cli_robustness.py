@@ -322,14 +322,17 @@ def test_gc_after_rolls_the_root_back_to_a_committed_step(tmp_path: Path, capsys
         (root / f"step_{step}" / "x").mkdir(parents=True)
         (root / f"step_{step}" / "x" / "c.0").write_bytes(b"\0" * 16)
     os.utime(root / "step_15" / "x" / "c.0", (0, 0))  # long ago; step 25 was written just now
-    assert main(["gc", str(root), "--after", "10", "--dry-run"]) == 0
-    assert "would remove steps after 10: [30, 20, 15]" in capsys.readouterr().out
+    assert main(["gc", str(root), "--after", "10", "--dry-run", "--grace", "0"]) == 0
+    assert "would remove steps after 10: [30, 25, 20, 15]" in capsys.readouterr().out
+    assert main(["gc", str(root), "--after", "10", "--keep", "1", "--dry-run", "--grace", "0"]) == 0
+    out = capsys.readouterr().out  # retention's preview counts the rollback's steps gone: 10 is the newest
+    assert "would remove steps: [5]" in out, out
     assert sorted(p.name for p in root.glob("step_*")) == ["step_10", "step_15", "step_20", "step_25", "step_30",
                                                            "step_5"]
-    assert main(["gc", str(root), "--after", "10"]) == 0
-    out = capsys.readouterr().out
-    assert "kept unfinished steps after 10 written to within 1200s (--grace): [25]" in out, out
-    assert "removed steps after 10: [30, 20, 15]" in out, out
+    assert main(["gc", str(root), "--after", "10"]) == EXIT_CORRUPT  # not complete: a step after 10 was kept
+    captured = capsys.readouterr()
+    assert "removed steps after 10: [30, 20, 15]" in captured.out, captured.out
+    assert "the rollback is not complete" in captured.err and "were kept: [25]" in captured.err, captured.err
     assert sorted(p.name for p in root.glob("step_*")) == ["step_10", "step_25", "step_5"]
     assert (root / fmt.latest_key()).read_text() == "10"
     assert main(["ls", str(root), "--step", "latest", "--json"]) == 0

@@ -76,6 +76,23 @@ def _agreements(rank: int, world: int) -> dict[str, Any]:
     foreign = LoadAgreement()
     foreign.step(7)
     out["foreign"] = _outcome(foreign, RuntimeError("a bug") if rank == 2 else None)
+    # 6. the group itself fails in a collective (a peer gone, a timeout): nothing more is sent on it
+    failing = LoadAgreement()
+    real, calls = torch.distributed.all_reduce, []
+
+    def broken(*a: Any, **k: Any) -> None:
+        calls.append(a)
+        raise RuntimeError("Application timeout caused pair closure")
+
+    torch.distributed.all_reduce = broken  # type: ignore[assignment]
+    try:
+        failing.step(7)
+    except RuntimeError as exc:
+        failing.refuse(exc)
+        failing.verdict()
+    finally:
+        torch.distributed.all_reduce = real
+    out["after_failure"] = len(calls)
     # 5. the verdict is given once: a later error (while reading) takes part in nothing
     once = LoadAgreement()
     once.step(7)
@@ -103,6 +120,7 @@ def test_the_ranks_agree_on_the_step_and_the_verdict() -> None:
     for r in results[:2]:
         assert r["foreign"].startswith("CkptdError: rank 2 refused this load (CkptdError"), results
     assert [r["after"] for r in results] == ["ok"] * 3
+    assert [r["after_failure"] for r in results] == [1, 1, 1]
 
 
 def test_one_process_agrees_without_a_collective() -> None:
@@ -190,6 +208,10 @@ def _refusals_before_the_step(rank: int, world: int, socket: str, root: str) -> 
                               exit_on_missing_checkpoint=False, ckpt_step=None)
     out["megatron_lm_missing_everywhere"] = _outcome_of(lambda: megatron_lm.load_checkpoint(model, optimizer, None,
                                                                                             args=args))
+    args.ckpt_step = 1  # a step named under a root that is not there: an error, not a start from scratch
+    out["megatron_lm_named_missing"] = _outcome_of(lambda: megatron_lm.load_checkpoint(model, optimizer, None,
+                                                                                       args=args))
+    args.ckpt_step = None
     real_open, real_resolve, real_sidecar = opened.open_backend, CheckpointRoot.resolve, CheckpointRoot.read_sidecar
 
     async def refused_open(*a: Any, **k: Any) -> Any:
@@ -229,9 +251,19 @@ def test_a_rank_that_fails_before_the_step_is_agreed_is_heard_by_every_rank(tmp_
     for r in results:
         assert r["missing_everywhere"].startswith("NoCommittedStepError"), r
         assert r["megatron_lm_missing_everywhere"] == "returned (0, 0.0)", r
+        assert r["megatron_lm_named_missing"].startswith("StorageNotFoundError"), r
     assert one["open_refused"].startswith("StorageError: HEAD: 503"), one
     assert zero["open_refused"].startswith("StorageError: rank 1 refused this load"), zero
     assert one["none_and_refused"].startswith("StorageError: LIST: 503"), one
     assert zero["none_and_refused"].startswith("StorageError: rank 1 refused this load"), zero  # not "none found"
     assert one["megatron_lm_sidecar"].startswith("CheckpointNotFoundError: sidecar"), one
     assert zero["megatron_lm_sidecar"].startswith("CheckpointNotFoundError: rank 1 refused this load"), zero
+
+
+def test_only_latest_of_a_local_root_not_made_yet_is_a_root_without_steps() -> None:
+    from ckptd.client.megatron.load import _not_made_yet
+
+    assert _not_made_yet("/nowhere/run", "latest") and _not_made_yet("file:///nowhere/run", "latest")
+    assert not _not_made_yet("/nowhere/run", 100)  # a step named: the missing root is the error
+    assert not _not_made_yet("s3://no-such-bucket/run", "latest")  # a bucket that is not there: a typo?
+    assert not _not_made_yet("/", "latest")

@@ -18,7 +18,6 @@ sends the distributed model, optimizer, LR scheduler and RNG state to ckptd inst
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
@@ -341,8 +340,9 @@ class _CkptdMixin:
             return  # nothing ckptd holds was asked for (the HF weights, if asked for, are loaded)
         root = ckptd_root(local_path, v.role)
         saved = str(held["root"])
-        if not _has_step(root, step, storage_options(root)) and _has_step(saved, step, storage_options(saved)):
-            root = saved  # CKPTD_ROOT changed since the save: use where it went
+        if _has_step(root, step, storage_options(root)) is False and _has_step(saved, step, storage_options(saved)):
+            root = saved  # CKPTD_ROOT changed since the save: use where it went (decided on storage's answers
+            # alone, which every rank gets alike: a rank whose storage failed stays on the current root)
         from ckptd.client.megatron import load_checkpoint
 
         optimizer = v.optimizer if v.should_load_optimizer else None  # None: the model alone
@@ -410,16 +410,20 @@ def _read_manifest(local_path: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _has_step(root: str, step: int, options: Mapping[str, object]) -> bool:
+def _has_step(root: str, step: int, options: Mapping[str, object]) -> bool | None:
+    """Whether ``step`` is committed under ``root``: False for a root that is not there, None when storage did
+    not answer (the load that follows meets the failure again, and tells every rank: a rank that raised here
+    instead would leave the others waiting in the load's agreement)."""
     async def run() -> bool:
         async with open_root(root, options) as ckpt:
             return await ckpt.is_committed(step)
 
-    # any failure is "not here": the load that follows meets it again, and tells every rank (a rank that raised
-    # here instead would leave the others waiting in the load's agreement)
-    with contextlib.suppress(CkptdError, OSError):
+    try:
         return run_sync(run())
-    return False
+    except (CheckpointNotFoundError, FileNotFoundError):  # StorageNotFoundError too: no such root
+        return False
+    except (CkptdError, OSError):
+        return None
 
 
 async def _delete_step(root: str, step: int, options: Mapping[str, object]) -> None:

@@ -263,9 +263,8 @@ async def _offline(args: argparse.Namespace) -> int:
         if args.command == "gc":
             if args.keep is None and args.after is None:
                 raise ConfigError("gc needs --keep N, --after STEP, or both")
-            if args.after is not None:
-                await _rollback(root, args.after, args.dry_run, args.grace)
-            return 0 if args.keep is None else await _gc(root, args.keep, args.dry_run, args.grace)
+            gone, rc = ([], 0) if args.after is None else await _rollback(root, args.after, args.dry_run, args.grace)
+            return rc if args.keep is None else max(rc, await _gc(root, args.keep, args.dry_run, args.grace, gone))
         if args.command == "merge":
             return await _merge(root, args.step, args.workers, args.json)
         raise ConfigError(f"unknown command {args.command!r}")
@@ -487,18 +486,23 @@ async def _merge(root: CheckpointRoot, which: str, workers: int, as_json: bool) 
     return 0
 
 
-async def _rollback(root: CheckpointRoot, step: int, dry_run: bool, grace_s: float) -> None:
+async def _rollback(root: CheckpointRoot, step: int, dry_run: bool, grace_s: float) -> tuple[list[int], int]:
+    """``gc --after``: the steps removed (or that would be), and the exit code: 1 when an unfinished step after
+    ``step`` was kept (a daemon may still commit it, and ``latest`` would follow it again)."""
     from ckptd.writer.commit import CheckpointWriter
 
     writer = CheckpointWriter(root.backend)
     lately = await writer.written_lately(grace_s, after=step) if grace_s > 0 else []
-    if lately:
-        print(f"kept unfinished steps after {step} written to within {grace_s:.0f}s (--grace):", lately)
     removed = await writer.drop_after(step, busy=lately, dry_run=dry_run)
     print(f"{'would remove' if dry_run else 'removed'} steps after {step}:", removed or "none")
+    if lately:
+        print(f"the rollback is not complete: unfinished steps after {step} written to within {grace_s:.0f}s "
+              f"(--grace) were kept: {lately}; a daemon may still commit them. Stop what writes them and run "
+              "this again (or with --grace 0)", file=sys.stderr)
+    return removed, EXIT_CORRUPT if lately else 0
 
 
-async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float) -> int:
+async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float, gone: Sequence[int] = ()) -> int:
     from ckptd.writer.commit import CheckpointWriter
 
     writer = CheckpointWriter(root.backend)
@@ -508,8 +512,8 @@ async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float) ->
     lately = await writer.written_lately(grace_s) if grace_s > 0 else []
     if lately:
         print(f"kept unfinished steps written to within {grace_s:.0f}s (--grace):", lately)
-    if dry_run:
-        print("would remove steps:", await writer.doomed_steps(keep, busy=lately) or "none")
+    if dry_run:  # after a dry run's rollback, as if its steps were gone
+        print("would remove steps:", await writer.doomed_steps(keep, busy=lately, gone=gone) or "none")
         return 0
     removed = await writer.retain(keep, busy=lately)
     print("removed steps:", removed or "none")

@@ -347,9 +347,11 @@ class CheckpointWriter(CheckpointRoot):
             if aborted:
                 log.info("step=%d: aborted %d unfinished multipart upload(s)", step, aborted)
 
-    async def doomed_steps(self, keep: int, busy: Collection[int] = ()) -> list[int]:
-        """What :meth:`retain` would remove now (see :func:`plan_retention`)."""
-        return plan_retention(await self.committed_steps(), await self.steps(), keep, busy)
+    async def doomed_steps(self, keep: int, busy: Collection[int] = (), gone: Collection[int] = ()) -> list[int]:
+        """What :meth:`retain` would remove now (see :func:`plan_retention`); ``gone``: steps to count as
+        removed already (a dry run's rollback)."""
+        committed = [s for s in await self.committed_steps() if s not in gone]
+        return plan_retention(committed, [s for s in await self.steps() if s not in gone], keep, busy)
 
     async def written_lately(self, within_s: float, after: int | None = None) -> list[int]:
         """The unfinished steps something wrote under in the last ``within_s`` seconds (or whose time the
@@ -395,8 +397,11 @@ class CheckpointWriter(CheckpointRoot):
         for s in doomed:
             log.info("rollback to step %d: removing step %d", step, s)
             await self.delete_step(s)
-        if doomed:
-            await self.backend.replace(latest_key(), str(await self.latest()).encode())
+        newest = await self.latest() if doomed else step
+        if newest is None:  # every committed step went meanwhile (another retention): no hint to leave
+            await self.backend.delete(latest_key())
+        elif doomed:
+            await self.backend.replace(latest_key(), str(newest).encode())
         return doomed
 
 

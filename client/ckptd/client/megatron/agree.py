@@ -97,8 +97,12 @@ class LoadAgreement:
 
     def _reduce(self, value: int, *, highest: bool) -> int:
         flag = torch.tensor([value], dtype=torch.int64, device=self._device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX if highest else dist.ReduceOp.MIN, group=self._group)
-        return int(flag.item())
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX if highest else dist.ReduceOp.MIN, group=self._group)
+            return int(flag.item())
+        except BaseException:  # the group itself failed (a peer gone, a timeout): no collective may follow
+            self.stepped = self._settled = True
+            raise
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:

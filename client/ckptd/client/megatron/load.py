@@ -8,6 +8,7 @@ One async core (:func:`load_checkpoint_async`) reads everything through one open
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -123,7 +124,9 @@ def load_checkpoint(
                 return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng,
                                                    client=client, together=together)
         except StorageNotFoundError as exc:  # the root itself is missing here (nothing else is, yet)
-            if not together.stepped and together.step(None) is None:  # as a root without steps, on every rank
+            # "latest" of a local root not made yet is a root without steps (Megatron-LM starts from scratch on
+            # it); a step named, or a bucket that does not exist (a typo?), is the error it is
+            if not together.stepped and _not_made_yet(root, step) and together.step(None) is None:
                 together.verdict()
                 raise NoCommittedStepError(f"no committed checkpoint under {root}: it does not exist") from exc
             together.refuse(exc)
@@ -133,6 +136,12 @@ def load_checkpoint(
             raise
 
     return run_sync(run())
+
+
+def _not_made_yet(root: str, step: int | str) -> bool:
+    """Whether ``root`` is a local folder that does not exist and ``step`` is ``"latest"``."""
+    local = root.removeprefix("file://")
+    return step == "latest" and "://" not in local and not os.path.exists(local)
 
 
 def _root_of(
