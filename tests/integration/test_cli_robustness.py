@@ -19,7 +19,8 @@ import pytest
 from zarr.storage import FsspecStore
 
 from ckptd.daemon import server
-from ckptd.daemon.cli import EXIT_CORRUPT, EXIT_ERROR, EXIT_UNREADABLE, main
+from ckptd.daemon.cli import EXIT_ERROR, main
+from ckptd.daemon.offline import EXIT_CORRUPT, EXIT_UNREADABLE
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink
 from ckptd.writer.backends import open_backend

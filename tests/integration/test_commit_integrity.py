@@ -22,7 +22,8 @@ from ckptd.client import CheckpointClient, Placement, Shard
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.protocol import StepState
 from ckptd.client.reader import load, read_commit
-from ckptd.daemon.cli import EXIT_CORRUPT, main
+from ckptd.daemon.cli import main
+from ckptd.daemon.offline import EXIT_CORRUPT
 from ckptd.testing.launch import DaemonProcess
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import verify_array
