@@ -325,9 +325,13 @@ def test_gc_after_rolls_the_root_back_to_a_committed_step(tmp_path: Path, capsys
     os.utime(root / "step_15" / "x" / "c.0", (0, 0))  # long ago; step 25 was written just now
     assert main(["gc", str(root), "--after", "10", "--dry-run", "--grace", "0"]) == 0
     assert "would remove steps after 10: [30, 25, 20, 15]" in capsys.readouterr().out
-    assert main(["gc", str(root), "--after", "10", "--keep", "1", "--dry-run", "--grace", "0"]) == 0
+    assert main(["gc", str(root), "--after", "10", "--dry-run"]) == 0  # a preview: exit 0, what it would keep
+    out = capsys.readouterr().out
+    assert "would remove steps after 10: [30, 20, 15]" in out and "would keep unfinished steps after 10" in out, out
+    assert main(["gc", str(root), "--after", "10", "--keep", "1", "--dry-run"]) == 0
     out = capsys.readouterr().out  # retention's preview counts the rollback's steps gone: 10 is the newest
     assert "would remove steps: [5]" in out, out
+    assert "kept unfinished steps written to within" not in out, out  # 25 is the rollback's, not retention's
     assert sorted(p.name for p in root.glob("step_*")) == ["step_10", "step_15", "step_20", "step_25", "step_30",
                                                            "step_5"]
     assert main(["gc", str(root), "--after", "10"]) == EXIT_CORRUPT  # not complete: a step after 10 was kept

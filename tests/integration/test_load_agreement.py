@@ -260,10 +260,22 @@ def test_a_rank_that_fails_before_the_step_is_agreed_is_heard_by_every_rank(tmp_
     assert zero["megatron_lm_sidecar"].startswith("CheckpointNotFoundError: rank 1 refused this load"), zero
 
 
-def test_only_latest_of_a_local_root_not_made_yet_is_a_root_without_steps() -> None:
+def test_only_latest_of_a_local_root_not_made_yet_is_a_root_without_steps(tmp_path: Path) -> None:
     from ckptd.client.megatron.load import _not_made_yet
+    from ckptd.writer.backends.local import LocalBackend
+    from ckptd.writer.errors import StorageNotFoundError
 
-    assert _not_made_yet("/nowhere/run", "latest") and _not_made_yet("file:///nowhere/run", "latest")
-    assert not _not_made_yet("/nowhere/run", 100)  # a step named: the missing root is the error
-    assert not _not_made_yet("s3://no-such-bucket/run", "latest")  # a bucket that is not there: a typo?
-    assert not _not_made_yet("/", "latest")
+    def failed_open(path: Path) -> StorageNotFoundError:
+        with pytest.raises(StorageNotFoundError) as caught:
+            LocalBackend.open(str(path), create=False)
+        return caught.value
+
+    missing = failed_open(tmp_path / "nowhere")
+    for root in (str(tmp_path / "nowhere"), f"file://{tmp_path}/nowhere", f"FILE://{tmp_path}/nowhere"):
+        assert _not_made_yet(root, "latest", missing), root
+    (tmp_path / "nowhere").mkdir()  # made meanwhile (a daemon starting): the failed open decides, not a 2nd look
+    assert _not_made_yet(str(tmp_path / "nowhere"), "latest", missing)
+    assert not _not_made_yet(str(tmp_path / "nowhere"), 100, missing)  # a step named: the missing root is the error
+    assert not _not_made_yet("s3://no-such-bucket/run", "latest", missing)  # a bucket that is not there: a typo?
+    (tmp_path / "a-file").write_text("")
+    assert not _not_made_yet(str(tmp_path / "a-file"), "latest", failed_open(tmp_path / "a-file"))  # not a folder

@@ -278,11 +278,14 @@ async def _rollback(root: CheckpointRoot, step: int, dry_run: bool, grace_s: flo
     lately = await writer.written_lately(grace_s, after=step) if grace_s > 0 else []
     removed = await writer.drop_after(step, busy=lately, dry_run=dry_run)
     print(f"{'would remove' if dry_run else 'removed'} steps after {step}:", removed or "none")
-    if lately:
+    if lately and dry_run:
+        print(f"would keep unfinished steps after {step} written to within {grace_s:.0f}s (--grace): {lately}; "
+              "the rollback would not be complete")
+    elif lately:
         print(f"the rollback is not complete: unfinished steps after {step} written to within {grace_s:.0f}s "
               f"(--grace) were kept: {lately}; a daemon may still commit them. Stop what writes them and run "
               "this again (or with --grace 0)", file=sys.stderr)
-    return removed, EXIT_CORRUPT if lately else 0
+    return removed, EXIT_CORRUPT if lately and not dry_run else 0
 
 
 async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float, gone: Sequence[int] = ()) -> int:
@@ -292,7 +295,7 @@ async def _gc(root: CheckpointRoot, keep: int, dry_run: bool, grace_s: float, go
     # --keep 0 keeps every committed step, as `serve --keep 0` does (retention itself keeps max(1, keep)):
     # then only failed and unfinished steps older than the newest commit go
     keep = keep or sys.maxsize
-    lately = await writer.written_lately(grace_s) if grace_s > 0 else []
+    lately = await writer.written_lately(grace_s, gone=gone) if grace_s > 0 else []
     if lately:
         print(f"kept unfinished steps written to within {grace_s:.0f}s (--grace):", lately)
     if dry_run:  # after a dry run's rollback, as if its steps were gone

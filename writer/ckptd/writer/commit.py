@@ -353,14 +353,15 @@ class CheckpointWriter(CheckpointRoot):
         committed = [s for s in await self.committed_steps() if s not in gone]
         return plan_retention(committed, [s for s in await self.steps() if s not in gone], keep, busy)
 
-    async def written_lately(self, within_s: float, after: int | None = None) -> list[int]:
+    async def written_lately(self, within_s: float, after: int | None = None, gone: Collection[int] = ()) -> list[int]:
         """The unfinished steps something wrote under in the last ``within_s`` seconds (or whose time the
         store cannot tell): maybe still being written by a daemon, as a step may commit after a newer one.
         What ``ckptd gc``, which does not know the daemons' steps in flight, leaves alone. Those older than
-        the newest commit (what retention removes), or with ``after``, those after that step."""
-        committed = set(await self.committed_steps())
+        the newest commit (what retention removes), or with ``after``, those after that step; ``gone``: steps
+        to count as removed already (a dry run's rollback)."""
+        committed = set(await self.committed_steps()) - set(gone)
         newest = max(committed, default=-1)  # only older unfinished steps are ever removed: list no others
-        unfinished = [s for s in await self.steps() if s not in committed
+        unfinished = [s for s in await self.steps() if s not in committed and s not in gone
                       and (s < newest if after is None else s > after)]
         written = self.backend.newest_write
         times = await bounded_map(lambda s: written(step_dir(s)), unfinished, limit=METADATA_CONCURRENCY)

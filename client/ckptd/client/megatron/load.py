@@ -8,7 +8,6 @@ One async core (:func:`load_checkpoint_async`) reads everything through one open
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -56,6 +55,7 @@ from ckptd.writer.layout import MegatronLayout, decode_layout
 from ckptd.writer.merge import merged_states
 from ckptd.writer.root import CheckpointRoot, open_root
 from ckptd.writer.sync import run_sync
+from ckptd.writer.urls import is_local
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient
@@ -126,7 +126,7 @@ def load_checkpoint(
         except StorageNotFoundError as exc:  # the root itself is missing here (nothing else is, yet)
             # "latest" of a local root not made yet is a root without steps (Megatron-LM starts from scratch on
             # it); a step named, or a bucket that does not exist (a typo?), is the error it is
-            if not together.stepped and _not_made_yet(root, step) and together.step(None) is None:
+            if not together.stepped and _not_made_yet(root, step, exc) and together.step(None) is None:
                 together.verdict()
                 raise NoCommittedStepError(f"no committed checkpoint under {root}: it does not exist") from exc
             together.refuse(exc)
@@ -138,10 +138,10 @@ def load_checkpoint(
     return run_sync(run())
 
 
-def _not_made_yet(root: str, step: int | str) -> bool:
-    """Whether ``root`` is a local folder that does not exist and ``step`` is ``"latest"``."""
-    local = root.removeprefix("file://")
-    return step == "latest" and "://" not in local and not os.path.exists(local)
+def _not_made_yet(root: str, step: int | str, exc: StorageNotFoundError) -> bool:
+    """Whether ``exc`` says that ``root``, a local folder, does not exist (decided by the failed open itself,
+    not by a second look a daemon making the folder meanwhile could change), and ``step`` is ``"latest"``."""
+    return step == "latest" and is_local(root) and isinstance(exc.__cause__, FileNotFoundError)
 
 
 def _root_of(
