@@ -21,6 +21,7 @@ from zarr.storage import FsspecStore
 from ckptd.daemon import server
 from ckptd.daemon.cli import EXIT_ERROR, main
 from ckptd.daemon.offline import EXIT_CORRUPT, EXIT_UNREADABLE
+from ckptd.testing.fixtures import commit_one_node
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink
 from ckptd.writer.backends import open_backend
@@ -45,8 +46,7 @@ def write_steps(root: str, *steps: int) -> None:
                 chunks.append(fmt.ChunkRecord(list(coords), block.nbytes, crc, pieces))
             rec = fmt.ArrayRecord("x", "float32", [N], [GRID], [fmt.ShardRecord(0, [0], [N], chunks)],
                                   separator=fmt.CHUNK_SEPARATOR)
-            await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, step, 0, 1, 1, [0], [rec], {}, 0, 0.0))
-            await ckpt.commit(step, 1, timeout=5)
+            await commit_one_node(ckpt, step, [rec])
 
     for step in steps:
         asyncio.run(one(step))

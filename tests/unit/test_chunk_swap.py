@@ -14,6 +14,7 @@ import torch
 
 from ckptd.client import Shard
 from ckptd.client.reader import load, read_commit
+from ckptd.testing.fixtures import commit_one_node
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink, verify_array
 from ckptd.writer.backends import open_backend
@@ -34,8 +35,7 @@ def _write(root: str) -> None:
             rec = fmt.ArrayRecord("w", "float32", [6, 5], [2, 5], [fmt.ShardRecord(0, [0, 0], [6, 5], chunks)],
                                   separator=".")
             writer = CheckpointWriter(backend)
-            await writer.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], [rec], {}, 0, 0.0))
-            await writer.commit(1, 1, timeout=5)
+            await commit_one_node(writer, 1, [rec])
 
     asyncio.run(go())
 

@@ -30,6 +30,7 @@ from ckptd.client.megatron.reshard import (
     _spec,
     plan_dp_slices,
 )
+from ckptd.testing.fixtures import commit_one_node
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink
 from ckptd.writer.backends import open_backend
@@ -86,8 +87,7 @@ def _write(root: str, saved: MegatronLayout, data: Data = DATA) -> None:
                     shards.append(fmt.ShardRecord(dp, [dp * s], [s], done))
                 records.append(fmt.ArrayRecord(name, "float32", [bucket.padded_numel], [CHUNK], shards,
                                                separator=fmt.CHUNK_SEPARATOR))
-            await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
-            await ckpt.commit(1, 1, timeout=5)
+            await commit_one_node(ckpt, 1, records)
 
     asyncio.run(go())
 

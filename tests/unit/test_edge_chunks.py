@@ -17,6 +17,7 @@ from ckptd.client.fastread import ChunkReader
 from ckptd.client.protocol import RestoreShard
 from ckptd.client.reader import load
 from ckptd.client.restore import ArenaSource
+from ckptd.testing.fixtures import commit_one_node
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink, full_chunk, verify_array
 from ckptd.writer.backends import open_backend
@@ -58,8 +59,7 @@ def _write(root: str, *, whole: bool, arrays: dict[str, tuple[torch.Tensor, tupl
                 shard = fmt.ShardRecord(0, [0] * len(shape), shape, chunks)
                 records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, list(grid), [shard],
                                                separator=separator))
-            await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
-            await ckpt.commit(1, 1, timeout=5)
+            await commit_one_node(ckpt, 1, records)
 
     asyncio.run(go())
 

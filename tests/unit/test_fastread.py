@@ -26,7 +26,7 @@ from ckptd.client.fastread import ChunkReader
 from ckptd.client.gather import Strided
 from ckptd.client.reader import load, read_commit, read_flat
 from ckptd.client.state import Shard
-from ckptd.testing.fixtures import BUCKET
+from ckptd.testing.fixtures import BUCKET, commit_one_node
 from ckptd.testing.s3server import S3Server
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import (
@@ -73,8 +73,7 @@ def _write(root: str, options: dict[str, object] | None = None,
                 # have format 4's (c.<i>.<j>)
                 records.append(fmt.ArrayRecord(key, str(t.dtype).removeprefix("torch."), shape, grid, [shard],
                                                separator="/"))
-            await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
-            await ckpt.commit(1, 1, timeout=5)
+            await commit_one_node(ckpt, 1, records)
 
     asyncio.run(go())
 
@@ -261,8 +260,7 @@ def _write_zstd(root: str, t: torch.Tensor, rows: int) -> None:
             rec = fmt.ArrayRecord("z", "float32", [n], [rows], [fmt.ShardRecord(0, [0], [n], chunks)], codec="zstd",
                                   separator="/")
             writer = CheckpointWriter(backend)
-            await writer.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], [rec], {}, 0, 0.0))
-            await writer.commit(1, 1, timeout=5)
+            await commit_one_node(writer, 1, [rec])
 
     asyncio.run(go())
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckptd.client.megatron.reshard import merged_optimizer_slices, plan_merged_slices
-from ckptd.testing.fixtures import BUCKET
+from ckptd.testing.fixtures import BUCKET, commit_one_node
 from ckptd.testing.s3server import S3Server
 from ckptd.writer import format as fmt
 from ckptd.writer.arrays import ChunkSink
@@ -99,8 +99,7 @@ def _write(root: str, options: dict[str, object] | None = None) -> None:
                 shard = fmt.ShardRecord(0, [0] * len(shape), list(shape), done)
                 records.append(fmt.ArrayRecord(name, "float32", list(shape), list(chunks), [shard],
                                                separator=fmt.CHUNK_SEPARATOR))
-            await ckpt.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, 1, 0, 1, 1, [0], records, {}, 0, 0.0))
-            await ckpt.commit(1, 1, timeout=5)
+            await commit_one_node(ckpt, 1, records)
 
     asyncio.run(go())
 

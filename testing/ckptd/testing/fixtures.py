@@ -80,3 +80,13 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.01)
+
+
+async def commit_one_node(writer: Any, step: int, records: list[Any]) -> None:
+    """Commit ``step`` of one node and one rank holding ``records`` (``ArrayRecord``s whose chunks are
+    written): its part manifest, then the commit, as a daemon would, through ``writer``
+    (a :class:`~ckptd.writer.commit.CheckpointWriter`)."""
+    from ckptd.writer import format as fmt
+
+    await writer.write_part(fmt.PartManifest(fmt.FORMAT_VERSION, step, 0, 1, 1, [0], records, {}, 0, 0.0))
+    await writer.commit(step, 1, timeout=5)
