@@ -140,3 +140,27 @@ def test_latest_moves_back_past_a_deleted_step(tmp_path: Path) -> None:
             assert await w.latest_hint() == 15 and await w.latest() == 15
 
     asyncio.run(go())
+
+
+def test_two_commits_at_once_leave_latest_on_the_newer_step(tmp_path: Path) -> None:
+    """Steps commit out of order and at once in one coordinator: step 11's ``latest`` update reads the hint
+    (10) and is slow to replace it while step 12 commits. The updates take turns, so the hint ends on 12,
+    not on 11 replaced last."""
+
+    async def go() -> int | None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            await w.write_part(_part(10, 0))
+            await w.commit(10, 1, timeout=1.0)
+            real, delays = w.latest_hint, [0.2, 0.0]
+
+            async def slow_first_read() -> int | None:
+                value = await real()
+                await asyncio.sleep(delays.pop(0))  # the first reader holds a stale value a while
+                return value
+
+            w.latest_hint = slow_first_read  # type: ignore[method-assign]
+            await asyncio.gather(w.write_marker(11, b"{}"), w.write_marker(12, b"{}"))
+            return await real()
+
+    assert asyncio.run(go()) == 12

@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 from zarr.abc.store import Store
@@ -64,6 +64,9 @@ from ckptd.writer.format import (
 from ckptd.writer.replicas import check_replicas
 from ckptd.writer.root import CheckpointRoot
 
+if TYPE_CHECKING:
+    from ckptd.writer.backends import Backend
+
 log = logging.getLogger(__name__)
 
 METADATA_CONCURRENCY = 16
@@ -79,6 +82,12 @@ class Leftovers(NamedTuple):
 
 class CheckpointWriter(CheckpointRoot):
     """The read view plus every write of the commit protocol. Opened on a backend the caller owns."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
+        # `latest` is read, compared and replaced: two commits of the coordinator at once (steps commit out of
+        # order) must not interleave there, or the older step's replace lands last
+        self._hint = asyncio.Lock()
 
     # --- a node's part --------------------------------------------------------------------------------
     async def make_durable(self, keys: Iterable[str], *, synced: bool = False, whole_filesystem: bool = False) -> None:
@@ -240,6 +249,10 @@ class CheckpointWriter(CheckpointRoot):
             created = True
         if not created:
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
+        async with self._hint:
+            await self._move_latest(step)
+
+    async def _move_latest(self, step: int) -> None:
         try:  # only a hint: the step is committed whatever happens to it (readers trust the markers)
             current = await self.latest_hint()
             newest: int | None = step
