@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ckptd.writer import format as fmt
@@ -164,3 +165,48 @@ def test_two_commits_at_once_leave_latest_on_the_newer_step(tmp_path: Path) -> N
             return await real()
 
     assert asyncio.run(go()) == 12
+
+
+def test_a_step_deleted_while_it_was_saved_again_is_not_committed(tmp_path: Path) -> None:
+    """After a rollback an old step number is saved again while retention deletes the old one: the delete
+    may remove the new save's files, so the coordinator refuses to commit it (the save fails and can be made
+    again) instead of committing a manifest whose chunks are gone. A delete that ended before the new save
+    began (less the clock slack) refuses nothing; nor does another step's."""
+    import time as clock
+
+    from ckptd.writer.commit import CLOCK_SKEW_S
+    from ckptd.writer.errors import StepFailedError
+
+    def part(step: int, started_at: float) -> fmt.PartManifest:
+        return msgspec.structs.replace(_part(step, 0), started_at=started_at)
+
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            await w.write_part(part(15, clock.time()))  # the new save began, then the old 15 was deleted
+            await w.delete_step(15)
+            await w.write_part(part(15, clock.time() - 60))
+            with pytest.raises(StepFailedError, match="was being deleted"):
+                await w.commit(15, 1, timeout=1.0)
+            assert not await w.is_committed(15)
+            await w.write_part(part(15, clock.time() + CLOCK_SKEW_S + 1))  # saved again after the delete
+            await w.commit(15, 1, timeout=1.0)
+            await w.write_part(part(16, 0.0))  # another step (an older daemon's part: no start time)
+            await w.commit(16, 1, timeout=1.0)
+            # a commit while the delete is still under way is refused too
+            gate, real = asyncio.Event(), backend.delete_prefix
+
+            async def held(prefix: str) -> None:
+                await gate.wait()
+                await real(prefix)
+
+            backend.delete_prefix = held  # type: ignore[method-assign]
+            await w.write_part(part(20, clock.time() + CLOCK_SKEW_S + 1))  # whatever the clocks say
+            deleting = asyncio.create_task(w.delete_step(20))  # held before it removes the files
+            await asyncio.sleep(0.05)
+            with pytest.raises(StepFailedError, match="was being deleted"):
+                await w.commit(20, 1, timeout=1.0)
+            gate.set()
+            await deleting
+
+    asyncio.run(go())

@@ -30,7 +30,7 @@ from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
 from ckptd.daemon.writes import ShardWriter
 from ckptd.writer.backends import Backend
-from ckptd.writer.commit import CheckpointWriter
+from ckptd.writer.commit import CLOCK_SKEW_S, CheckpointWriter
 from ckptd.writer.errors import (
     CkptdError,
     DaemonShuttingDownError,
@@ -56,7 +56,6 @@ from ckptd.writer.format import (
 log = logging.getLogger(__name__)
 
 KEEP_FINISHED_JOBS = 64
-CLOCK_SKEW_S = 5.0  # failure notes older than a step's start (less this) are an earlier attempt's
 SUPERSEDE_WAIT_S = 20.0  # a new attempt's rank waits this long for its node's earlier attempt to end
 
 Task = asyncio.Task[None]
@@ -361,6 +360,7 @@ class CheckpointService:
             written_at=time.time(),
             replicas=node_replicas(job.saves.values()),
             attempt=job.attempt,
+            started_at=job.started_wall,
         )
 
     async def _watch_part_timeout(self, job: StepJob) -> None:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -70,6 +71,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METADATA_CONCURRENCY = 16
+_DELETES_KEPT = 4096  # deletes remembered for CheckpointWriter._check_not_deleted_under
+CLOCK_SKEW_S = 5.0  # how far two nodes' wall clocks may differ: the slack of comparisons across nodes
 
 
 class Leftovers(NamedTuple):
@@ -88,6 +91,9 @@ class CheckpointWriter(CheckpointRoot):
         # `latest` is read, compared and replaced: two commits of the coordinator at once (steps commit out of
         # order) must not interleave there, or the older step's replace lands last
         self._hint = asyncio.Lock()
+        # step -> wall clock when this writer last ended (or is still in) a delete of it: retention's delete of
+        # an old step number may meet a new save of that number (after a rollback), whose files it removes
+        self._deleted: dict[int, float] = {}
 
     # --- a node's part --------------------------------------------------------------------------------
     async def make_durable(self, keys: Iterable[str], *, synced: bool = False, whole_filesystem: bool = False) -> None:
@@ -183,6 +189,7 @@ class CheckpointWriter(CheckpointRoot):
         parts = await self.wait_parts(step, num_nodes, timeout, attempt=attempt)
         if await self.is_committed(step):  # while it waited: a late coordinator must not rewrite its metadata
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
+        self._check_not_deleted_under(step, parts)
         merged = merge_parts(parts)
         check_replicas(parts, {rec.name: rec for rec in merged.arrays})  # someone wrote every replica region
         prefix = step_dir(step)
@@ -207,6 +214,19 @@ class CheckpointWriter(CheckpointRoot):
         # The marker is the commit: once started, let it finish even if the caller is cancelled.
         await asyncio.shield(self._seal(step, num_nodes, attempt, encode_json(final)))
         return final
+
+    def _check_not_deleted_under(self, step: int, parts: Sequence[PartManifest]) -> None:
+        """Refuse to commit a step this writer deleted (retention, an older save of the same number) while
+        any node may already have been writing it: the delete may have removed its new files, and a commit
+        would name chunks that are gone. Parts of older daemons (no start time) count from the beginning."""
+        ended = self._deleted.get(step)
+        started = min(p.started_at for p in parts)
+        if ended is not None and ended > started - CLOCK_SKEW_S:
+            raise StepFailedError(
+                f"step {step}: an older step {step} was being deleted (retention) while this one was saved, so "
+                "some of its files may be gone; it is not committed: save it again (after a rollback, `ckptd gc "
+                "ROOT --after STEP` before the first save keeps this from happening)"
+            )
 
     async def _seal(self, step: int, num_nodes: int, attempt: str, data: bytes) -> None:
         """The attempt's verdict where other nodes wait for this commit (one of them may have stopped waiting
@@ -346,6 +366,16 @@ class CheckpointWriter(CheckpointRoot):
         Where crashed uploads leave parts behind (``capabilities.multipart_cleanup``: S3) the unfinished
         uploads under the step are aborted too: invisible to listings, but kept and billed until aborted.
         """
+        self._deleted.pop(step, None)
+        self._deleted[step] = math.inf  # until it ends (a commit of the step meanwhile is refused)
+        try:
+            await self._delete_step(step)
+        finally:
+            self._deleted[step] = time.time()
+            if len(self._deleted) > _DELETES_KEPT:  # the oldest: thousands of commits ago, no step lives so long
+                del self._deleted[next(iter(self._deleted))]
+
+    async def _delete_step(self, step: int) -> None:
         prefix = step_dir(step)
         for version in CONTROL_LAYOUTS:  # every marker first (a step of either format)
             await self.backend.delete(commit_marker(step, version))

@@ -279,6 +279,7 @@ class PartManifest(msgspec.Struct, frozen=True):
     written_at: float
     replicas: list[ReplicaRecord] = []  # regions its ranks hold only as non-main replicas (writer/replicas.py)
     attempt: str = ""  # the attempt of its ranks' saves (client/attempts.py); "" when unknown
+    started_at: float = 0.0  # wall clock: when the node's first save of the step came (0: unknown, older parts)
 
 
 class CommitManifest(msgspec.Struct, frozen=True):
