@@ -210,3 +210,41 @@ def test_a_step_deleted_while_it_was_saved_again_is_not_committed(tmp_path: Path
             await deleting
 
     asyncio.run(go())
+
+
+def test_a_commit_waits_out_every_delete_of_its_step_under_way(tmp_path: Path) -> None:
+    """Two commits' retentions at once (steps commit out of order) delete the same old unfinished step 20; the
+    second ends first. A save of 20 begun after that end (and the slack) is still refused while the first
+    delete runs: it may yet remove the new files."""
+    import time as clock
+
+    from ckptd.writer.commit import CLOCK_SKEW_S
+    from ckptd.writer.errors import StepFailedError
+
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            for step in (10, 30, 31):
+                await w.write_part(_part(step, 0))
+                await w.commit(step, 1, timeout=1.0)
+            await w.write_part(_part(20, 0))  # a rollback's leftover, unfinished
+            gate, real, calls = asyncio.Event(), backend.delete_prefix, []
+
+            async def first_held(prefix: str) -> None:
+                calls.append(prefix)
+                if len(calls) == 1:  # the first retention's delete is slow (many objects)
+                    await gate.wait()
+                await real(prefix)
+
+            backend.delete_prefix = first_held  # type: ignore[method-assign]
+            slow = asyncio.create_task(w.retain(5))
+            await asyncio.sleep(0.05)
+            assert await w.retain(5) == [20]  # the second retention deletes 20 too, and ends first
+            part = msgspec.structs.replace(_part(20, 0), started_at=clock.time() + CLOCK_SKEW_S + 1)
+            await w.write_part(part)
+            with pytest.raises(StepFailedError, match="was being deleted"):
+                await w.commit(20, 1, timeout=1.0)
+            gate.set()
+            assert await slow == [20]
+
+    asyncio.run(go())

@@ -18,6 +18,7 @@ Coordination goes through storage alone: no daemon ever joins the training proce
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import math
@@ -91,9 +92,10 @@ class CheckpointWriter(CheckpointRoot):
         # `latest` is read, compared and replaced: two commits of the coordinator at once (steps commit out of
         # order) must not interleave there, or the older step's replace lands last
         self._hint = asyncio.Lock()
-        # step -> wall clock when this writer last ended (or is still in) a delete of it: retention's delete of
-        # an old step number may meet a new save of that number (after a rollback), whose files it removes
+        # step -> wall clock when this writer last ended a delete of it, and the deletes of each step under way:
+        # retention's delete of an old step number may meet a new save of it (a rollback) and remove its files
         self._deleted: dict[int, float] = {}
+        self._deleting: collections.Counter[int] = collections.Counter()
 
     # --- a node's part --------------------------------------------------------------------------------
     async def make_durable(self, keys: Iterable[str], *, synced: bool = False, whole_filesystem: bool = False) -> None:
@@ -219,7 +221,7 @@ class CheckpointWriter(CheckpointRoot):
         """Refuse to commit a step this writer deleted (retention, an older save of the same number) while
         any node may already have been writing it: the delete may have removed its new files, and a commit
         would name chunks that are gone. Parts of older daemons (no start time) count from the beginning."""
-        ended = self._deleted.get(step)
+        ended = math.inf if self._deleting[step] else self._deleted.get(step)
         started = min(p.started_at for p in parts)
         if ended is not None and ended > started - CLOCK_SKEW_S:
             raise StepFailedError(
@@ -366,11 +368,14 @@ class CheckpointWriter(CheckpointRoot):
         Where crashed uploads leave parts behind (``capabilities.multipart_cleanup``: S3) the unfinished
         uploads under the step are aborted too: invisible to listings, but kept and billed until aborted.
         """
-        self._deleted.pop(step, None)
-        self._deleted[step] = math.inf  # until it ends (a commit of the step meanwhile is refused)
+        self._deleting[step] += 1  # two commits' retentions may delete the same step at once
         try:
             await self._delete_step(step)
         finally:
+            self._deleting[step] -= 1
+            if self._deleting[step] <= 0:
+                del self._deleting[step]
+            self._deleted.pop(step, None)
             self._deleted[step] = time.time()
             if len(self._deleted) > _DELETES_KEPT:  # the oldest: thousands of commits ago, no step lives so long
                 del self._deleted[next(iter(self._deleted))]
