@@ -478,9 +478,15 @@ async def _load_model_only(
 
 async def _tell_rollback(ckpt: CheckpointRoot, step: int) -> None:
     """A step older than the newest committed one, loaded by number, is a rollback: say (once, on the first
-    rank) that ``latest`` and retention still go by step number until the newer steps are removed."""
-    newer = await ckpt.latest_hint()
-    if newer is not None and newer > step and await ckpt.is_committed(newer):
+    rank) that ``latest`` and retention still go by step number until the newer steps are removed. Only a
+    warning: storage failing to answer here does not fail the load (nor, through the agreement, every rank's)."""
+    try:
+        newer = await ckpt.latest_hint()
+        rolled_back = newer is not None and newer > step and await ckpt.is_committed(newer)
+    except (CkptdError, OSError) as exc:
+        logger.debug("step %d: could not tell whether it is older than the newest committed step: %s", step, exc)
+        return
+    if rolled_back:
         logger.warning(
             "loading step %d while step %d is the newest committed under %s: a save of a step number already "
             "committed is refused, a later load of 'latest' returns to step %d, and retention (--keep) keeps the "
