@@ -20,6 +20,11 @@ and with Megatron's ``dist_checkpointing.save`` (``dp_reshardable``, synchronous
 - ``raw_plain``: each file of the rank's share read with a plain ``read()`` (a new ``bytes`` each, dropped):
   the raw read as issue 10 measured it ("plain ``read()`` of ckptd's files, split over the 2 ranks").
 
+``CKPTD_BENCH_LOAD_RANKS=1`` saves and loads on one rank (TP1 x DP1): on the 2-core machine a rank with a
+core to spare, whose load's read threads do not share the rank's core with another rank, while each raw
+baseline stays one reading thread a rank, as the issue's. The other-DP and other-TP loads need two ranks to
+compare with: that run leaves them out (their keys are None).
+
 The modes take turns: each repeat (5; 1 at smoke size) runs every mode once, in order, so a change of this
 noisy machine's speed during the run reaches every mode alike; Megatron's repeats follow (its
 ``load_state_dict`` replaces the optimizer's state tensors, so a ckptd load right after it would read into
@@ -266,6 +271,7 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
 
     cfg = dict(SMOKE if args.smoke else FULL)
     repeats = 1 if args.smoke else 5
+    world = int(os.environ.get("CKPTD_BENCH_LOAD_RANKS", "2"))
     from bench_megatron import _gpt_params
 
     arena_mib = int(_gpt_params(cfg) * 16 / MiB * 1.2) + 64
@@ -276,17 +282,21 @@ def bench_load(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     paths = [root, os.path.join(workdir, "load-megatron")]
     try:
         daemon.wait_ready(300)
-        saved = run_ranks(_save, 2, sock, workdir, cfg, timeout_s=3600)
+        saved = run_ranks(_save, world, sock, workdir, cfg, timeout_s=3600)
         # new ranks (the savers are gone); the daemon still holds the step: in-memory restore is measured too
         modes = ["raw_read", "raw_place", "raw_plain", "ckptd", "ckptd_fresh", "megatron", "memory"]
-        same = run_ranks(_timed, 2, workdir, cfg, modes, repeats, paths, sock, timeout_s=3600)
+        same = run_ranks(_timed, world, workdir, cfg, modes, repeats, paths, sock, timeout_s=3600)
     finally:
         daemon.stop(120)
-    other_dp = run_ranks(_timed, 1, workdir, cfg, ["ckptd"], repeats, paths, timeout_s=3600)
-    other_tp = run_ranks(_timed, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], repeats, paths, timeout_s=3600)
+    # another DP (2 -> 1) and another TP (1 -> 2 at DP1, merge-free) against the same layout on as many ranks;
+    # a one-rank run has no like to compare them with (its ratios are left out)
+    other_dp = other_tp = [{} for _ in range(world)]
+    if world == 2:
+        other_dp = run_ranks(_timed, 1, workdir, cfg, ["ckptd"], repeats, paths, timeout_s=3600)
+        other_tp = run_ranks(_timed, 2, workdir, {**cfg, "tp": 2}, ["ckptd"], repeats, paths, timeout_s=3600)
     nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(os.path.join(root, f"step_{STEP}"))
                  for f in fs)
-    row: dict[str, Any] = {"bench": "load", "model_params": saved[0]["params"], "ranks": 2,
+    row: dict[str, Any] = {"bench": "load", "model_params": saved[0]["params"], "ranks": world,
                            "checkpoint_bytes": nbytes, "cold_method": same[0]["cold_method"], "runs": repeats}
     for temp in ("cold", "warm"):
         raw = _slowest(same, f"raw_read_{temp}")
