@@ -22,7 +22,7 @@ from ckptd.client import CheckpointClient, DaemonUnavailableError, Placement, St
 from ckptd.client.reader import load
 from ckptd.client.state import Shard
 from ckptd.testing.fixtures import wait_for
-from ckptd.writer.errors import ShardLayoutError
+from ckptd.writer.errors import SaveTimeoutError, ShardLayoutError
 from ckptd.writer.format import commit_marker, part_key
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,5 +118,51 @@ def test_a_restarted_node_daemon_does_not_turn_the_coordinators_commit_into_a_lo
     assert h1.wait(30).state is StepState.COMMITTED and h1.exception() is None
     c0.save(2, _state(0, torch.arange(100.0) + 1)).wait(60)
     assert h2.wait(60).state is StepState.COMMITTED
+    c0.close()
+    c1.close()
+
+
+def test_a_node_that_stops_waiting_keeps_the_coordinator_from_committing_later(start_daemon, tmp_path, monkeypatch):
+    """A named attempt (one run's saves): at the end of its wait the handle claims the step's verdict, as its
+    daemon would have at its commit timeout, so a coordinator that comes later does not commit a step this
+    rank was told is lost."""
+    monkeypatch.setenv("CKPTD_INCARNATION", "run-a")
+    root = tmp_path / "ckpt"
+    c1, h1, _ = _node1_part_then_kill(start_daemon, root, "--commit-timeout", "3")
+    assert h1.attempt.startswith("run-a.")
+    with pytest.raises(DaemonUnavailableError, match="this rank stopped waiting first, so the coordinator will not"):
+        h1.wait(60)
+    d0 = start_daemon(str(root), "d0")  # node 0 comes late
+    c0 = _rank(d0.socket, 0)
+    with pytest.raises(SaveTimeoutError, match="node 1 stopped waiting"):
+        c0.save(1, _state(0, torch.arange(100.0))).wait(60)
+    assert not (root / commit_marker(1)).exists()
+    c0.close()
+    c1.close()
+
+
+def test_a_node_that_finds_the_coordinators_verdict_to_commit_waits_for_its_marker(start_daemon, tmp_path,
+                                                                                  monkeypatch):
+    """The coordinator claimed the verdict to commit before the handle's wait ended (its marker is its next
+    write, late): the handle waits on and reports the commit."""
+    import asyncio
+
+    from ckptd.writer.root import open_root
+
+    monkeypatch.setenv("CKPTD_INCARNATION", "run-b")
+    root = tmp_path / "ckpt"
+    c1, h1, _ = _node1_part_then_kill(start_daemon, root, "--commit-timeout", "3")
+
+    async def claim() -> object:
+        async with open_root(str(root), None) as ckpt:
+            return await ckpt.claim_verdict(1, h1.attempt, "commit", node=0)
+
+    assert asyncio.run(claim()) is None  # the coordinator's claim decided it
+    wait_for(lambda: not h1.done() and h1._verdict_seen, "the handle's wait to end", timeout=30)
+    assert not h1.done() and h1.state is StepState.DURABLE
+    d0 = start_daemon(str(root), "d0")
+    c0 = _rank(d0.socket, 0)
+    assert c0.save(1, _state(0, torch.arange(100.0))).wait(60).state is StepState.COMMITTED
+    assert h1.wait(30).state is StepState.COMMITTED
     c0.close()
     c1.close()

@@ -37,13 +37,21 @@ pytestmark = pytest.mark.megatron
 TINY = {"hidden": 32, "layers": 2, "heads": 4}
 
 
-def _outcome(agreement: LoadAgreement, refusal: BaseException | None) -> str:
-    """What one rank's load would do at the verdict: refuse (its own error), raise a peer's, or write."""
-    if refusal is not None:
-        agreement.refuse(refusal)
-        return f"own {type(refusal).__name__}"
+def _outcome(agreement: LoadAgreement, refusal: BaseException | None, late: BaseException | None = None) -> str:
+    """What one rank's load does, as ``load_checkpoint_async`` calls the agreement: refuse before the verdict
+    (its own error), raise a peer's at the verdict, or write; then fail while writing (``late``: its own
+    error), raise a peer's failure at the end, or finish ("write")."""
     try:
+        if refusal is not None:
+            raise refusal
         agreement.verdict()
+        if late is not None:
+            raise late
+    except BaseException as exc:
+        agreement.refuse(exc)
+        return f"own {type(exc).__name__}" if exc is refusal or exc is late else f"{type(exc).__name__}: {exc}"
+    try:
+        agreement.done()
     except CkptdError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "write"
@@ -93,11 +101,26 @@ def _agreements(rank: int, world: int) -> dict[str, Any]:
     finally:
         torch.distributed.all_reduce = real
     out["after_failure"] = len(calls)
-    # 5. the verdict is given once: a later error (while reading) takes part in nothing
+    # 5. after a verdict that let every rank write, a rank that fails (a read) is heard at the end: the others
+    # raise its error class, naming it; a rank interrupted before the verdict is a refusing one
+    late = LoadAgreement()
+    late.step(7)
+    out["late"] = _outcome(late, None, CorruptCheckpointError("a chunk's crc32c differs") if rank == 1 else None)
+    interrupted = LoadAgreement()
+    interrupted.step(7)
+    out["interrupted"] = _outcome(interrupted, KeyboardInterrupt() if rank == 2 else None)
+    # 7. nothing after the last collective: a later error, another done(), an end every rank met alike
     once = LoadAgreement()
     once.step(7)
     once.verdict()
-    once.refuse(StorageError("a read failed after the verdict"))
+    once.done()
+    once.refuse(StorageError("after the load"))
+    once.done()
+    alike = LoadAgreement()
+    alike.step(None)
+    alike.verdict(last=True)  # no rank found a step: every rank raises here, nothing written
+    alike.refuse(StorageError("no committed step"))
+    alike.done()
     torch.distributed.barrier()  # would pair with a stray all-reduce of another rank and fail or hang
     out["after"] = "ok"
     return out
@@ -119,6 +142,13 @@ def test_the_ranks_agree_on_the_step_and_the_verdict() -> None:
         assert r["early"].startswith("StorageError: rank 0 refused this load (StorageError"), results
     for r in results[:2]:
         assert r["foreign"].startswith("CkptdError: rank 2 refused this load (CkptdError"), results
+    assert results[1]["late"] == "own CorruptCheckpointError"
+    for r in (results[0], results[2]):
+        assert r["late"].startswith("CorruptCheckpointError: rank 1 failed while loading, after every rank had "
+                                    "begun writing"), results
+    assert results[2]["interrupted"] == "own KeyboardInterrupt"
+    for r in results[:2]:
+        assert r["interrupted"].startswith("CkptdError: rank 2 refused this load"), results
     assert [r["after"] for r in results] == ["ok"] * 3
     assert [r["after_failure"] for r in results] == [1, 1, 1]
 
@@ -128,6 +158,7 @@ def test_one_process_agrees_without_a_collective() -> None:
     assert agreement.step(3) == 3 and LoadAgreement().step(None) is None
     agreement.verdict()
     agreement.refuse(StorageError("after the verdict: nothing to tell"))
+    agreement.done()
 
 
 def _latest_a_moment_apart(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
@@ -160,7 +191,7 @@ def _latest_a_moment_apart(rank: int, world: int, socket: str, root: str) -> dic
     told: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("ckptd.client.megatron.load").addHandler(handler)
+    logging.getLogger("ckptd.client.megatron.agree").addHandler(handler)
     out["rollback_step"] = load_checkpoint(root, 1, model2, optimizer2).step
     out["told"] = [m for m in told if "newest committed" in m]
     return out
@@ -279,3 +310,57 @@ def test_only_latest_of_a_local_root_not_made_yet_is_a_root_without_steps(tmp_pa
     assert not _not_made_yet("s3://no-such-bucket/run", "latest", missing)  # a bucket that is not there: a typo?
     (tmp_path / "a-file").write_text("")
     assert not _not_made_yet(str(tmp_path / "a-file"), "latest", failed_open(tmp_path / "a-file"))  # not a folder
+
+
+def _failures_after_the_verdict(rank: int, world: int, socket: str, root: str) -> dict[str, Any]:
+    """A read that fails on rank 1 after the verdict let both ranks write (the disk answers EIO), and a rank
+    interrupted while it plans (Ctrl-C): both ranks raise, neither waits for the other, and the next load of
+    both is whole and bit-exact (the collectives stayed paired)."""
+    import errno
+    import time
+
+    model, optimizer, train_step = build_gpt(**TINY)
+    train_step(1)
+    client = CheckpointClient(socket, timeout_s=60)
+    save_checkpoint(client, 1, model, optimizer).wait(60)
+    client.close()
+    saved = [p.detach().clone() for p in model[0].parameters()]
+    model2, optimizer2, train_step2 = build_gpt(**TINY, seed=99)
+    train_step2(0)
+    out: dict[str, Any] = {}
+    real_preadv, real_sidecar = os.preadv, CheckpointRoot.read_sidecar
+
+    def failing_disk(fd: int, bufs: Any, pos: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async def interrupted(self: CheckpointRoot, name: str) -> str:
+        raise KeyboardInterrupt
+
+    for case, patch in (("read_fails", lambda: setattr(os, "preadv", failing_disk)),
+                        ("interrupted", lambda: setattr(CheckpointRoot, "read_sidecar", interrupted))):
+        if rank == 1:
+            patch()
+        t0 = time.monotonic()
+        try:
+            out[case] = f"returned {load_checkpoint(root, 'latest', model2, optimizer2).step}"
+        except (CkptdError, OSError, KeyboardInterrupt) as exc:
+            out[case] = f"{type(exc).__name__}: {exc}"
+        out[f"{case}_s"] = time.monotonic() - t0
+        os.preadv, CheckpointRoot.read_sidecar = real_preadv, real_sidecar  # type: ignore[method-assign]
+    out["again"] = load_checkpoint(root, "latest", model2, optimizer2).step
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(saved, model2[0].parameters(), strict=True))
+    return out
+
+
+def test_a_rank_that_fails_after_the_verdict_is_heard_by_every_rank(tmp_path: Path, module_sockdir: str) -> None:
+    results = spawn_with_daemon(_failures_after_the_verdict, 2, str(tmp_path / "root"),
+                                os.path.join(module_sockdir, "late.sock"), log_path=str(tmp_path / "late.log"),
+                                timeout_s=240)
+    zero, one = results
+    assert "Input/output error" in one["read_fails"], one
+    assert zero["read_fails"].startswith(f"{one['read_fails'].split(':')[0]}: rank 1 failed while loading"), results
+    assert one["interrupted"] == "KeyboardInterrupt: ", one
+    assert zero["interrupted"].startswith("CkptdError: rank 1 refused this load"), zero
+    for r in results:
+        assert r["read_fails_s"] < 60 and r["interrupted_s"] < 60, r
+        assert r["again"] == 1 and r["equal"], r

@@ -154,7 +154,7 @@ def test_a_node_that_stops_waiting_and_the_coordinator_agree_on_the_outcome(tmp_
             # timeout over, has claimed the verdict and found the coordinator's
             for node in (0, 1):
                 await w.write_part(_part(2, node, "B.1"))
-            marker, claim = w.write_marker, w._claim_verdict
+            marker, claim = w.write_marker, w.claim_verdict
             node_claimed = asyncio.Event()
 
             async def watched_claim(step: int, attempt: str, verdict: str, *, node: int) -> dict[str, object] | None:
@@ -167,7 +167,7 @@ def test_a_node_that_stops_waiting_and_the_coordinator_agree_on_the_outcome(tmp_
                 await node_claimed.wait()
                 await marker(step, data)
 
-            w._claim_verdict = watched_claim  # type: ignore[method-assign]
+            w.claim_verdict = watched_claim  # type: ignore[method-assign]
             w.write_marker = late_marker  # type: ignore[method-assign]
             committing = asyncio.create_task(w.commit(2, 2, timeout=1.0, attempt="B.1"))
             deadline = time.monotonic() + 60

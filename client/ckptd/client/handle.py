@@ -50,6 +50,7 @@ class SaveHandle:
         self._lost: DaemonUnavailableError | None = None  # why the daemon is gone, once it is
         self._orphaned_at: float | None = None  # when the daemon was lost with this node's part written
         self._asked_at = 0.0  # when storage was last asked (at most every _STORAGE_POLL_S)
+        self._verdict_seen = False  # the coordinator's verdict to commit found standing at the wait's end
 
     def _fail(self, error: CkptdError) -> SaveHandle:
         self.state = StepState.FAILED
@@ -121,15 +122,35 @@ class SaveHandle:
             self._fail(DaemonUnavailableError(f"{lost} (storage holds none of this save): {self._lost}"))
 
     def _orphan_waited(self, now: float) -> None:
-        """Fail once the daemons' commit wait is over with no commit seen (the daemon's own, else 600 s)."""
-        assert self._client is not None and self._orphaned_at is not None
-        welcome = self._client._welcome
+        """Fail once the daemons' commit wait is over with no commit seen (the daemon's own, else 600 s).
+
+        A named attempt's step is then decided as a live daemon decides it at its timeout: this node claims the
+        attempt's verdict, so the coordinator will not commit a step this rank reports lost; where the
+        coordinator's verdict to commit stands, its marker is its next write, and the wait goes on once more."""
+        from ckptd.client.reader import stop_waiting  # the read path, as _from_storage's
+
+        client, orphaned = self._client, self._orphaned_at
+        assert client is not None and orphaned is not None
+        welcome = client._welcome
         limit = (welcome.commit_timeout_s if welcome is not None else 0.0) or _COMMIT_WAIT_S
-        if now - self._orphaned_at >= limit:
-            self._fail(DaemonUnavailableError(
-                f"step {self.step}: lost the daemon before the commit; this node's part is on storage, but the "
-                f"step did not commit within {limit:.0f}s (the coordinator may still commit it: ckptd ls): "
-                f"{self._lost}"))
+        if now - orphaned < limit:
+            return
+        outcome = "the coordinator may still commit it: ckptd ls"
+        if self.attempt and not self._verdict_seen:
+            try:
+                standing = stop_waiting(client.root, self.step, client.placement.node, self.attempt,
+                                        storage_options=client.storage_options)
+            except (CkptdError, OSError) as exc:
+                outcome = f"the coordinator may still commit it: ckptd ls; its verdict could not be claimed: {exc}"
+            else:
+                if standing is not None and standing.get("verdict") == "commit":
+                    self._verdict_seen, self._orphaned_at = True, now
+                    return
+                who = "this rank" if standing is None else f"node {standing.get('node')}"
+                outcome = f"{who} stopped waiting first, so the coordinator will not commit it"
+        self._fail(DaemonUnavailableError(
+            f"step {self.step}: lost the daemon before the commit; this node's part is on storage, but the step "
+            f"did not commit within {limit:.0f}s ({outcome}): {self._lost}"))
 
     def _apply(self, st: StepStatus) -> None:
         if self.state.final:  # the daemon refused this save: its answer was read on the way (client.pipeline)

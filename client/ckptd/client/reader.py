@@ -30,6 +30,7 @@ from ckptd.client.collector import paused
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.restore import ArenaSource
 from ckptd.client.state import Shard, dtype_name, iter_leaves, to_shard, torch_dtype
+from ckptd.writer.commit import CLOCK_SKEW_S
 from ckptd.writer.errors import CheckpointNotFoundError, StateMismatchError
 from ckptd.writer.format import ArrayRecord, CommitManifest, note_of, other_attempt, validate_key
 from ckptd.writer.root import CheckpointRoot, open_root
@@ -80,7 +81,8 @@ async def stored_fate_async(
     (with this attempt), ``"other"`` (committed with another attempt's part), ``"none"`` (this node's part of
     this attempt is not written: the save died with the daemon), ``"failed"`` (the part is written and a
     failure note of this attempt says the step will not commit; returned with it; ``since``: the save's
-    wall-clock start, for unnamed attempts), or ``"part"`` (the part is written, the step not decided yet)."""
+    wall-clock start, for unnamed attempts, less the slack between nodes' clocks as a live daemon allows it),
+    or ``"part"`` (the part is written, the step not decided yet)."""
     async with opened(root, storage_options) as ckpt:
         try:
             commit = await ckpt.read_commit(step)
@@ -92,7 +94,20 @@ async def stored_fate_async(
         if part is None or other_attempt(part.attempt, attempt):
             return "none", None
         note = await ckpt.read_failed(step, attempt)
-        return ("failed", note) if note is not None and note_of(note, attempt, since) else ("part", None)
+        if note is not None and note_of(note, attempt, since - CLOCK_SKEW_S if since else 0.0):
+            return "failed", note
+        return "part", None
+
+
+async def stop_waiting_async(
+    root: str | CheckpointRoot, step: int, node: int, attempt: str, *, storage_options: Mapping[str, Any] | None = None,
+) -> Mapping[str, Any] | None:
+    """A rank whose daemon is gone stops waiting for a multi-node step of a named ``attempt`` as that daemon
+    would have at its commit timeout: it claims the attempt's ``"timeout"`` verdict for ``node``. None: this
+    claim decided it (the coordinator will not commit the step); else the verdict that stands (``"commit"``:
+    the coordinator's marker is its next write)."""
+    async with opened(root, storage_options) as ckpt:
+        return await ckpt.claim_verdict(step, attempt, "timeout", node=node)
 
 
 async def load_async(
@@ -188,6 +203,13 @@ def stored_fate(
 ) -> tuple[Fate, Mapping[str, Any] | None]:
     """Sync :func:`stored_fate_async`."""
     return run_sync(stored_fate_async(root, step, node, attempt, since, storage_options=storage_options))
+
+
+def stop_waiting(
+    root: str, step: int, node: int, attempt: str, *, storage_options: Mapping[str, Any] | None = None,
+) -> Mapping[str, Any] | None:
+    """Sync :func:`stop_waiting_async`."""
+    return run_sync(stop_waiting_async(root, step, node, attempt, storage_options=storage_options))
 
 
 def read_commit(root: str, step: Step, *, storage_options: Mapping[str, Any] | None = None) -> CommitManifest:

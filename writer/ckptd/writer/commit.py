@@ -61,7 +61,6 @@ from ckptd.writer.format import (
     part_key,
     sidecar_key,
     step_dir,
-    verdict_key,
 )
 from ckptd.writer.replicas import check_replicas
 from ckptd.writer.root import CheckpointRoot
@@ -234,26 +233,11 @@ class CheckpointWriter(CheckpointRoot):
         """The attempt's verdict where other nodes wait for this commit (one of them may have stopped waiting
         at its timeout, and then reported the step failed), then the marker."""
         if attempt and num_nodes > 1:
-            standing = await self._claim_verdict(step, attempt, "commit", node=0)
+            standing = await self.claim_verdict(step, attempt, "commit", node=0)
             if standing is not None and standing.get("verdict") != "commit":
                 raise SaveTimeoutError(f"step {step}: node {standing.get('node')} stopped waiting for the commit at "
                                        f"its commit timeout and reported the step failed; not committed")
         await self.write_marker(step, data)
-
-    async def _claim_verdict(self, step: int, attempt: str, verdict: str, *, node: int) -> dict[str, object] | None:
-        """Create ``attempt``'s verdict (create-once): ``None`` when this claim decided it, else the verdict
-        that stands (another node's, or this one's of an earlier call)."""
-        key = verdict_key(step, attempt)
-        if await self.backend.create(key, encode_json({"verdict": verdict, "node": node, "at": time.time()})):
-            return None
-        data = await self.backend.get(key)
-        try:
-            found = msgspec.json.decode(data) if data else None
-        except msgspec.DecodeError:
-            found = None
-        if not isinstance(found, dict):
-            raise CorruptCheckpointError(f"step {step}: unreadable {key} under {self.url}")
-        return found
 
     async def write_marker(self, step: int, data: bytes) -> None:
         """``COMMITTED`` (create-once), then ``latest`` if this is the newest step."""
@@ -344,7 +328,7 @@ class CheckpointWriter(CheckpointRoot):
             if time.monotonic() >= deadline:
                 if decided or not attempt or node < 1:  # unnamed: this node's report may miss a late commit
                     raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s")
-                standing = await self._claim_verdict(step, attempt, "timeout", node=node)
+                standing = await self.claim_verdict(step, attempt, "timeout", node=node)
                 if standing is None or standing.get("verdict") != "commit":  # now it never commits
                     who = "this node" if standing is None else f"node {standing.get('node')}"
                     raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s; {who} stopped "
@@ -435,7 +419,8 @@ class CheckpointWriter(CheckpointRoot):
         """Roll the root back to ``step`` (committed): remove every step after it, committed or not, newest
         first, except those in ``busy``; then ``latest`` names the newest committed step left. Afterwards a
         load of ``latest`` and retention (which go by step number) follow the steps saved from ``step`` on,
-        not the abandoned ones. Cut short, it leaves a shorter rollback; run it again to finish."""
+        not the abandoned ones. Cut short, it leaves a shorter rollback; run it again to finish (the hint
+        too: it is set right whenever it names another step than the newest committed)."""
         if not await self.is_committed(step):
             raise CheckpointNotFoundError(
                 f"step {step} is not committed under {self.url}: roll back to a committed step"
@@ -446,11 +431,12 @@ class CheckpointWriter(CheckpointRoot):
         for s in doomed:
             log.info("rollback to step %d: removing step %d", step, s)
             await self.delete_step(s)
-        newest = await self.latest() if doomed else step
-        if newest is None:  # every committed step went meanwhile (another retention): no hint to leave
-            await self.backend.delete(latest_key())
-        elif doomed:
-            await self.backend.replace(latest_key(), str(newest).encode())
+        async with self._hint:
+            newest, hint = await self.latest(), await self.latest_hint()
+            if newest is None:  # every committed step went meanwhile (another retention): no hint to leave
+                await self.backend.delete(latest_key())
+            elif hint != newest:
+                await self.backend.replace(latest_key(), str(newest).encode())
         return doomed
 
 

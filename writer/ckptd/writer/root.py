@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from ckptd.writer.format import (
     CommitManifest,
     PartManifest,
     commit_marker,
+    encode_json,
     failed_marker,
     latest_key,
     merged_marker,
@@ -46,6 +48,7 @@ from ckptd.writer.format import (
     sidecar_key,
     sidecar_name,
     step_dir,
+    verdict_key,
 )
 from ckptd.writer.manifests import decode_commit_checked, decode_part_checked
 
@@ -179,6 +182,23 @@ class CheckpointRoot:
         if sidecar_name(data) != name:  # the stored bytes, before they are decoded (damage may not be UTF-8)
             raise CorruptCheckpointError(f"sidecar {name} under {self.url} does not match its hash")
         return data.decode()
+
+    async def claim_verdict(self, step: int, attempt: str, verdict: str, *, node: int) -> dict[str, object] | None:
+        """Create ``attempt``'s verdict (create-once): ``None`` when this claim decided it, else the verdict
+        that stands (another node's, or this one's of an earlier call). The coordinator claims ``"commit"``
+        before its marker; a node that stops waiting for the commit claims ``"timeout"``: exactly one decides
+        whether a multi-node step of a named attempt may still commit."""
+        key = verdict_key(step, attempt)
+        if await self.backend.create(key, encode_json({"verdict": verdict, "node": node, "at": time.time()})):
+            return None
+        data = await self.backend.get(key)
+        try:
+            found = msgspec.json.decode(data) if data else None
+        except msgspec.DecodeError:
+            found = None
+        if not isinstance(found, dict):
+            raise CorruptCheckpointError(f"step {step}: unreadable {key} under {self.url}")
+        return found
 
     async def read_failed(self, step: int, attempt: str = "") -> dict[str, Any] | None:
         """The newest failure note for ``step`` (``None`` if there is none); for a named ``attempt``, that

@@ -5,25 +5,38 @@ bucket), so one rank may refuse a checkpoint another would load. Left alone, the
 on into the trainer's next collective and wait there for the refusing one until the process group times
 out; and ranks that resolve ``"latest"`` a moment apart, while the job before still commits, could load
 two different steps. :class:`LoadAgreement` makes two small all-reduces, always both and always in this
-order on every rank whatever happened before (so the collectives stay paired):
+order on every rank whatever happened before (so the collectives stay paired), and a third once the ranks
+have begun writing:
 
 1. :meth:`~LoadAgreement.step`: the step every rank loads: the highest any rank resolved (as Megatron-LM's
    own load agrees on its tracker file's iteration), with one warning on a rank that saw another.
 2. :meth:`~LoadAgreement.verdict`, right before the load's first write: the lowest rank that refused, if
    any. That rank raises its own error; every other raises the same class naming that rank, so a trainer
    that catches the error handles it on every rank, and no rank has written anything.
+3. :meth:`~LoadAgreement.done`, after the verdict let every rank write: whether every rank finished. A read
+   that fails then (a chunk whose checksum differs, storage gone), or a check after the reads, fails one
+   rank while the others would return loaded and wait for it in the trainer's next collective; instead
+   every rank raises, the failed rank its own error, the others the same class naming it (their models hold
+   the step, that rank's only part of it: load again on every rank).
 
+A rank interrupted meanwhile (``KeyboardInterrupt``, a cancelled task) takes part as one that failed.
 Without an initialized process group (one process) there is nothing to agree on and no collective.
+:func:`tell_rollback`: the first rank's warning when the agreed step, named by number, is older than the
+newest committed one.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ckptd.writer.errors import CkptdError, error_classes
+
+if TYPE_CHECKING:
+    from ckptd.writer.root import CheckpointRoot
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +57,8 @@ class LoadAgreement:
         # event loop already running there) would find CUDA device 0 current on every rank
         self._device = _device(self._group) if together else torch.device("cpu")
         self.stepped = False
-        self._settled = False
+        self._settled = False  # the verdict is made
+        self._ended = False  # no collective follows: every rank ended alike, or the last one is made
 
     def step(self, resolved: int | None) -> int | None:
         """The step to load: the highest ``resolved`` over the ranks (None: this rank found none; returned
@@ -59,35 +73,60 @@ class LoadAgreement:
                            resolved, agreed, agreed)
         return agreed
 
-    def verdict(self) -> None:
-        """Every rank can load: go on and write. Else raise the refusing rank's error class, naming it."""
+    def verdict(self, *, last: bool = False) -> None:
+        """Every rank can load: go on and write (``last``: every rank ends here alike, with nothing written,
+        and no :meth:`done` follows). Else raise the refusing rank's error class, naming it."""
         if self._settled:
             return
         self._settled = True
+        self._ended = last or not self._together
         if not self._together:
             return
-        world = dist.get_world_size(self._group)
-        lowest = self._reduce(world * len(_CLASSES), highest=False)
-        if lowest < world * len(_CLASSES):
-            rank, code = divmod(lowest, len(_CLASSES))
-            cls = error_classes()[_CLASSES[code]]
+        lowest = self._lowest(None)
+        if lowest is not None:
+            self._ended = True  # every rank raises here: nothing more to agree on
+            rank, cls = lowest
             raise cls(f"rank {rank} refused this load ({cls.__name__}: that rank's error says why); no rank "
                       "has written into its model or optimizer")
 
-    def refuse(self, exc: BaseException) -> None:
-        """This rank cannot load (``exc``): take part in what is left of the agreement, saying so.
+    def done(self) -> None:
+        """This rank finished its load (the last collective, after a :meth:`verdict` that let every rank
+        write). Raise the failed rank's error class, naming it, where another rank did not finish."""
+        if self._ended or not self._settled:
+            return
+        self._ended = True
+        lowest = self._lowest(None)
+        if lowest is not None:
+            rank, cls = lowest
+            raise cls(f"rank {rank} failed while loading, after every rank had begun writing ({cls.__name__}: that "
+                      "rank's error says why); this rank's model and optimizer hold the step, that rank's only "
+                      "part of it: load again on every rank")
 
-        A no-op once the verdict is settled (the error came while reading, or from the verdict itself)."""
-        if self._settled:
+    def refuse(self, exc: BaseException) -> None:
+        """This rank cannot load (``exc``): take part in what is left of the agreement, saying so (in the
+        verdict before any write, else in the last collective)."""
+        if self._ended:
             return
         if not self.stepped:
             self.step_failed()
-        self._settled = True
-        if not self._together:
-            return
-        name = type(exc).__name__ if isinstance(exc, CkptdError) else CkptdError.__name__
-        code = _CLASSES.index(name) if name in _CLASSES else _CLASSES.index(CkptdError.__name__)
-        self._reduce(dist.get_rank(self._group) * len(_CLASSES) + code, highest=False)
+        self._settled = self._ended = True
+        if self._together:  # the verdict's all-reduce, or after the verdict let every rank write, done()'s
+            self._lowest(exc)
+
+    def _lowest(self, exc: BaseException | None) -> tuple[int, type[CkptdError]] | None:
+        """One all-reduce of this rank's failure (``exc``; None: none): the lowest rank that failed and its
+        error class, or None where none did."""
+        world = dist.get_world_size(self._group)
+        mine = world * len(_CLASSES)
+        if exc is not None:
+            name = type(exc).__name__ if isinstance(exc, CkptdError) else CkptdError.__name__
+            code = _CLASSES.index(name) if name in _CLASSES else _CLASSES.index(CkptdError.__name__)
+            mine = dist.get_rank(self._group) * len(_CLASSES) + code
+        lowest = self._reduce(mine, highest=False)
+        if lowest >= world * len(_CLASSES):
+            return None
+        rank, code = divmod(lowest, len(_CLASSES))
+        return rank, error_classes()[_CLASSES[code]]
 
     def step_failed(self) -> None:
         """This rank could not resolve the step: take part in the step's agreement without one."""
@@ -101,8 +140,26 @@ class LoadAgreement:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX if highest else dist.ReduceOp.MIN, group=self._group)
             return int(flag.item())
         except BaseException:  # the group itself failed (a peer gone, a timeout): no collective may follow
-            self.stepped = self._settled = True
+            self.stepped = self._settled = self._ended = True
             raise
+
+
+async def tell_rollback(ckpt: CheckpointRoot, step: int) -> None:
+    """A step older than the newest committed one, loaded by number, is a rollback: say (once, on the first
+    rank) that ``latest`` and retention still go by step number until the newer steps are removed. Only a
+    warning: storage failing to answer here does not fail the load (nor, through the agreement, every rank's)."""
+    try:
+        newer = await ckpt.latest_hint()
+        rolled_back = newer is not None and newer > step and await ckpt.is_committed(newer)
+    except (CkptdError, OSError) as exc:
+        logger.debug("step %d: could not tell whether it is older than the newest committed step: %s", step, exc)
+        return
+    if rolled_back:
+        logger.warning(
+            "loading step %d while step %d is the newest committed under %s: a save of a step number already "
+            "committed is refused, a later load of 'latest' returns to step %d, and retention (--keep) keeps the "
+            "newest steps by number. To train on from step %d, remove the newer steps before the next save: "
+            "ckptd gc %s --after %d", step, newer, ckpt.url, newer, step, ckpt.url, step)
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:

@@ -17,7 +17,7 @@ import torch
 from ckptd.client.collector import paused
 from ckptd.client.fastread import ChunkReader
 from ckptd.client.megatron import introspect
-from ckptd.client.megatron.agree import LoadAgreement
+from ckptd.client.megatron.agree import LoadAgreement, tell_rollback
 from ckptd.client.megatron.checks import (
     Record,
     check_no_extra_keys,
@@ -127,12 +127,12 @@ def load_checkpoint(
             # "latest" of a local root not made yet is a root without steps (Megatron-LM starts from scratch on
             # it); a step named, or a bucket that does not exist (a typo?), is the error it is
             if not together.stepped and _not_made_yet(root, step, exc) and together.step(None) is None:
-                together.verdict()
+                together.verdict(last=True)
                 raise NoCommittedStepError(f"no committed checkpoint under {root}: it does not exist") from exc
             together.refuse(exc)
             raise
-        except Exception as exc:  # the store could not be opened on this rank: the others must hear it
-            together.refuse(exc)
+        except BaseException as exc:  # the store could not be opened on this rank (or it was interrupted): the
+            together.refuse(exc)  # others must hear it
             raise
 
     return run_sync(run())
@@ -172,11 +172,13 @@ async def load_checkpoint_async(
     by the caller, made here otherwise)."""
     together = together or LoadAgreement()
     try:
-        return await _load(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng, client=client,
-                           together=together)
-    except Exception as exc:
-        together.refuse(exc)  # the ranks still waiting on this one learn it will not load (no-op once settled)
+        loaded = await _load(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng, client=client,
+                             together=together)
+    except BaseException as exc:  # interrupted too: the ranks waiting on this one learn it will not load
+        together.refuse(exc)  # (no-op where every rank ended alike)
         raise
+    together.done()  # every rank finished, or each raises the failed rank's error
+    return loaded
 
 
 async def _load(
@@ -197,11 +199,11 @@ async def _load(
         resolved, missing = None, exc
     agreed = together.step(resolved)
     if agreed is None:  # no rank found one: unless a rank refused for another reason (its error goes first)
-        together.verdict()
+        together.verdict(last=True)
         raise missing or NoCommittedStepError(f"no committed checkpoint for {step!r}")
     commit = await ckpt.read_commit(agreed)
     if step != "latest" and together.first:
-        await _tell_rollback(ckpt, agreed)
+        await tell_rollback(ckpt, agreed)
     records = saved_records(commit)
     if optimizer is None:
         return await _load_model_only(ckpt, commit, records, model_chunks, strict=strict, rng=rng,
@@ -474,24 +476,6 @@ async def _load_model_only(
     logger.info("loaded the model of step %d (tp%d pp%d dp%d), no optimizer state", commit.step, ranks.tp_rank,
                 ranks.pp_rank, ranks.dp_rank)
     return LoadedCheckpoint(commit.step, rank.extra, rank.source, layout="model")
-
-
-async def _tell_rollback(ckpt: CheckpointRoot, step: int) -> None:
-    """A step older than the newest committed one, loaded by number, is a rollback: say (once, on the first
-    rank) that ``latest`` and retention still go by step number until the newer steps are removed. Only a
-    warning: storage failing to answer here does not fail the load (nor, through the agreement, every rank's)."""
-    try:
-        newer = await ckpt.latest_hint()
-        rolled_back = newer is not None and newer > step and await ckpt.is_committed(newer)
-    except (CkptdError, OSError) as exc:
-        logger.debug("step %d: could not tell whether it is older than the newest committed step: %s", step, exc)
-        return
-    if rolled_back:
-        logger.warning(
-            "loading step %d while step %d is the newest committed under %s: a save of a step number already "
-            "committed is refused, a later load of 'latest' returns to step %d, and retention (--keep) keeps the "
-            "newest steps by number. To train on from step %d, remove the newer steps before the next save: "
-            "ckptd gc %s --after %d", step, newer, ckpt.url, newer, step, ckpt.url, step)
 
 
 def _saved_without_optimizer(step: int) -> StateMismatchError:

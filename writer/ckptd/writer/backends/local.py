@@ -87,10 +87,20 @@ class LocalBackend(Backend):
             raise self.error(exc) from exc
 
     async def newest_write(self, prefix: str) -> float | None:
+        """When the newest file under ``prefix`` was written; where it holds folders but no file (a step's
+        folder made by a save that wrote nothing), when its newest folder changed, so that it goes once that
+        is long ago. What vanishes meanwhile (a delete under way) does not count."""
+        def stat_times(paths: Iterable[str]) -> list[float]:
+            times = []
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    times.append(os.stat(path).st_mtime)
+            return times
+
         def newest() -> float | None:
-            times = [os.stat(os.path.join(d, f)).st_mtime
-                     for d, _, files in os.walk(os.path.join(self._path, prefix)) for f in files]
-            return max(times, default=None)
+            walked = list(os.walk(os.path.join(self._path, prefix)))
+            files = stat_times(os.path.join(folder, f) for folder, _dirs, names in walked for f in names)
+            return max(files or stat_times(folder for folder, _dirs, _names in walked), default=None)
 
         try:
             return await asyncio.to_thread(newest)
