@@ -234,3 +234,25 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141 and err == f"ckptd ls: no steps under {tmp_path}\n".encode(), err
+
+
+def test_status_waits_for_a_daemon_still_starting(tmp_path, sockdir):
+    """``ckptd status --wait S``: what a job script runs between ``ckptd serve &`` and its ranks. A daemon fills
+    its arena before it listens, so a rank started at once would find no socket; the wait ends when it answers,
+    and without a daemon it fails once the wait is over."""
+    socket = os.path.join(sockdir, "late.sock")
+    t0 = time.monotonic()
+    missing = ckptd("status", "--socket", socket, "--wait", "1")
+    assert missing.returncode != 0 and "late.sock" in missing.stderr, missing
+    assert 1.0 <= time.monotonic() - t0 < 30
+    waiting = subprocess.Popen([*CLI, "status", "--socket", socket, "--wait", "60", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # the status is asking meanwhile
+    assert waiting.poll() is None
+    d = DaemonProcess(str(tmp_path / "ckpt"), socket, "--arena-size", "16MiB").wait_ready()
+    try:
+        out, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err
+        assert json.loads(out)["daemon_pid"] == d.pid
+    finally:
+        d.stop(30)

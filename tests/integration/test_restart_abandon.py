@@ -84,6 +84,12 @@ def test_restarted_daemon_abandons_the_dead_daemons_step(start_daemon, tmp_path)
     verify = subprocess.run([*CLI, "verify", str(root)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr  # a failed step is reported, not corruption
     assert "step 2: FAILED, not a checkpoint" in verify.stdout and "step 1: OK" in verify.stdout
+    verified = subprocess.run([*CLI, "verify", str(root), "--json"], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stderr
+    rows = {r["step"]: r for r in json.loads(verified.stdout)}  # every row has a state and its errors
+    assert (rows[1]["state"], rows[1]["errors"]) == ("ok", [])
+    assert (rows[2]["state"], rows[2]["errors"], rows[2]["ok"]) == ("failed", [], True)
+    assert rows[2]["failed"].startswith("StepAbandonedError")
 
     template = {k: torch.zeros_like(v) for k, v in _state(1).items()}
     load(str(root), "latest", template)

@@ -10,6 +10,7 @@ import argparse
 import glob
 import json
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -46,6 +47,10 @@ def add_commands(sub: Any) -> None:  # argparse's _SubParsersAction is private
     where.add_argument("--root", help="find the daemon serving this checkpoint root (among this user's sockets)")
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon's answer")
+    st.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="wait up to this long for a daemon to answer at all (a starting one fills its arena "
+                    "before it listens): what a job script runs between `ckptd serve &` and its ranks "
+                    "(default 0: ask once)")
 
     pl = sub.add_parser("plan", help="the staging arena size a model needs (per node)")
     pl.add_argument("--params", required=True, help="parameter count: 7e9, 70B, 350M or an integer")
@@ -97,10 +102,15 @@ def find_socket(root: str, timeout: float) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    # with neither flag, the socket a client given no root would use: $CKPTD_SOCKET, $CKPTD_ROOT's, else this
-    # user's one daemon on the node (several: an error naming how many)
-    path = args.socket or (find_socket(args.root, args.timeout) if args.root else client_socket_path(os.environ))
-    reply = request(path, ReportRequest(v=PROTOCOL_VERSION), args.timeout)
+    deadline = time.monotonic() + max(0.0, args.wait)
+    while True:
+        try:
+            path, reply = _report(args)
+            break
+        except DaemonUnavailableError:  # not (yet) there: asked again until --wait is over
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
     if not isinstance(reply, StatusReport):
         raise ProtocolError(f"the daemon answered {type(reply).__name__} to a status report request")
     if args.json:  # the socket the daemon listens on; the one asked when it did not say (an older daemon)
@@ -108,6 +118,13 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(format_report(reply, path))
     return 0
+
+
+def _report(args: argparse.Namespace) -> tuple[str, Reply]:
+    # with neither flag, the socket a client given no root would use: $CKPTD_SOCKET, $CKPTD_ROOT's, else this
+    # user's one daemon on the node (several: an error naming how many)
+    path = args.socket or (find_socket(args.root, args.timeout) if args.root else client_socket_path(os.environ))
+    return path, request(path, ReportRequest(v=PROTOCOL_VERSION), args.timeout)
 
 
 def format_report(r: StatusReport, path: str) -> str:

@@ -246,7 +246,7 @@ async def _failed_steps(root: CheckpointRoot, committed: set[int], as_json: bool
             continue
         if failed is not None:
             why = f"{failed.get('code')}: {failed.get('message')}"
-            rows.append({"step": step, "ok": True, "committed": False, "failed": why})
+            rows.append({"step": step, "ok": True, "committed": False, "state": "failed", "errors": [], "failed": why})
             if not as_json:
                 print(f"step {step}: FAILED, not a checkpoint (`ckptd gc` removes it once a newer step "
                       f"committed): {why}")
