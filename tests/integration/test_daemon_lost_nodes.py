@@ -166,3 +166,23 @@ def test_a_node_that_finds_the_coordinators_verdict_to_commit_waits_for_its_mark
     assert h1.wait(30).state is StepState.COMMITTED
     c0.close()
     c1.close()
+
+
+def test_storage_without_an_atomic_create_decides_nothing_at_the_end_of_the_wait(tmp_path, monkeypatch):
+    """Where the backend cannot create an object once (a server without conditional PUTs), two claims of
+    a verdict could both win: the handle claims nothing there, and says the coordinator may still commit."""
+    import asyncio
+    import dataclasses
+
+    from ckptd.client.reader import stop_waiting_async
+    from ckptd.writer.format import verdict_key
+    from ckptd.writer.root import open_root
+
+    async def go() -> tuple[object, bool]:
+        async with open_root(str(tmp_path / "root"), None, create=True) as ckpt:
+            caps = ckpt.backend.capabilities
+            monkeypatch.setattr(ckpt.backend, "capabilities", dataclasses.replace(caps, atomic_create=False))
+            standing = await stop_waiting_async(ckpt, 1, 1, "run-c.1")
+            return standing, await ckpt.backend.exists(verdict_key(1, "run-c.1"))
+
+    assert asyncio.run(go()) == ({"verdict": "unknown"}, False)

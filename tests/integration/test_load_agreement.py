@@ -109,6 +109,28 @@ def _agreements(rank: int, world: int) -> dict[str, Any]:
     interrupted = LoadAgreement()
     interrupted.step(7)
     out["interrupted"] = _outcome(interrupted, KeyboardInterrupt() if rank == 2 else None)
+    # 8. a rank whose end fails before its all-reduce (the flag tensor's allocation: CUDA out of memory) still
+    # makes it, through refuse() as the load's wrapper calls it: the others hear the failure, nothing unpaired
+    before = LoadAgreement()
+    before.step(7)
+    before.verdict()
+    real_tensor = torch.tensor
+    if rank == 1:
+        def no_memory(*a: Any, **k: Any) -> torch.Tensor:
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+        torch.tensor = no_memory  # type: ignore[assignment]
+    try:
+        before.done()
+        out["before_collective"] = "write"
+    except RuntimeError as exc:
+        torch.tensor = real_tensor  # type: ignore[assignment]
+        before.refuse(exc)
+        out["before_collective"] = "own RuntimeError"
+    except CkptdError as exc:
+        out["before_collective"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.tensor = real_tensor  # type: ignore[assignment]
     # 7. nothing after the last collective: a later error, another done(), an end every rank met alike
     once = LoadAgreement()
     once.step(7)
@@ -149,6 +171,9 @@ def test_the_ranks_agree_on_the_step_and_the_verdict() -> None:
     assert results[2]["interrupted"] == "own KeyboardInterrupt"
     for r in results[:2]:
         assert r["interrupted"].startswith("CkptdError: rank 2 refused this load"), results
+    assert results[1]["before_collective"] == "own RuntimeError"
+    for r in (results[0], results[2]):
+        assert r["before_collective"].startswith("CkptdError: rank 1 failed while loading"), results
     assert [r["after"] for r in results] == ["ok"] * 3
     assert [r["after_failure"] for r in results] == [1, 1, 1]
 

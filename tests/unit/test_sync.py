@@ -68,3 +68,33 @@ def test_to_thread_runs_on_the_shared_pool_and_no_call_starts_or_joins_threads()
         threading.Thread.start = real_start  # type: ignore[method-assign]
     assert started == [] and shared_pool() is pool
     assert pool.submit(lambda: 7).result() == 7  # not shut down by any loop's close
+
+
+def test_an_interrupted_caller_inside_a_running_loop_cancels_the_coroutine_and_waits_for_it() -> None:
+    """Ctrl-C while the caller waits for the worker thread: the coroutine is cancelled there and its cleanup
+    (a load's last collective, say) ends before the interrupt reaches the caller, which then never runs
+    beside it."""
+    import os
+    import signal
+
+    ended: list[str] = []
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # cleanup that still takes a moment
+            ended.append("cleaned up")
+            raise
+
+    async def caller() -> list[str]:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_sync(work())  # the caller's thread blocks here, in a running loop
+        return list(ended)
+
+    loop = asyncio.new_event_loop()  # run_until_complete installs no SIGINT handler: Ctrl-C raises in join()
+    try:
+        assert loop.run_until_complete(caller()) == ["cleaned up"]
+    finally:
+        loop.close()

@@ -143,11 +143,13 @@ class SaveHandle:
             except (CkptdError, OSError) as exc:
                 outcome = f"the coordinator may still commit it: ckptd ls; its verdict could not be claimed: {exc}"
             else:
-                if standing is not None and standing.get("verdict") == "commit":
+                verdict = None if standing is None else standing.get("verdict")
+                if verdict == "commit":
                     self._verdict_seen, self._orphaned_at = True, now
                     return
-                who = "this rank" if standing is None else f"node {standing.get('node')}"
-                outcome = f"{who} stopped waiting first, so the coordinator will not commit it"
+                if verdict != "unknown":  # (storage without an atomic create decides nothing)
+                    who = "this rank" if standing is None else f"node {standing.get('node')}"
+                    outcome = f"{who} stopped waiting first, so the coordinator will not commit it"
         self._fail(DaemonUnavailableError(
             f"step {self.step}: lost the daemon before the commit; this node's part is on storage, but the step "
             f"did not commit within {limit:.0f}s ({outcome}): {self._lost}"))

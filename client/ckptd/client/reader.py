@@ -105,8 +105,11 @@ async def stop_waiting_async(
     """A rank whose daemon is gone stops waiting for a multi-node step of a named ``attempt`` as that daemon
     would have at its commit timeout: it claims the attempt's ``"timeout"`` verdict for ``node``. None: this
     claim decided it (the coordinator will not commit the step); else the verdict that stands (``"commit"``:
-    the coordinator's marker is its next write)."""
+    the coordinator's marker is its next write). Storage without an atomic create cannot decide between
+    two claims: nothing is claimed there, and ``{"verdict": "unknown"}`` says so."""
     async with opened(root, storage_options) as ckpt:
+        if not ckpt.backend.capabilities.atomic_create:
+            return {"verdict": "unknown"}
         return await ckpt.claim_verdict(step, attempt, "timeout", node=node)
 
 

@@ -16,6 +16,7 @@ always belong to the loop that runs them. Nothing starts at import.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -52,18 +53,42 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
+    """``coro`` on a private loop in a worker thread. An interrupt of the waiting caller (Ctrl-C lands in its
+    ``join``) cancels the coroutine there and waits for it to end, as ``asyncio.run`` does in one thread: a
+    caller that goes on does not run beside the coroutine still at work (a load's collectives, its writes);
+    a second interrupt stops that wait."""
     outcome: list[T] = []
     failure: list[BaseException] = []
+    started: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[T]]] = []
+    ready = threading.Event()
+
+    async def tracked() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        started.append((asyncio.get_running_loop(), task))
+        ready.set()
+        return await coro
 
     def target() -> None:
         try:
-            outcome.append(_run(coro))
+            outcome.append(_run(tracked()))
         except BaseException as exc:  # handed to the caller's thread below
             failure.append(exc)
+        finally:
+            ready.set()
+            done.set()
 
-    thread = threading.Thread(target=target, name="ckptd-sync", daemon=True)
-    thread.start()
-    thread.join()
+    done = threading.Event()  # waited on, not the thread: an interrupted join() marks a live thread ended
+    threading.Thread(target=target, name="ckptd-sync", daemon=True).start()  # (CPython's bpo-45274 handling)
+    try:
+        done.wait()
+    except BaseException:
+        ready.wait()
+        for loop, task in started:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the coroutine ended
+                loop.call_soon_threadsafe(task.cancel)
+        done.wait()  # the coroutine's own end (a second interrupt stops this wait too)
+        raise
     if failure:
         raise failure[0]
     return outcome[0]

@@ -79,12 +79,12 @@ class LoadAgreement:
         if self._settled:
             return
         self._settled = True
-        self._ended = last or not self._together
         if not self._together:
+            self._ended = True
             return
-        lowest = self._lowest(None)
+        lowest = self._lowest(None)  # (what fails before its all-reduce goes to refuse(), which makes it)
+        self._ended = last or lowest is not None  # every rank raises here alike: nothing more to agree on
         if lowest is not None:
-            self._ended = True  # every rank raises here: nothing more to agree on
             rank, cls = lowest
             raise cls(f"rank {rank} refused this load ({cls.__name__}: that rank's error says why); no rank "
                       "has written into its model or optimizer")
@@ -94,8 +94,8 @@ class LoadAgreement:
         write). Raise the failed rank's error class, naming it, where another rank did not finish."""
         if self._ended or not self._settled:
             return
+        lowest = self._lowest(None)  # (what fails before its all-reduce goes to refuse(), which makes it)
         self._ended = True
-        lowest = self._lowest(None)
         if lowest is not None:
             rank, cls = lowest
             raise cls(f"rank {rank} failed while loading, after every rank had begun writing ({cls.__name__}: that "

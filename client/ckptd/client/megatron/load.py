@@ -119,21 +119,28 @@ def load_checkpoint(
     together = LoadAgreement()  # here, in the caller's thread: its CUDA device is the rank's
 
     async def run() -> LoadedCheckpoint:
+        loaded: LoadedCheckpoint | None = None
         try:
             async with open_root(root, opts) as ckpt:
-                return await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng,
-                                                   client=client, together=together)
-        except StorageNotFoundError as exc:  # the root itself is missing here (nothing else is, yet)
-            # "latest" of a local root not made yet is a root without steps (Megatron-LM starts from scratch on
-            # it); a step named, or a bucket that does not exist (a typo?), is the error it is
-            if not together.stepped and _not_made_yet(root, step, exc) and together.step(None) is None:
+                loaded = await load_checkpoint_async(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng,
+                                                     client=client, together=together)
+        except Exception as exc:
+            if loaded is not None:  # every rank loaded (agreed); only closing the store failed, here
+                logger.warning("step %d loaded; closing its storage afterwards failed: %s", loaded.step, exc)
+                return loaded
+            # "latest" of a local root not made yet (the root itself missing: nothing else is, yet) is a root
+            # without steps (Megatron-LM starts from scratch on it); a step named, or a bucket that does not
+            # exist (a typo?), is the error it is
+            if (isinstance(exc, StorageNotFoundError) and not together.stepped and _not_made_yet(root, step, exc)
+                    and together.step(None) is None):
                 together.verdict(last=True)
                 raise NoCommittedStepError(f"no committed checkpoint under {root}: it does not exist") from exc
+            together.refuse(exc)  # the store could not be opened on this rank: the others must hear it
+            raise
+        except BaseException as exc:  # interrupted: the others must hear it too
             together.refuse(exc)
             raise
-        except BaseException as exc:  # the store could not be opened on this rank (or it was interrupted): the
-            together.refuse(exc)  # others must hear it
-            raise
+        return loaded
 
     return run_sync(run())
 
