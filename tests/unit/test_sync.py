@@ -93,8 +93,12 @@ def test_an_interrupted_caller_inside_a_running_loop_cancels_the_coroutine_and_w
             run_sync(work())  # the caller's thread blocks here, in a running loop
         return list(ended)
 
-    loop = asyncio.new_event_loop()  # run_until_complete installs no SIGINT handler: Ctrl-C raises in join()
+    # Ctrl-C as Python's own handler delivers it (a test runner's worker may have set SIGINT aside), and a
+    # loop whose run_until_complete installs no handler of its own: the interrupt lands in the caller's wait
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    loop = asyncio.new_event_loop()
     try:
         assert loop.run_until_complete(caller()) == ["cleaned up"]
     finally:
         loop.close()
+        signal.signal(signal.SIGINT, before)
