@@ -54,7 +54,7 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
     """``coro`` on a private loop in a worker thread. An interrupt of the waiting caller (Ctrl-C lands in its
-    ``join``) cancels the coroutine there and waits for it to end, as ``asyncio.run`` does in one thread: a
+    wait) cancels the coroutine there and waits for it to end, as ``asyncio.run`` does in one thread: a
     caller that goes on does not run beside the coroutine still at work (a load's collectives, its writes);
     a second interrupt stops that wait."""
     outcome: list[T] = []
