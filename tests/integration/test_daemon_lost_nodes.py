@@ -178,11 +178,15 @@ def test_storage_without_an_atomic_create_decides_nothing_at_the_end_of_the_wait
     from ckptd.writer.format import verdict_key
     from ckptd.writer.root import open_root
 
-    async def go() -> tuple[object, bool]:
+    async def go() -> tuple[object, bool, object]:
         async with open_root(str(tmp_path / "root"), None, create=True) as ckpt:
             caps = ckpt.backend.capabilities
             monkeypatch.setattr(ckpt.backend, "capabilities", dataclasses.replace(caps, atomic_create=False))
             standing = await stop_waiting_async(ckpt, 1, 1, "run-c.1")
-            return standing, await ckpt.backend.exists(verdict_key(1, "run-c.1"))
+            claimed = await ckpt.backend.exists(verdict_key(1, "run-c.1"))
+            await ckpt.claim_verdict(2, "run-c.1", "commit", node=0)  # the coordinator's, as it still makes it
+            return standing, claimed, await stop_waiting_async(ckpt, 2, 1, "run-c.1")
 
-    assert asyncio.run(go()) == ({"verdict": "unknown"}, False)
+    standing, claimed, commit = asyncio.run(go())
+    assert (standing, claimed) == ({"verdict": "unknown"}, False)
+    assert isinstance(commit, dict) and commit["verdict"] == "commit"  # what stands is read: the wait goes on

@@ -109,28 +109,41 @@ def _agreements(rank: int, world: int) -> dict[str, Any]:
     interrupted = LoadAgreement()
     interrupted.step(7)
     out["interrupted"] = _outcome(interrupted, KeyboardInterrupt() if rank == 2 else None)
-    # 8. a rank whose end fails before its all-reduce (the flag tensor's allocation: CUDA out of memory) still
-    # makes it, through refuse() as the load's wrapper calls it: the others hear the failure, nothing unpaired
+    # 8. the flag tensor is made once, with the agreement: no allocation after the load (a device it filled,
+    # CUDA out of memory, would fail every later one, refuse()'s too) ...
+    real_tensor, real_fill = torch.tensor, torch.Tensor.fill_
+
+    def no_memory(*a: Any, **k: Any) -> torch.Tensor:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    full = LoadAgreement()
+    full.step(7)
+    full.verdict()
+    if rank == 1:
+        torch.tensor = no_memory  # type: ignore[assignment]
+    try:
+        full.done()
+        out["no_allocation"] = "write"
+    finally:
+        torch.tensor = real_tensor  # type: ignore[assignment]
+    # ... and an end that fails before its all-reduce still makes it, through refuse() as the load's wrapper
+    # calls it: the others hear the failure, nothing unpaired
     before = LoadAgreement()
     before.step(7)
     before.verdict()
-    real_tensor = torch.tensor
     if rank == 1:
-        def no_memory(*a: Any, **k: Any) -> torch.Tensor:
-            raise RuntimeError("CUDA out of memory (simulated)")
-
-        torch.tensor = no_memory  # type: ignore[assignment]
+        torch.Tensor.fill_ = no_memory  # type: ignore[method-assign]
     try:
         before.done()
         out["before_collective"] = "write"
     except RuntimeError as exc:
-        torch.tensor = real_tensor  # type: ignore[assignment]
+        torch.Tensor.fill_ = real_fill  # type: ignore[method-assign]
         before.refuse(exc)
         out["before_collective"] = "own RuntimeError"
     except CkptdError as exc:
         out["before_collective"] = f"{type(exc).__name__}: {exc}"
     finally:
-        torch.tensor = real_tensor  # type: ignore[assignment]
+        torch.Tensor.fill_ = real_fill  # type: ignore[method-assign]
     # 7. nothing after the last collective: a later error, another done(), an end every rank met alike
     once = LoadAgreement()
     once.step(7)
@@ -171,6 +184,7 @@ def test_the_ranks_agree_on_the_step_and_the_verdict() -> None:
     assert results[2]["interrupted"] == "own KeyboardInterrupt"
     for r in results[:2]:
         assert r["interrupted"].startswith("CkptdError: rank 2 refused this load"), results
+    assert [r["no_allocation"] for r in results] == ["write"] * 3
     assert results[1]["before_collective"] == "own RuntimeError"
     for r in (results[0], results[2]):
         assert r["before_collective"].startswith("CkptdError: rank 1 failed while loading"), results
@@ -268,6 +282,21 @@ def _refusals_before_the_step(rank: int, world: int, socket: str, root: str) -> 
     out["megatron_lm_named_missing"] = _outcome_of(lambda: megatron_lm.load_checkpoint(model, optimizer, None,
                                                                                        args=args))
     args.ckpt_step = None
+    real_verdict = LoadAgreement.verdict
+
+    def verdict_fails(self: LoadAgreement, *, last: bool = False) -> None:
+        if last:  # the end every rank meets alike (no step anywhere), failing before its all-reduce here
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        real_verdict(self, last=last)
+
+    if rank == 1:
+        LoadAgreement.verdict = verdict_fails  # type: ignore[method-assign]
+    try:
+        load_checkpoint(root + "-nowhere", "latest", model, optimizer)
+    except (CkptdError, RuntimeError) as exc:
+        out["nowhere_verdict_fails"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        LoadAgreement.verdict = real_verdict  # type: ignore[method-assign]
     real_open, real_resolve, real_sidecar = opened.open_backend, CheckpointRoot.resolve, CheckpointRoot.read_sidecar
 
     async def refused_open(*a: Any, **k: Any) -> Any:
@@ -308,6 +337,8 @@ def test_a_rank_that_fails_before_the_step_is_agreed_is_heard_by_every_rank(tmp_
         assert r["missing_everywhere"].startswith("NoCommittedStepError"), r
         assert r["megatron_lm_missing_everywhere"] == "returned (0, 0.0)", r
         assert r["megatron_lm_named_missing"].startswith("StorageNotFoundError"), r
+    assert one["nowhere_verdict_fails"].startswith("RuntimeError: CUDA error"), one
+    assert zero["nowhere_verdict_fails"].startswith("CkptdError: rank 1 refused this load"), zero
     assert one["open_refused"].startswith("StorageError: HEAD: 503"), one
     assert zero["open_refused"].startswith("StorageError: rank 1 refused this load"), zero
     assert one["none_and_refused"].startswith("StorageError: LIST: 503"), one

@@ -87,8 +87,10 @@ def test_an_interrupted_caller_inside_a_running_loop_cancels_the_coroutine_and_w
             ended.append("cleaned up")
             raise
 
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+
     async def caller() -> list[str]:
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        timer.start()
         with pytest.raises(KeyboardInterrupt):
             run_sync(work())  # the caller's thread blocks here, in a running loop
         return list(ended)
@@ -101,4 +103,6 @@ def test_an_interrupted_caller_inside_a_running_loop_cancels_the_coroutine_and_w
         assert loop.run_until_complete(caller()) == ["cleaned up"]
     finally:
         loop.close()
+        timer.cancel()  # (had run_sync returned early, no interrupt may come after the handler is back)
+        timer.join()
         signal.signal(signal.SIGINT, before)

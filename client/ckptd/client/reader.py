@@ -106,10 +106,11 @@ async def stop_waiting_async(
     would have at its commit timeout: it claims the attempt's ``"timeout"`` verdict for ``node``. None: this
     claim decided it (the coordinator will not commit the step); else the verdict that stands (``"commit"``:
     the coordinator's marker is its next write). Storage without an atomic create cannot decide between
-    two claims: nothing is claimed there, and ``{"verdict": "unknown"}`` says so."""
+    two claims: nothing is claimed there; the verdict that stands is returned, ``{"verdict": "unknown"}``
+    where none does."""
     async with opened(root, storage_options) as ckpt:
         if not ckpt.backend.capabilities.atomic_create:
-            return {"verdict": "unknown"}
+            return await ckpt.read_verdict(step, attempt) or {"verdict": "unknown"}
         return await ckpt.claim_verdict(step, attempt, "timeout", node=node)
 
 

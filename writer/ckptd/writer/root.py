@@ -191,9 +191,20 @@ class CheckpointRoot:
         key = verdict_key(step, attempt)
         if await self.backend.create(key, encode_json({"verdict": verdict, "node": node, "at": time.time()})):
             return None
+        found = await self.read_verdict(step, attempt)
+        if found is None:
+            raise CorruptCheckpointError(f"step {step}: unreadable {key} under {self.url}")
+        return found
+
+    async def read_verdict(self, step: int, attempt: str) -> dict[str, object] | None:
+        """``attempt``'s verdict as it stands (None: none claimed yet); :class:`CorruptCheckpointError` for one
+        that does not decode."""
+        key = verdict_key(step, attempt)
         data = await self.backend.get(key)
+        if data is None:
+            return None
         try:
-            found = msgspec.json.decode(data) if data else None
+            found = msgspec.json.decode(data)
         except msgspec.DecodeError:
             found = None
         if not isinstance(found, dict):

@@ -54,7 +54,8 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
     """``coro`` on a private loop in a worker thread. An interrupt of the waiting caller (Ctrl-C lands in its
-    wait) cancels the coroutine there and waits for it to end, as ``asyncio.run`` does in one thread: a
+    wait, unless the running loop's own SIGINT handler, as ``asyncio.run``'s, takes it first) cancels the
+    coroutine there and waits for it to end, as ``asyncio.run`` does in one thread: a
     caller that goes on does not run beside the coroutine still at work (a load's collectives, its writes);
     a second interrupt stops that wait."""
     outcome: list[T] = []
@@ -79,10 +80,14 @@ def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
             done.set()
 
     done = threading.Event()  # waited on, not the thread: an interrupted join() marks a live thread ended
-    threading.Thread(target=target, name="ckptd-sync", daemon=True).start()  # (CPython's bpo-45274 handling)
+    thread = threading.Thread(target=target, name="ckptd-sync", daemon=True)  # (CPython's bpo-45274 handling)
     try:
+        thread.start()
         done.wait()
     except BaseException:
+        if not thread.is_alive() and not done.is_set():  # interrupted before it started: nothing runs
+            coro.close()
+            raise
         ready.wait()
         for loop, task in started:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the coroutine ended

@@ -56,6 +56,9 @@ class LoadAgreement:
         # where the collectives' tensors go, taken in the caller's thread: a load run on another thread (an
         # event loop already running there) would find CUDA device 0 current on every rank
         self._device = _device(self._group) if together else torch.device("cpu")
+        # made once, here: an allocation that fails later (CUDA out of memory after the load filled the
+        # device) would fail again in refuse(), leaving the other ranks waiting in an all-reduce
+        self._flag = torch.zeros(1, dtype=torch.int64, device=self._device) if together else None
         self.stepped = False
         self._settled = False  # the verdict is made
         self._ended = False  # no collective follows: every rank ended alike, or the last one is made
@@ -109,9 +112,10 @@ class LoadAgreement:
             return
         if not self.stepped:
             self.step_failed()
-        self._settled = self._ended = True
+        self._settled = True
         if self._together:  # the verdict's all-reduce, or after the verdict let every rank write, done()'s
             self._lowest(exc)
+        self._ended = True
 
     def _lowest(self, exc: BaseException | None) -> tuple[int, type[CkptdError]] | None:
         """One all-reduce of this rank's failure (``exc``; None: none): the lowest rank that failed and its
@@ -135,7 +139,9 @@ class LoadAgreement:
         self.stepped = True
 
     def _reduce(self, value: int, *, highest: bool) -> int:
-        flag = torch.tensor([value], dtype=torch.int64, device=self._device)
+        flag = self._flag
+        assert flag is not None  # only under a process group
+        flag.fill_(value)  # (a failure here, before the collective, leaves it to refuse())
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX if highest else dist.ReduceOp.MIN, group=self._group)
             return int(flag.item())

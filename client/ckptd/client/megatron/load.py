@@ -131,10 +131,16 @@ def load_checkpoint(
             # "latest" of a local root not made yet (the root itself missing: nothing else is, yet) is a root
             # without steps (Megatron-LM starts from scratch on it); a step named, or a bucket that does not
             # exist (a typo?), is the error it is
-            if (isinstance(exc, StorageNotFoundError) and not together.stepped and _not_made_yet(root, step, exc)
-                    and together.step(None) is None):
-                together.verdict(last=True)
-                raise NoCommittedStepError(f"no committed checkpoint under {root}: it does not exist") from exc
+            if isinstance(exc, StorageNotFoundError) and not together.stepped and _not_made_yet(root, step, exc):
+                try:
+                    nowhere = together.step(None) is None
+                    if nowhere:
+                        together.verdict(last=True)
+                except BaseException as failed:  # before its all-reduce: refuse() makes it
+                    together.refuse(failed)
+                    raise
+                if nowhere:
+                    raise NoCommittedStepError(f"no committed checkpoint under {root}: it does not exist") from exc
             together.refuse(exc)  # the store could not be opened on this rank: the others must hear it
             raise
         except BaseException as exc:  # interrupted: the others must hear it too
