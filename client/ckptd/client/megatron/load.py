@@ -128,9 +128,8 @@ def load_checkpoint(
             if loaded is not None:  # every rank loaded (agreed); only closing the store failed, here
                 logger.warning("step %d loaded; closing its storage afterwards failed: %s", loaded.step, exc)
                 return loaded
-            # "latest" of a local root not made yet (the root itself missing: nothing else is, yet) is a root
-            # without steps (Megatron-LM starts from scratch on it); a step named, or a bucket that does not
-            # exist (a typo?), is the error it is
+            # "latest" of a local root not made yet is a root without steps (Megatron-LM starts from scratch on
+            # it); a step named, or a bucket that does not exist (a typo?), is the error it is
             if isinstance(exc, StorageNotFoundError) and not together.stepped and _not_made_yet(root, step, exc):
                 try:
                     nowhere = together.step(None) is None
