@@ -58,7 +58,8 @@ class LoadAgreement:
         self._device = _device(self._group) if together else torch.device("cpu")
         # made once, here: an allocation that fails later (CUDA out of memory after the load filled the
         # device) would fail again in refuse(), leaving the other ranks waiting in an all-reduce
-        self._flag = torch.zeros(1, dtype=torch.int64, device=self._device) if together else None
+        # (empty: no kernel writes it on this thread's CUDA stream; fill_ is its only write, on the collectives')
+        self._flag = torch.empty(1, dtype=torch.int64, device=self._device) if together else None
         self.stepped = False
         self._settled = False  # the verdict is made
         self._ended = False  # no collective follows: every rank ended alike, or the last one is made

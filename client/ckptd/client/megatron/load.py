@@ -186,10 +186,10 @@ async def load_checkpoint_async(
     try:
         loaded = await _load(ckpt, step, model_chunks, optimizer, strict=strict, rng=rng, client=client,
                              together=together)
+        together.done()  # every rank finished, or each raises the failed rank's error
     except BaseException as exc:  # interrupted too: the ranks waiting on this one learn it will not load
-        together.refuse(exc)  # (no-op where every rank ended alike)
+        together.refuse(exc)  # (no-op where every rank ended alike, or done()'s all-reduce was made)
         raise
-    together.done()  # every rank finished, or each raises the failed rank's error
     return loaded
 
 
