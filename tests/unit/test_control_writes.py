@@ -89,3 +89,27 @@ def test_latest_that_cannot_be_moved_leaves_the_step_committed(
         assert "step 2 is committed" in caplog.text and "latest" in caplog.text
 
     _run(str(tmp_path / "root"), None, body)
+
+
+async def _leftovers(backend: Backend, w: CheckpointWriter) -> None:
+    """A step's first save probes storage once for what an earlier attempt left (one thread hop on local
+    disk, the keys at once on S3): each of the marker, the part and the failure note is seen, alone."""
+    assert await w.leftovers(3, 0) == (False, False, False)
+    await w.write_part(_part(3))
+    assert await w.leftovers(3, 0) == (False, True, False)
+    assert await w.leftovers(3, 1) == (False, False, False)  # another node's part is not this node's
+    await w.commit(3, 1, timeout=5)
+    assert (await w.leftovers(3, 0)).committed
+    await backend.put(fmt.failed_marker(4), b"{}")
+    assert await w.leftovers(4, 0) == (False, False, True)
+    keys = [fmt.commit_marker(3, fmt.CONTROL_LAYOUTS[-1]), fmt.failed_marker(4), fmt.failed_marker(5)]
+    assert await backend.exists_all(keys) == [await backend.exists(k) for k in keys] == [True, True, False]
+
+
+def test_leftovers_are_probed_at_once(tmp_path: Path) -> None:
+    _run(str(tmp_path / "root"), None, _leftovers)
+
+
+@pytest.mark.s3
+def test_leftovers_are_probed_at_once_on_s3(s3_options: dict[str, object]) -> None:
+    _run(f"s3://{BUCKET}/leftovers", s3_options, _leftovers)

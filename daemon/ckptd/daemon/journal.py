@@ -72,6 +72,7 @@ class StepJournal:
         self.path = path
         self.root = normalize_root(root)  # one spelling: a restart with ``ckpt/`` or ``file://...`` is the same root
         self._steps: dict[int, JournalEntry] = {}
+        self._me = (os.getpid(), process_start_time(os.getpid()) or 0)  # read once: every write names it
 
     def read_predecessor(self) -> JournalDoc | None:
         """What a dead predecessor left (``None`` when nothing, or when its daemon is still running)."""
@@ -101,8 +102,8 @@ class StepJournal:
 
     def _write(self) -> None:
         # A failed write costs only the successor's clean-up of this step, never the step itself.
-        doc = JournalDoc(os.getpid(), self.root, sorted(self._steps.values(), key=lambda e: e.step),
-                         process_start_time(os.getpid()) or 0)
+        pid, started = self._me
+        doc = JournalDoc(pid, self.root, sorted(self._steps.values(), key=lambda e: e.step), started)
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "wb") as f:

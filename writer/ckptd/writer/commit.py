@@ -141,7 +141,7 @@ class CheckpointWriter(CheckpointRoot):
         of a committed step is part of the checkpoint."""
         keys = [commit_marker(step, v) for v in CONTROL_LAYOUTS[::-1]]
         keys += [part_key(step, node), failed_marker(step)]
-        found = await asyncio.gather(*map(self.backend.exists, keys))
+        found = await self.backend.exists_all(keys)
         return Leftovers(committed=any(found[:-2]), part=found[-2], failed=found[-1])
 
     async def discard_part(self, step: int, node: int) -> None:

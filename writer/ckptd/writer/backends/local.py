@@ -16,7 +16,7 @@ import functools
 import os
 import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import fsspec
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -79,6 +79,12 @@ class LocalBackend(Backend):
             return await asyncio.to_thread(_link_into_place, os.path.join(self._path, key), data)
         except OSError as exc:
             raise self.error(exc) from exc
+
+    async def exists_all(self, keys: Sequence[str]) -> list[bool]:
+        """As fsspec's local ``exists`` (``os.path.exists``) of each key, in one thread hop: a step's first save
+        probes four keys, and four hops cost ~1 ms on the 2-core VM while the rank waits for the answer."""
+        paths = [os.path.join(self._path, k) for k in keys]
+        return await asyncio.to_thread(lambda: list(map(os.path.exists, paths)))
 
     async def replace(self, key: str, data: bytes) -> None:
         try:
