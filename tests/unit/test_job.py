@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ckptd.client.protocol import PROTOCOL_VERSION, STEP_STATES, SaveRequest, StepState
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.job import TRANSITIONS, NodeStep, RankSave, StepJob
-from ckptd.writer.errors import SaveTimeoutError, StepFailedError, StepStateError
+from ckptd.writer.errors import DuplicateSaveError, SaveTimeoutError, StepFailedError, StepStateError
 
 EVENTS = ("durable", "committed", "fail", "save")
 
@@ -45,7 +45,7 @@ def test_random_events_never_reach_an_illegal_state(events: list[str]) -> None:
         before, error_before = job.state, job.error
         try:
             apply(job, event, n)
-        except StepStateError:
+        except (StepStateError, DuplicateSaveError):
             assert (job.state, job.error) == (before, error_before)  # a refused event changes nothing
         else:
             assert job.state is before or job.state in TRANSITIONS[before]
@@ -54,6 +54,17 @@ def test_random_events_never_reach_an_illegal_state(events: list[str]) -> None:
         assert job.state in TRANSITIONS
         assert job.finished.is_set() == job.final
         assert (job.error is not None) == (job.state is StepState.FAILED)
+
+
+def test_a_rank_saved_twice_is_refused_and_counted_once() -> None:
+    """Two connections saying one rank both pass the service's early check when each waits on storage
+    before recording its save: the second to record it is refused, the first one's save stays."""
+    job = new_job(local_world_size=3)
+    first = rank_save(0)
+    assert job.add_save(first, 10) is False
+    with pytest.raises(DuplicateSaveError, match="rank 0 already saved step 7"):
+        job.add_save(rank_save(0), 10)
+    assert job.saves == {0: first} and job.nbytes == 10 and job.missing_ranks == 2
 
 
 def test_the_happy_path_and_its_events() -> None:

@@ -25,7 +25,7 @@ from ckptd.client.protocol import SaveRequest, ShardMeta, StepState
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.packing import HeldBlock
 from ckptd.writer.backends import RetryMetrics
-from ckptd.writer.errors import CkptdError, StepStateError
+from ckptd.writer.errors import CkptdError, DuplicateSaveError, StepStateError
 from ckptd.writer.format import ShardRecord
 
 __all__ = ["TRANSITIONS", "HeldBlocks", "NodeStep", "RankSave", "StepJob"]
@@ -182,7 +182,10 @@ class StepJob:
         """Record an accepted rank save; True when it was the node's last local rank."""
         if self._state is not StepState.PENDING:
             raise StepStateError(f"step {self.step} node {self.node}: a save arrived in state {self._state}")
-        self.saves[save.request.rank] = save
+        rank = save.request.rank
+        if rank in self.saves:  # two connections saying one rank, both past the check before their awaits
+            raise DuplicateSaveError(f"rank {rank} already saved step {self.step} (two processes say rank {rank}?)")
+        self.saves[rank] = save
         self.nbytes += nbytes
         if len(self.saves) == self.where.local_world_size:
             self.all_staged.set()
