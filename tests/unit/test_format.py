@@ -29,11 +29,11 @@ from ckptd.writer.format import (
     ShardRecord,
     check_region,
     chunk_count,
-    merge_parts,
     plan_chunks,
     region_chunks,
     validate_key,
 )
+from ckptd.writer.parts import merge_parts
 
 # --- keys -----------------------------------------------------------------------------------------
 GOOD_KEYS = [
@@ -336,6 +336,24 @@ def test_parts_of_a_valid_tiling_merge(
     assert [s.offset for s in w.shards] == sorted(s.offset for s in w.shards)
     # the commit manifest survives its JSON encoding
     assert fmt.decode_commit(fmt.encode_json(commit)) == commit
+
+
+def test_parts_missing_a_rank_or_sharing_one_do_not_merge() -> None:
+    """A step commits only with every rank of the world saved once: nodes told a wrong placement would
+    commit a step lacking a rank's data, whose load then took another rank's plain data."""
+    parts = make_parts((8,), (4,), 2, 2)  # ranks 0, 1 on node 0; 2, 3 on node 1
+    assert merge_parts(parts).world_size == 4
+    short = msgspec.structs.replace(parts[1], ranks=[2])
+    with pytest.raises(ShardLayoutError, match=r"ranks \[0, 1, 2\] of a world of 4 \(missing \[3\]"):
+        merge_parts([parts[0], short])
+    with pytest.raises(ShardLayoutError, match="missing"):
+        merge_parts([parts[0]])  # a node whose part never came is the coordinator's wait, not a commit
+    shared = msgspec.structs.replace(parts[1], ranks=[1, 2, 3])
+    with pytest.raises(ShardLayoutError, match="rank 1 is in the parts of nodes 0 and 1"):
+        merge_parts([parts[0], shared])
+    outside = msgspec.structs.replace(parts[1], ranks=[2, 3, 4])
+    with pytest.raises(ShardLayoutError, match=r"outside it \[4\]"):
+        merge_parts([parts[0], outside])
 
 
 def test_a_manifest_of_a_newer_format_is_refused_by_name() -> None:

@@ -203,6 +203,19 @@ def test_objects_that_are_not_plain_data_are_refused_before_the_save_is_accepted
     asyncio.run(go())
 
 
+def test_one_node_with_fewer_local_ranks_than_the_world_is_refused(tmp_path: Path) -> None:
+    """On one node every rank is local: a save saying otherwise would commit without the others' data."""
+    async def go() -> None:
+        async with _service(tmp_path) as (svc, arena):
+            lease = await arena.lease(7, [64], 1.0)
+            req = msgspec.structs.replace(_request(lease.lease_id, [_meta([16])], {}, world=2), local_world_size=1)
+            with pytest.raises(InvalidRequestError, match="not all of it on one node"):
+                await svc.accept(req, 7)
+            assert svc.jobs == {}
+
+    asyncio.run(go())
+
+
 def test_chunks_are_written_by_a_bounded_number_of_coroutines(tmp_path: Path) -> None:
     """A 1 MiB shard cut into 256 chunks of 4 KiB (``--chunk-bytes 4KiB``): two writers at a time, not a task
     per chunk; every chunk lands, bit-exact."""

@@ -484,9 +484,7 @@ def _waits_for_ranks(job: StepJob) -> bool:
 def _late(job: StepJob, req: SaveRequest | PrepareStep, since: float) -> bool:
     """Whether a rank that did not save in ``job``'s failed attempt was meant to: the same named attempt,
     else (unnamed) connected before the failure."""
-    if job.attempt and req.attempt:
-        return job.attempt == req.attempt
-    return since < job.failed_at
+    return job.attempt == req.attempt if job.attempt and req.attempt else since < job.failed_at
 
 
 def _check_placement(req: SaveRequest | PrepareStep) -> None:
@@ -494,7 +492,9 @@ def _check_placement(req: SaveRequest | PrepareStep) -> None:
         raise InvalidRequestError(
             f"rank {req.rank}/world {req.world_size}, node {req.node}/{req.num_nodes} is not a valid placement"
         )
-    if req.local_world_size < 1 or req.local_world_size > req.world_size:
-        raise InvalidRequestError(f"local_world_size {req.local_world_size} outside [1, {req.world_size}]")
+    local, world = req.local_world_size, req.world_size
+    if not 1 <= local <= world or (req.num_nodes == 1 and local != world):
+        raise InvalidRequestError(f"local_world_size {local} of world {world} on {req.num_nodes} node(s): outside "
+                                  "[1, world], or not all of it on one node (every rank is local)")
     if not valid_token(req.attempt):
         raise InvalidRequestError(f"attempt {req.attempt[:120]!r} is not an attempt token (client/attempts.py)")

@@ -55,13 +55,13 @@ from ckptd.writer.format import (
     encode_json,
     failed_marker,
     latest_key,
-    merge_parts,
     note_of,
     other_attempt,
     part_key,
     sidecar_key,
     step_dir,
 )
+from ckptd.writer.parts import merge_parts
 from ckptd.writer.replicas import check_replicas
 from ckptd.writer.root import CheckpointRoot
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from ckptd.writer.checksum import seal_json
-from ckptd.writer.errors import InvalidKeyError, ShardLayoutError, UnsupportedDtypeError, UnsupportedFormatError
+from ckptd.writer.errors import InvalidKeyError, UnsupportedDtypeError, UnsupportedFormatError
 from ckptd.writer.grid import CHUNK_SEPARATOR as CHUNK_SEPARATOR
 from ckptd.writer.grid import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES  # the grid is part of the format
 from ckptd.writer.grid import ChunkSeparator as ChunkSeparator
@@ -333,79 +333,6 @@ def decode_commit(data: bytes) -> CommitManifest:
             f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade ckptd to read it"
         )
     return manifest
-
-
-def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
-    """Combine node parts into the global manifest, checking that together they form whole arrays.
-
-    Raises :class:`ShardLayoutError` when nodes disagree on an array's shape, dtype or chunk grid, or when
-    the shards of an array overlap or leave gaps. Pure: the coordinator calls it on manifests it read.
-    """
-    if not parts:
-        raise ShardLayoutError("no node parts to commit")
-    first = parts[0]
-    arrays: dict[str, ArrayRecord] = {}
-    shards: dict[str, list[ShardRecord]] = {}
-    owner: dict[str, dict[tuple[int, ...], int]] = {}
-    objects: dict[str, Any] = {}
-    for part in parts:
-        if (part.step, part.num_nodes, part.world_size) != (first.step, first.num_nodes, first.world_size):
-            raise ShardLayoutError(
-                f"node parts disagree: node {part.node} has step {part.step}, {part.num_nodes} nodes, world "
-                f"{part.world_size}; node {first.node} has {first.step}, {first.num_nodes}, {first.world_size}"
-            )
-        objects.update(part.objects)
-        for rec in part.arrays:
-            seen = arrays.setdefault(rec.name, rec)
-            if (seen.torch_dtype, seen.shape, seen.chunks, seen.codec, seen.separator) != (
-                rec.torch_dtype, rec.shape, rec.chunks, rec.codec, rec.separator
-            ):
-                raise ShardLayoutError(
-                    f"{rec.name}: ranks disagree on the array: dtype {seen.torch_dtype} shape {seen.shape} "
-                    f"chunks {seen.chunks} codec {seen.codec} chunk keys c{seen.separator}.. vs dtype "
-                    f"{rec.torch_dtype} shape {rec.shape} chunks {rec.chunks} codec {rec.codec} chunk keys "
-                    f"c{rec.separator}.."
-                )
-            taken = owner.setdefault(rec.name, {})
-            for shard in rec.shards:
-                for ch in shard.chunks:
-                    coords = tuple(ch.coords)
-                    grid = [-(-n // c) for n, c in zip(rec.shape, rec.chunks, strict=True)]
-                    if len(coords) != len(grid) or any(not 0 <= x < g for x, g in zip(coords, grid, strict=True)):
-                        raise ShardLayoutError(f"{rec.name}: chunk {coords} lies outside the chunk grid {grid}")
-                    if coords in taken:
-                        raise ShardLayoutError(
-                            f"{rec.name}: chunk {coords} written by ranks {taken[coords]} and {shard.rank} "
-                            "(overlapping shards)"
-                        )
-                    taken[coords] = shard.rank
-                shards.setdefault(rec.name, []).append(shard)
-    merged = []
-    for name in sorted(arrays):
-        rec = arrays[name]
-        want = chunk_count(rec.shape, rec.chunks)
-        if len(owner[name]) != want:
-            raise ShardLayoutError(
-                f"{name}: shards cover {len(owner[name])} of {want} chunks of shape {rec.shape} (a gap: some "
-                "region has no main-replica writer)"
-            )
-        merged.append(
-            ArrayRecord(
-                name, rec.torch_dtype, rec.shape, rec.chunks, sorted(shards[name], key=lambda s: s.offset), rec.codec,
-                rec.separator,
-            )
-        )
-    return CommitManifest(
-        format=FORMAT_VERSION,
-        step=first.step,
-        num_nodes=first.num_nodes,
-        world_size=first.world_size,
-        arrays=merged,
-        objects=objects,
-        nbytes=sum(p.nbytes for p in parts),
-        committed_at=0.0,
-        attempts=[p.attempt for p in parts],
-    )
 
 
 # === Megatron integration and merged layout: stored names ==========================================

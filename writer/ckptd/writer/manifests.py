@@ -26,7 +26,7 @@ from ckptd.writer.format import (
 
 def decode_part_checked(data: bytes, what: str) -> PartManifest:
     """A node's part manifest as stored, its seal checked (:class:`CorruptCheckpointError` names ``what``).
-    Its chunk records are the coordinator's to check (:func:`~ckptd.writer.format.merge_parts`: in the grid,
+    Its chunk records are the coordinator's to check (:func:`~ckptd.writer.parts.merge_parts`: in the grid,
     one writer each, no gap), and every reader checks the commit's (:func:`decode_commit_checked`)."""
     check_seal(data, what)
     return decode_part(data)

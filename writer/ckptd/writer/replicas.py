@@ -40,7 +40,7 @@ def check_replicas(parts: Sequence[PartManifest], arrays: Mapping[str, ArrayReco
     """Raise :class:`ShardLayoutError` unless every replica region the parts report lies in an array the
     step writes with the same global shape and dtype. Pure.
 
-    ``arrays`` are the step's merged arrays (:func:`~ckptd.writer.format.merge_parts` checked that their
+    ``arrays`` are the step's merged arrays (:func:`~ckptd.writer.parts.merge_parts` checked that their
     main shards tile each one whole), so a region inside such an array is covered.
     """
     missing: dict[str, set[int]] = {}
