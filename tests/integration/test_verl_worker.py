@@ -89,10 +89,13 @@ def test_worker_storage_calls_use_the_daemons_s3_options(
     mgr._drop_abandoned(root, 2)
     assert not _has_step(root, 2, storage_options(root)) and _has_step(root, 3, storage_options(root))
 
-    # ckptd's retention after verl's finalize: the newest 1 committed step of the role's root
+    # ckptd's retention after verl's finalize: the newest 1 of the steps this manager saved (1, then 3)
+    first = str(tmp_path / "checkpoints" / "global_step_1" / "actor")
     local = str(tmp_path / "checkpoints" / "global_step_3" / "actor")
+    mgr._finalize_save(local_path=first, max_ckpt_to_keep=1)
+    assert _has_step(root, 1, storage_options(root))
     mgr._finalize_save(local_path=local, max_ckpt_to_keep=1)
-    assert mgr.finalized == [local]
+    assert mgr.finalized == [first, local]
     assert not _has_step(root, 1, storage_options(root)) and _has_step(root, 3, storage_options(root))
 
     # a load: the step is looked for where CKPTD_ROOT points now, else where the manifest says it went

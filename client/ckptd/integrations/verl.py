@@ -60,8 +60,18 @@ def ckptd_root(local_path: str, role: str, env: Mapping[str, str] = os.environ) 
     base = env.get(ENV_ROOT)
     if base:
         return posixpath.join(base.rstrip("/"), role) if "://" in base else os.path.join(os.path.abspath(base), role)
-    ckpt_dir = os.path.dirname(os.path.dirname(os.path.abspath(local_path)))
-    return os.path.join(ckpt_dir, "ckptd", role)
+    return os.path.join(_step_folder(local_path)[0], "ckptd", role)
+
+
+def _step_folder(local_path: str) -> tuple[str, int | None]:
+    """The checkpoint dir and step of a save's ``local_path``: ``<dir>/global_step_N/<role>`` (the RL trainer's
+    workers), or ``<dir>/global_step_N`` (the SFT trainers' one engine); ``None`` when neither."""
+    path = os.path.normpath(os.path.abspath(local_path))
+    for folder in (path, os.path.dirname(path)):
+        m = _STEP_DIR.match(os.path.basename(folder))
+        if m is not None:
+            return os.path.dirname(folder), int(m.group(1))
+    return os.path.dirname(os.path.dirname(path)), None
 
 
 def socket_for(root: str, env: Mapping[str, str] = os.environ) -> str:
@@ -75,10 +85,12 @@ def socket_for(root: str, env: Mapping[str, str] = os.environ) -> str:
 def step_of(local_path: str) -> int:
     """``N`` of ``.../global_step_N/<role>`` (verl's folder naming): the step a load restores, never
     "latest" (the trainer also takes its step counter and dataloader from that folder)."""
-    m = _STEP_DIR.match(os.path.basename(os.path.dirname(os.path.normpath(local_path))))
-    if m is None:
-        raise InvalidRequestError(f"{local_path}: not a verl checkpoint folder (expected .../global_step_<N>/<role>)")
-    return int(m.group(1))
+    step = _step_folder(local_path)[1]
+    if step is None:
+        raise InvalidRequestError(
+            f"{local_path}: not a verl checkpoint folder (expected .../global_step_<N>/<role> or .../global_step_<N>)"
+        )
+    return step
 
 
 def storage_options(root: str, env: Mapping[str, str] = os.environ) -> dict[str, object]:
@@ -158,6 +170,7 @@ class _CkptdMixin:
         self._ckptd_saving: SaveHandle | None = None  # set while verl's save runs inside ours
         self._ckptd_save_root = ""
         self._ckptd_pending: list[tuple[SaveHandle, Callable[[], None]]] = []
+        self._ckptd_kept: list[tuple[str, int]] = []  # (root, step) this manager committed, oldest first
         atexit.register(_finalize_at_exit, weakref.ref(self))
 
     # --- which saves ckptd takes ---------------------------------------------------------------------
@@ -293,11 +306,17 @@ class _CkptdMixin:
         super()._finalize_save(local_path=local_path, max_ckpt_to_keep=max_ckpt_to_keep, **kw)  # type: ignore[misc]
         v: Any = self
         keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) else 0
-        if v.rank == 0 and keep > 0 and self.ckptd_supported() is None:
-            root = ckptd_root(local_path, v.role)
-            removed = run_sync(_retain(root, keep, storage_options(root)))
-            if removed:
-                log.info("ckptd: %s: retention removed steps %s of %s", v.role, removed, root)
+        if v.rank != 0 or self.ckptd_supported() is not None:
+            return
+        # verl's rule (register_checkpoint): the newest ``keep`` of the steps this run saved; steps of earlier
+        # runs stay, and a step saved after resuming from an older one is never the one deleted
+        saved = (ckptd_root(local_path, v.role), step_of(local_path))
+        self._ckptd_kept = [k for k in self._ckptd_kept if k != saved] + [saved]
+        doomed = self._ckptd_kept[:-keep] if keep > 0 else []
+        for root, step in doomed:
+            run_sync(_delete_step(root, step, storage_options(root)))
+            self._ckptd_kept.remove((root, step))
+            log.info("ckptd: %s: retention removed step %d of %s", v.role, step, root)
 
     def _build_checkpoint_manifest(
         self, local_path: str, global_step: int, saved_any_dist_ckpt: bool
@@ -348,6 +367,8 @@ class _CkptdMixin:
         optimizer = v.optimizer if v.should_load_optimizer else None  # None: the model alone
         loaded = load_checkpoint(root, step, v.model, optimizer, rng=v.should_load_extra,
                                  storage_options=storage_options(root))
+        if optimizer is None and v.optimizer is not None:  # its fp32 main params would overwrite the loaded
+            v.optimizer.reload_model_params()  # weights at the first step (bf16 models)
         extra = loaded.extra if isinstance(loaded.extra, dict) else {}
         if v.should_load_optimizer and v.use_checkpoint_opt_param_scheduler and v.lr_scheduler is not None:
             if "lr_scheduler" not in extra:
@@ -372,6 +393,8 @@ class _CkptdMixin:
                 from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 
                 v._load_model_as_hf_via_bridge(get_hf_model_checkpoint_path(local_path))  # type: ignore[no-untyped-call]
+                if v.optimizer is not None:  # as after a model-only load: main params from the loaded weights
+                    v.optimizer.reload_model_params()
             return False
         contents = manifest.get("contents", {})
         for wanted, piece, name in ((v.should_load_optimizer, "optimizer", "optimizer"),
@@ -432,9 +455,3 @@ async def _delete_step(root: str, step: int, options: Mapping[str, object]) -> N
     async with open_root(root, options) as ckpt:
         await CheckpointWriter(ckpt.backend).delete_step(step)
 
-
-async def _retain(root: str, keep: int, options: Mapping[str, object]) -> list[int]:
-    from ckptd.writer.commit import CheckpointWriter
-
-    async with open_root(root, options) as ckpt:
-        return await CheckpointWriter(ckpt.backend).retain(keep)
