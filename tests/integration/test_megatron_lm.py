@@ -31,7 +31,7 @@ from ckptd.client.reader import read_commit
 from ckptd.testing.launch import run_ranks
 from ckptd.testing.te_state import AmaxState
 from ckptd.testing.toy_gpt import build_gpt
-from ckptd.writer.errors import StateMismatchError
+from ckptd.writer.errors import ConfigError, NoCommittedStepError, StateMismatchError
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(240)]
 
@@ -107,7 +107,12 @@ def _resume(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
             return {"error": str(exc)}
         return {"error": None}
     # Megatron-LM's step names: --load <root>/iter_0000003, --ckpt-step iter_0000003 (stored as step_3)
-    named = {"no_load_optim": {"load": f"{root}/iter_{N:07d}"}, "finetune": {"ckpt_step": f"iter_{N:07d}"}}
+    named: dict[str, dict[str, Any]] = {
+        "no_load_optim": {"load": f"{root}/iter_{N:07d}"}, "finetune": {"ckpt_step": f"iter_{N:07d}"},
+        # Megatron-LM's fallback: --pretrained-checkpoint where --load is unset or holds no step
+        "pretrained": {"load": None, "pretrained_checkpoint": root},
+        "pretrained_after_empty": {"load": f"{root}-empty", "pretrained_checkpoint": root},
+    }
     args = _args(root, finetune=mode == "finetune", no_load_optim=mode == "no_load_optim", **named.get(mode, {}))
     iteration, nfp = load_checkpoint(model, optimizer, scheduler, args=args)
     params = [p.detach().clone() for p in model[0].parameters()]
@@ -151,12 +156,28 @@ def test_resume_continues_like_the_uninterrupted_run(full_run: tuple[str, list[d
 
 def test_finetune_and_no_load_optim_load_the_model_alone(full_run: tuple[str, list[dict[str, Any]]]) -> None:
     root, ref = full_run
-    ft = run_ranks(_resume, 2, root, "finetune")
-    for r in range(2):
-        assert (ft[r]["iteration"], ft[r]["nfp"], ft[r]["consumed_at_load"]) == (0, 0.0, 0)
-        assert all(torch.equal(a, b) for a, b in zip(ft[r]["params"], ref[r]["params"], strict=True))
+    for mode in ("finetune", "pretrained", "pretrained_after_empty"):
+        ft = run_ranks(_resume, 2, root, mode)
+        for r in range(2):  # iteration and data position start anew; the FLOPs count goes on, as in Megatron-LM
+            assert (ft[r]["iteration"], ft[r]["nfp"], ft[r]["consumed_at_load"]) == (0, N * 1e9, 0), mode
+            assert all(torch.equal(a, b) for a, b in zip(ft[r]["params"], ref[r]["params"], strict=True)), mode
     nlo = run_ranks(_resume, 2, root, "no_load_optim")
     assert nlo[0]["iteration"] == N and nlo[0]["consumed_at_load"] == N * GBS
+
+
+def test_what_ckptd_does_not_make_is_refused_before_training(tmp_path: Path) -> None:
+    """torch FSDP2's load (skip_load_to_model_and_opt), non-persistent checkpoints (each would become a
+    permanent step moving the tracker) and a --pretrained-checkpoint holding nothing: typed errors at the load
+    Megatron-LM makes at startup (and at the first save), never a silent start from scratch."""
+    root = str(tmp_path / "ck")
+    with pytest.raises(ConfigError, match="torch-fsdp2"):
+        load_checkpoint([], None, None, skip_load_to_model_and_opt=True, args=_args(root))
+    with pytest.raises(ConfigError, match="non-persistent"):
+        load_checkpoint([], None, None, args=_args(root, non_persistent_save_interval=100))
+    with pytest.raises(ConfigError, match="non-persistent"):
+        save_checkpoint(1, [], None, None, 0.0, args=_args(root, non_persistent_save_interval=100))
+    with pytest.raises(NoCommittedStepError):
+        load_checkpoint([], None, None, args=_args(root, load=None, pretrained_checkpoint=str(tmp_path / "none")))
 
 
 def test_model_only_save_loads_without_optimizer_and_refuses_with_one(tmp_path: Path, start_daemon) -> None:

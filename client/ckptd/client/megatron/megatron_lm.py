@@ -126,12 +126,13 @@ def save_checkpoint(
     :func:`finalize_async_saves` writes the tracker later. ``args.no_save_optim`` saves the model alone,
     ``args.no_save_rng`` skips RNG, ``args.ckpt_assume_constant_structure`` saves under that promise
     (``assume_constant_structure`` of :func:`ckptd.client.megatron.save_checkpoint`). Megatron-LM's other
-    keyword arguments (``pipeline_rank``, ``non_persistent_ckpt``, ...) are accepted and ignored: ckptd's
-    layout does not depend on them.
+    keyword arguments (``pipeline_rank``, ...) are accepted and ignored: ckptd's layout does not depend on
+    them; ``args.non_persistent_save_interval`` is a :class:`ConfigError` (:func:`_refuse_unsupported`).
     """
     from ckptd.client.megatron.save import save_checkpoint as ckptd_save
 
     args = _get_args(args)
+    _refuse_unsupported(args)
     session = _session(args, checkpointing_context, client)
     finalize_async_saves(checkpointing_context=checkpointing_context)  # earlier saves: errors and tracker first
     rank = session.client.placement.rank
@@ -264,37 +265,44 @@ def load_checkpoint(
     loads the model alone and starts at iteration 0 with the data position at 0; ``args.no_load_optim``
     skips optimizer and scheduler; ``args.no_load_rng`` (or finetune) skips RNG. The optimizer's
     main params are re-copied from the model when its state is not loaded (``reload_model_params``).
+    Where ``--load`` is unset or holds no committed step, ``args.pretrained_checkpoint`` (a ckptd root) is
+    loaded as with ``--finetune``, as Megatron-LM does; a missing one is an error.
+    ``skip_load_to_model_and_opt`` (torch FSDP2) is a :class:`ConfigError`.
     """
     from ckptd.client.megatron.load import load_checkpoint as ckptd_load
 
     args = _get_args(args)
+    _refuse_unsupported(args)
+    if skip_load_to_model_and_opt:  # Megatron-LM's torch FSDP2 path: it would still load iteration and data
+        raise ConfigError("skip_load_to_model_and_opt (--use-torch-fsdp2): ckptd loads Megatron DDP models only")
     load_dir = getattr(args, load_arg, None)
-    if not load_dir or skip_load_to_model_and_opt:
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if not load_dir and not pretrained:
         return 0, 0.0
     finetune = _flag(args, "finetune")
-    load_optim = optimizer is not None and not finetune and not _flag(args, "no_load_optim")
-    load_dir, step = resolve_load(str(load_dir), getattr(args, "ckpt_step", None))
-    if storage_options is None:
-        from ckptd.client.storage_env import storage_options_for
-
-        storage_options = storage_options_for(load_dir)
-    try:
-        loaded = ckptd_load(
-            load_dir, step, list(model), optimizer if load_optim else None, strict=strict,
-            rng=not (finetune or _flag(args, "no_load_rng")), storage_options=storage_options,
-        )
-    except NoCommittedStepError:  # nothing committed (or no root yet): nothing else starts from scratch
-        if _flag(args, "exit_on_missing_checkpoint"):
-            raise
+    loaded = None
+    if load_dir:
+        load_dir, step = resolve_load(str(load_dir), getattr(args, "ckpt_step", None))
+        loaded = _load_from(ckptd_load, load_dir, step, model, optimizer, args, strict, finetune, storage_options,
+                            missing_ok=bool(pretrained) or not _flag(args, "exit_on_missing_checkpoint"))
+    if loaded is None and pretrained:  # Megatron-LM's fallback: fine-tune from --pretrained-checkpoint
+        load_dir, step = resolve_load(str(pretrained), None)
+        finetune = True
+        loaded = _load_from(ckptd_load, load_dir, step, model, optimizer, args, strict, finetune, storage_options,
+                            missing_ok=False)
+    if loaded is None:
         logger.warning("no committed checkpoint under %s: training from scratch", load_dir)
         return 0, 0.0
+    load_optim = optimizer is not None and not finetune and not _flag(args, "no_load_optim")
     if optimizer is not None and not load_optim:
         optimizer.reload_model_params()  # the fp32 main params must start from the loaded weights
     extra = loaded.extra if isinstance(loaded.extra, Mapping) else {}
     found = extra.get(RECORD)
     record: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    flops = float(record.get("num_floating_point_operations_so_far", 0.0))
     if finetune:
-        return 0, 0.0
+        _set_loaded_iteration(int(record.get("iteration", loaded.step)))
+        return 0, flops
     args.consumed_train_samples = int(record.get("consumed_train_samples", 0))
     args.skipped_train_samples = int(record.get("skipped_train_samples", 0))
     args.consumed_valid_samples = int(record.get("consumed_valid_samples", 0))
@@ -308,7 +316,41 @@ def load_checkpoint(
     iteration = int(record.get("iteration", loaded.step))
     _set_loaded_iteration(iteration)
     logger.info("loaded iteration %d from %s (consumed samples %d)", iteration, load_dir, args.consumed_train_samples)
-    return iteration, float(record.get("num_floating_point_operations_so_far", 0.0))
+    return iteration, flops
+
+
+def _load_from(
+    ckptd_load: Any, load_dir: str, step: int | str, model: Sequence[torch.nn.Module], optimizer: Any,
+    args: argparse.Namespace, strict: bool, finetune: bool, storage_options: Mapping[str, object] | None,
+    missing_ok: bool,
+) -> Any:
+    """One load of ``step`` of ``load_dir`` (the optimizer unless fine-tuning or ``--no-load-optim``); None
+    when nothing is committed there and ``missing_ok``."""
+    if storage_options is None:
+        from ckptd.client.storage_env import storage_options_for
+
+        storage_options = storage_options_for(load_dir)
+    load_optim = optimizer is not None and not finetune and not _flag(args, "no_load_optim")
+    try:
+        return ckptd_load(
+            load_dir, step, list(model), optimizer if load_optim else None, strict=strict,
+            rng=not (finetune or _flag(args, "no_load_rng")), storage_options=storage_options,
+        )
+    except NoCommittedStepError:  # nothing committed (or no root yet)
+        if not missing_ok:
+            raise
+        return None
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """Megatron-LM options whose checkpoints ckptd does not make, refused when the adapter is first used (the
+    load at startup, or the first save) rather than silently made permanent hours into the run."""
+    if getattr(args, "non_persistent_save_interval", None):
+        raise ConfigError(
+            "--non-persistent-save-interval: ckptd keeps no separate non-persistent checkpoints (each would become "
+            "a permanent step of --save and move its tracker); a ckptd save stalls for a copy only, so save with "
+            "--save-interval as often as you would have saved non-persistently"
+        )
 
 
 def resolve_load(load_dir: str, ckpt_step: object = None) -> tuple[str, int | str]:
