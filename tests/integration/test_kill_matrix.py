@@ -5,8 +5,8 @@ How the daemon is frozen at a point before the kill:
 - S3: the fault proxy holds one request (a ``stall`` fault selected by method and path) and the test
   waits until that request is held;
 - local filesystem: a chunk's file is created beforehand as a named pipe, so the daemon's write of that
-  chunk blocks in ``open()`` while the step's other chunks land (zarr's own documents are written to a
-  temporary name and renamed, so only chunk writes can be frozen this way);
+  chunk blocks in ``open()`` while the step's other chunks land (only chunk writes are frozen this way: the
+  metadata documents are written after every chunk is durable);
 - both: ``rank-copy`` kills the daemon from inside the rank's copy into the staging arena (a ``Shard``
   whose ``stage_into`` copies half, kills, copies the rest), before the save's request was sent (the
   daemon may have started the step from the save's announcement, ``PrepareStep``).

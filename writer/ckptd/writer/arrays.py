@@ -233,18 +233,28 @@ async def write_metadata(store: Store, path: str, meta: ArrayV3Metadata) -> None
     await store.set(f"{path}/zarr.json", bufs["zarr.json"])
 
 
+async def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
+    """The bytes of a zarr v3 group document."""
+    group = await zasync.create_group(store=MemoryStore(), attributes=attributes or {})
+    return group.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+
+
 async def write_group(store: Store, path: str, attributes: dict[str, Any] | None = None) -> None:
     """A zarr v3 group document at ``path`` (``""`` is the root)."""
-    group = await zasync.create_group(store=MemoryStore(), attributes=attributes or {})
-    bufs = group.metadata.to_buffer_dict(default_buffer_prototype())
-    await store.set(f"{path}/zarr.json" if path else "zarr.json", bufs["zarr.json"])
+    doc = default_buffer_prototype().buffer.from_bytes(await group_doc(attributes))
+    await store.set(f"{path}/zarr.json" if path else "zarr.json", doc)
+
+
+async def control_doc() -> bytes:
+    """The document that declares a control folder (``ckptd.writer.format.control_dir``) a zero-size
+    ``uint8`` array, so zarr readers list it as an empty array instead of warning about the objects inside."""
+    meta = await array_metadata("uint8", (0,), (1,), separator=CHUNK_SEPARATOR, extra_attrs={"control": True})
+    return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
 
 
 async def write_control_doc(store: Store, path: str) -> None:
-    """Declare a control folder (``ckptd.writer.format.control_dir``) a zero-size ``uint8`` array, so zarr
-    readers list it as an empty array instead of warning about the objects inside it."""
-    meta = await array_metadata("uint8", (0,), (1,), separator=CHUNK_SEPARATOR, extra_attrs={"control": True})
-    await write_metadata(store, path, meta)
+    """:func:`control_doc` at the control folder ``path``."""
+    await store.set(f"{path}/zarr.json", default_buffer_prototype().buffer.from_bytes(await control_doc()))
 
 
 async def open_array(store: Store, path: str) -> AsyncArray[Any]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 from zarr.abc.store import Store
 
-from ckptd.writer.arrays import array_metadata, write_control_doc, write_group, write_metadata
+from ckptd.writer.arrays import array_metadata, control_doc, group_doc, write_control_doc, write_group, write_metadata
 from ckptd.writer.errors import (
     CheckpointNotFoundError,
     CkptdError,
@@ -51,6 +51,7 @@ from ckptd.writer.format import (
     PartManifest,
     check_sidecar,
     commit_marker,
+    control_dir,
     control_groups,
     encode_json,
     failed_marker,
@@ -151,6 +152,14 @@ class CheckpointWriter(CheckpointRoot):
             log.warning("step=%d node=%d: removing a part left by an earlier, unfinished attempt", step, node)
             await self.backend.delete(key)
 
+    async def _put_shared(self, key: str, make: Callable[[], Awaitable[bytes]]) -> None:
+        """A document of the root that every commit writes (its group's, its control folder's): written
+        whole (aside, then renamed on a local disk) and only when it differs, so a commit cut short or a
+        reader opening the root meanwhile never finds it empty."""
+        data = await make()
+        if await self.backend.get(key) != data:
+            await self.backend.replace(key, data)
+
     # --- the coordinator --------------------------------------------------------------------------
     async def wait_parts(
         self, step: int, num_nodes: int, timeout: float, poll: float = 0.05, *, attempt: str = ""
@@ -201,9 +210,15 @@ class CheckpointWriter(CheckpointRoot):
         # "" is the step's own group: zarr.open_group(ROOT) lists committed steps, open_group(ROOT/step_N) works
         for group in sorted(_groups(rec.name for rec in merged.arrays) | {""}):
             docs.append(functools.partial(write_group, store, f"{prefix}/{group}" if group else prefix))
-        docs.append(functools.partial(write_group, store, "", {"ckptd": {"format": FORMAT_VERSION}}))
+        shared: dict[str, Callable[[], Awaitable[bytes]]] = {
+            "zarr.json": functools.partial(group_doc, {"ckptd": {"format": FORMAT_VERSION}})
+        }
         for folder in control_groups(step):
-            docs.append(functools.partial(write_control_doc, store, folder))
+            if folder == control_dir(""):  # the root's, rewritten by every commit
+                shared[f"{folder}/zarr.json"] = control_doc
+            else:
+                docs.append(functools.partial(write_control_doc, store, folder))
+        docs += [functools.partial(self._put_shared, key, make) for key, make in shared.items()]
         try:  # zarr writes these through its store: classify their failures like the backend's own
             await bounded_map(lambda write: write(), docs, limit=METADATA_CONCURRENCY)
             await self.backend.sync_all()  # local roots: the metadata durable before the marker (S3: no-op)
