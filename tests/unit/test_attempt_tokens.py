@@ -124,6 +124,34 @@ def test_notes_and_parts_of_another_attempt_are_not_this_ones(tmp_path: Path) ->
     asyncio.run(go())
 
 
+def test_a_node_that_failed_before_its_part_stops_the_coordinator_at_once(tmp_path: Path) -> None:
+    """Another node's write failure used to be noted by node 0 only: the coordinator waited its whole
+    timeout for the part and its ranks got a SaveTimeoutError instead of the cause. A node whose part was
+    never sent now notes it (``part_missing``), for its attempt, or for an unnamed one after it began."""
+
+    async def go() -> None:
+        async with await open_backend(str(tmp_path / "root"), None, create=True) as backend:
+            w = CheckpointWriter(backend)
+            await w.write_part(_part(5, 0, "B.1"))
+            full = StepFailedError("disk full on node 1")
+            await w.mark_failed(5, full, attempt="A.1", node=1, part_missing=True)  # another attempt's
+            with pytest.raises(SaveTimeoutError):
+                await w.wait_parts(5, 2, timeout=0.3, attempt="B.1", since=time.time() - 60)
+            await w.mark_failed(5, full, attempt="B.1", node=1, part_missing=True)
+            began = time.monotonic()
+            with pytest.raises(StepFailedError, match="node 1 failed before its part was written: disk full"):
+                await w.commit(5, 2, timeout=30.0, attempt="B.1", since=time.time() - 60)
+            assert time.monotonic() - began < 5
+            await w.write_part(_part(6, 0, ""))  # unnamed: a note from before this attempt began is not its own
+            await w.mark_failed(6, full, node=1, part_missing=True)
+            with pytest.raises(SaveTimeoutError):
+                await w.wait_parts(6, 2, timeout=0.3, since=time.time() + 60)
+            with pytest.raises(StepFailedError, match="node 1 failed before its part was written"):
+                await w.wait_parts(6, 2, timeout=30.0, since=time.time() - 60)
+
+    asyncio.run(go())
+
+
 def test_a_node_that_stops_waiting_and_the_coordinator_agree_on_the_outcome(tmp_path: Path) -> None:
     """At its commit timeout a node claims the attempt's verdict, create-once, before it reports the step
     failed; the coordinator claims it before its marker. Whoever comes first decides, so no node reports a

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ckptd.client.protocol import RegisterPlan, ReplicaMeta, SaveRequest, ShardMeta, encode_objects
+from ckptd.client.attempts import valid_token
+from ckptd.client.protocol import PrepareStep, RegisterPlan, ReplicaMeta, SaveRequest, ShardMeta, encode_objects
 from ckptd.daemon.arena import Lease
 from ckptd.daemon.replicas import check_replica_metas
 from ckptd.writer.errors import InvalidRequestError, LeaseError, PlanUnknownError, ProtocolError, ShardLayoutError
@@ -86,6 +87,20 @@ def validate_plan(msg: RegisterPlan, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> 
         end = lo + size
     check_shards(msg.shards, msg.sizes, "the plan", chunk_bytes)
     check_replica_metas(msg.replicas)
+
+
+def check_placement(req: SaveRequest | PrepareStep) -> None:
+    """The request's rank, node and attempt describe a possible placement."""
+    if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):
+        raise InvalidRequestError(
+            f"rank {req.rank}/world {req.world_size}, node {req.node}/{req.num_nodes} is not a valid placement"
+        )
+    local, world = req.local_world_size, req.world_size
+    if not 1 <= local <= world or (req.num_nodes == 1 and local != world):
+        raise InvalidRequestError(f"local_world_size {local} of world {world} on {req.num_nodes} node(s): outside "
+                                  "[1, world], or not all of it on one node (every rank is local)")
+    if not valid_token(req.attempt):
+        raise InvalidRequestError(f"attempt {req.attempt[:120]!r} is not an attempt token (client/attempts.py)")
 
 
 def check_save(req: SaveRequest, sizes: Sequence[int], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:

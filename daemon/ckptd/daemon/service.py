@@ -18,13 +18,12 @@ from typing import Any, TypeGuard
 
 import msgspec
 
-from ckptd.client.attempts import valid_token
 from ckptd.client.protocol import PrepareStep, SaveRequest, StepState
 from ckptd.daemon.arena import Arena, Lease
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.job import InFlightSteps, NodeStep, RankSave, StepJob
 from ckptd.daemon.journal import JournalEntry, StepJournal
-from ckptd.daemon.plans import PlanRegistry, check_save, check_steps_in_flight
+from ckptd.daemon.plans import PlanRegistry, check_placement, check_save, check_steps_in_flight
 from ckptd.daemon.replicas import node_replicas
 from ckptd.daemon.restore import Retention
 from ckptd.daemon.stats import DaemonStats
@@ -153,7 +152,7 @@ class CheckpointService:
         as a rank that never saves at all does."""
         if self.draining:
             raise DaemonShuttingDownError("the daemon is shutting down and accepts no new saves")
-        _check_placement(req)
+        check_placement(req)
         await self._open_job(req, since)
 
     async def _open_job(self, req: SaveRequest | PrepareStep, since: float) -> StepJob:
@@ -167,7 +166,7 @@ class CheckpointService:
         return job
 
     def _validate(self, req: SaveRequest, lease: Lease) -> None:
-        _check_placement(req)
+        check_placement(req)
         check_save(req, lease.sizes, self.config.chunk_bytes)  # shards, replicas, plain data: plans.py
 
     async def _job_for(self, req: SaveRequest | PrepareStep, since: float = 0.0) -> StepJob:
@@ -283,10 +282,11 @@ class CheckpointService:
         if job.state is not StepState.PENDING:
             if job.state is StepState.FAILED:  # a write failed
                 self.retention.step_failed(job.step)
-                if job.node == 0 and job.error is not None:
+                if job.error is not None:
                     await self._note_failure(job, job.error)
                 self._log_step(job)
             return
+        sent = False  # this node's part: once sent, the coordinator may commit it (no note contradicts that)
         try:
             try:
                 await self.writer.write_held(job)
@@ -295,7 +295,7 @@ class CheckpointService:
             written = time.monotonic()
             await self.root.make_durable(job.written_keys, synced=self.config.codec == "raw",
                                          whole_filesystem=job.unsynced)
-            part = self._part(job)
+            part, sent = self._part(job), True
             await self.root.write_part(part)
             job.mark_durable()
             log.debug("step=%d node=%d data written %.3fs after the first save, durable %.3fs later%s",
@@ -303,7 +303,7 @@ class CheckpointService:
                       " (by one filesystem sync)" if job.unsynced else "")
             if job.node == 0:
                 await self.root.commit(job.step, job.where.num_nodes, self.config.commit_timeout_s,
-                                       attempt=job.attempt)
+                                       attempt=job.attempt, since=job.started_wall - CLOCK_SKEW_S)
                 if self.config.keep:
                     await self._retain()
             else:
@@ -312,8 +312,7 @@ class CheckpointService:
         except Exception as exc:
             err = self.root.backend.error(exc)
             job.fail(err)
-            if job.node == 0:
-                await self._note_failure(job, err)
+            await self._note_failure(job, err, part_sent=sent)
         else:
             job.mark_committed()
             self.retention.step_committed(job.step, job.started)
@@ -330,7 +329,13 @@ class CheckpointService:
             log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
                         self.config.keep, self.root.backend.error(exc))
 
-    async def _note_failure(self, job: StepJob, exc: CkptdError, **extra: object) -> None:
+    async def _note_failure(self, job: StepJob, exc: CkptdError, *, part_sent: bool = False, **extra: object) -> None:
+        """Tell the other nodes: the coordinator always; another node while its part was never sent (the
+        coordinator waiting for it stops at once, not at its timeout), as ``part_missing``."""
+        if job.node != 0:
+            if part_sent:
+                return
+            extra["part_missing"] = True
         try:
             await self.root.mark_failed(job.step, exc, attempt=job.attempt, node=job.node, **extra)
         except Exception as note_exc:
@@ -382,14 +387,13 @@ class CheckpointService:
             for task in job.tasks.values():
                 task.cancel()
             self.retention.step_failed(job.step)
-            if job.node == 0:
-                await self._note_failure(job, err)
+            await self._note_failure(job, err)
             self._log_step(job)
         elif job.state is StepState.FAILED and not job.all_staged.is_set() and not job.superseded:
             # A write failed before the node's last rank arrived (later ones are refused): _finish_node
             # never runs for this step, so its failure is recorded (and told to the other nodes) here.
             self.retention.step_failed(job.step)
-            if job.node == 0 and job.error is not None:
+            if job.error is not None:
                 await self._note_failure(job, job.error)
             self._log_step(job)
 
@@ -485,16 +489,3 @@ def _late(job: StepJob, req: SaveRequest | PrepareStep, since: float) -> bool:
     """Whether a rank that did not save in ``job``'s failed attempt was meant to: the same named attempt,
     else (unnamed) connected before the failure."""
     return job.attempt == req.attempt if job.attempt and req.attempt else since < job.failed_at
-
-
-def _check_placement(req: SaveRequest | PrepareStep) -> None:
-    if not (0 <= req.rank < req.world_size and 0 <= req.node < req.num_nodes):
-        raise InvalidRequestError(
-            f"rank {req.rank}/world {req.world_size}, node {req.node}/{req.num_nodes} is not a valid placement"
-        )
-    local, world = req.local_world_size, req.world_size
-    if not 1 <= local <= world or (req.num_nodes == 1 and local != world):
-        raise InvalidRequestError(f"local_world_size {local} of world {world} on {req.num_nodes} node(s): outside "
-                                  "[1, world], or not all of it on one node (every rank is local)")
-    if not valid_token(req.attempt):
-        raise InvalidRequestError(f"attempt {req.attempt[:120]!r} is not an attempt token (client/attempts.py)")

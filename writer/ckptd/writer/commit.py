@@ -162,7 +162,7 @@ class CheckpointWriter(CheckpointRoot):
 
     # --- the coordinator --------------------------------------------------------------------------
     async def wait_parts(
-        self, step: int, num_nodes: int, timeout: float, poll: float = 0.05, *, attempt: str = ""
+        self, step: int, num_nodes: int, timeout: float, poll: float = 0.05, *, attempt: str = "", since: float = 0.0
     ) -> list[PartManifest]:
         """Every node's part of ``attempt``, in node order; :class:`SaveTimeoutError` when some are missing
         at ``timeout``. A part of another attempt (left by a failed one, whose node has not started this
@@ -177,7 +177,7 @@ class CheckpointWriter(CheckpointRoot):
                 log.warning("step=%d: node %d's part is from attempt %s, not this one (%s): waiting for its new "
                             "part", step, n, found[n].attempt, attempt)
             if len(parts) < num_nodes:  # a node that gave this attempt up says so (journal.py, attempts)
-                await self._raise_if_given_up(step, attempt)
+                await self._raise_if_given_up(step, attempt, since)
             missing = sorted(set(range(num_nodes)) - set(parts))
             if not missing:
                 return [parts[n] for n in range(num_nodes)]
@@ -191,12 +191,15 @@ class CheckpointWriter(CheckpointRoot):
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, 1.0)
 
-    async def commit(self, step: int, num_nodes: int, timeout: float, *, attempt: str = "") -> CommitManifest:
+    async def commit(
+        self, step: int, num_nodes: int, timeout: float, *, attempt: str = "", since: float = 0.0
+    ) -> CommitManifest:
         """Coordinator side: wait for all parts of ``attempt``, check them, write metadata, then the commit
-        marker."""
+        marker. ``since``: when the coordinator's attempt began (wall clock; what an unnamed attempt's
+        failure notes are told apart by, as in :meth:`wait_committed`)."""
         if await self.is_committed(step):
             raise StepCommittedError(f"step {step} already committed under {self.url}")
-        parts = await self.wait_parts(step, num_nodes, timeout, attempt=attempt)
+        parts = await self.wait_parts(step, num_nodes, timeout, attempt=attempt, since=since)
         if await self.is_committed(step):  # while it waited: a late coordinator must not rewrite its metadata
             raise StepCommittedError(f"step {step} was committed by another coordinator under {self.url}")
         self._check_not_deleted_under(step, parts)
@@ -300,17 +303,20 @@ class CheckpointWriter(CheckpointRoot):
             if isinstance(exc, BaseException):
                 raise exc
 
-    async def _raise_if_given_up(self, step: int, attempt: str) -> None:
+    async def _raise_if_given_up(self, step: int, attempt: str, since: float = 0.0) -> None:
         """Raise the note's error when a node gave up this attempt: its daemon died (``abandoned``, written
-        by its successor) or its ranks were replaced (``superseded``, written by the node itself)."""
+        by its successor), its ranks were replaced (``superseded``) or it failed before it wrote its part
+        (``part_missing``; both written by the node itself)."""
         failed = await self.read_failed(step, attempt)
         if failed is None or other_attempt(str(failed.get("attempt", "")), attempt):
             return
         if failed.get("abandoned"):
             raise StepAbandonedError(f"step {step}: not committed: {failed.get('message')}")
-        if attempt and failed.get("attempt") == attempt and failed.get("superseded"):
+        gave_up = attempt and failed.get("attempt") == attempt and failed.get("superseded")
+        if gave_up or (failed.get("part_missing") and since and note_of(failed, attempt, since)):
             cls = error_classes().get(str(failed.get("code")), StepFailedError)
-            raise cls(f"step {step}: not committed: node {failed.get('node')} gave it up: {failed.get('message')}")
+            why = "failed before its part was written" if failed.get("part_missing") else "gave it up"
+            raise cls(f"step {step}: not committed: node {failed.get('node')} {why}: {failed.get('message')}")
 
     async def clear_failed(self, step: int) -> None:
         """The coordinator starts the step again: drop the failure note of an earlier attempt."""
