@@ -356,6 +356,15 @@ def test_parts_missing_a_rank_or_sharing_one_do_not_merge() -> None:
         merge_parts([parts[0], outside])
 
 
+def test_parts_whose_keys_clash_across_nodes_do_not_merge() -> None:
+    """Each rank checks its own keys; an array of one node that is another node's group is the merge's."""
+    parts = make_parts((8,), (4,), 2, 1)
+    rec = parts[1].arrays[0]
+    clash = msgspec.structs.replace(rec, name="w/inner")
+    with pytest.raises(InvalidKeyError, match="'w' is an array and also the group of 'w/inner'"):
+        merge_parts([parts[0], msgspec.structs.replace(parts[1], arrays=[*parts[1].arrays, clash])])
+
+
 def test_a_manifest_of_a_newer_format_is_refused_by_name() -> None:
     commit = merge_parts(make_parts((8,), (4,), 1, 2))
     for version in fmt.READABLE_VERSIONS:

@@ -92,6 +92,22 @@ def test_a_region_given_twice_is_a_layout_error() -> None:
         plan_state({"x": {"a": a}, "y": b}, rank=0)
 
 
+@pytest.mark.parametrize(("state", "match"), [
+    ({"a": torch.ones(1), "x": Shard("a/b", torch.ones(1), (1,), (0,))}, "'a' is an array and also the group of 'a/b'"),
+    ({"a": torch.ones(1), "x": Shard("a/c.0", torch.ones(1), (1,), (0,))}, "group of 'a/c.0'"),  # a's chunk file
+    ({"merged": {"w": torch.ones(1)}}, "ckptd merge"),
+])
+def test_keys_that_are_both_array_and_group_or_in_merged_are_refused(state: dict[str, Any], match: str) -> None:
+    """Both would own ``a/zarr.json`` (the step committed and zarr could not open ``a``), or one's chunk is
+    the other's folder; ``merged/`` is ``ckptd merge``'s."""
+    with pytest.raises(InvalidKeyError, match=match):
+        plan_state(state, rank=0)
+    unchecked = plan_state(state, rank=0, validate=False)  # a repeated structure: checked once, by validate()
+    with pytest.raises(InvalidKeyError, match=match):
+        unchecked.validate()
+    plan_state({"a": {"b": torch.ones(1)}, "ab": torch.ones(1), "a-b": {"c": torch.ones(1)}}, rank=0)
+
+
 def test_a_plain_tensor_and_a_shard_of_the_same_key_collide() -> None:
     with pytest.raises(ShardLayoutError):
         plan_state({"w": torch.ones(2), "x": Shard("w", torch.ones(2), (2,), (0,))}, rank=0)

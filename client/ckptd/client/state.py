@@ -24,7 +24,7 @@ import torch
 
 from ckptd.client.protocol import ReplicaMeta
 from ckptd.writer.errors import InvalidRequestError, ShardLayoutError
-from ckptd.writer.format import check_region, itemsize, validate_key
+from ckptd.writer.format import check_key_tree, check_region, itemsize, validate_key
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,6 +119,7 @@ class Plan:
         if not self.validated:
             for shard in (*self.shards, *self.replicas):
                 validate_shard(shard)
+            check_key_tree(s.key for s in (*self.shards, *self.replicas))
             self.validated = True
 
 
@@ -193,6 +194,8 @@ def plan_state(state: Mapping[str, Any], rank: int, *, validate: bool = True) ->
             raise ShardLayoutError(f"{shard.key}: region at {shard.global_offset} given twice ({seen[where]}, {path})")
         seen[where] = path
         plan.shards.append(shard)
+    if validate:
+        check_key_tree(s.key for s in (*plan.shards, *plan.replicas))
     return plan
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -195,6 +195,25 @@ def validate_key(key: object) -> str:
                 "characters outside [A-Za-z0-9._-+=:@,]"
             )
     return key
+
+
+def check_key_tree(names: Iterable[str]) -> None:
+    """A step's array names form a tree: none is also a group of another (``a`` and ``a/b``: both would
+    own ``a/zarr.json``; ``a`` and ``a/c.0``: one's chunk, the other's folder), and none lies in the folder
+    ``ckptd merge`` writes (``merged/``). :class:`InvalidKeyError` naming the pair otherwise."""
+    names = set(names)
+    groups: dict[str, str] = {}  # every group some name is in -> one such name
+    for name in names:
+        if name.split("/", 1)[0] == MERGED_DIR:
+            raise InvalidKeyError(f"key {name!r}: '{MERGED_DIR}/' holds what `ckptd merge` writes; name it otherwise")
+        group = name.rpartition("/")[0]
+        while group and group not in groups:
+            groups[group] = name
+            group = group.rpartition("/")[0]
+    clash = names & groups.keys()
+    if clash:
+        name = min(clash)
+        raise InvalidKeyError(f"key {name!r} is an array and also the group of {groups[name]!r}: rename one")
 
 
 # --- dtypes ---------------------------------------------------------------------------------------

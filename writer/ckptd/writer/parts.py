@@ -14,6 +14,7 @@ from ckptd.writer.format import (
     CommitManifest,
     PartManifest,
     ShardRecord,
+    check_key_tree,
     chunk_count,
 )
 
@@ -82,6 +83,7 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
                         )
                     taken[coords] = shard.rank
                 shards.setdefault(rec.name, []).append(shard)
+    check_key_tree(arrays)  # across nodes and ranks: each checked only its own keys
     merged = []
     for name in sorted(arrays):
         rec = arrays[name]
