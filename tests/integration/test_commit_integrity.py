@@ -132,8 +132,8 @@ def test_reads_by_a_record_of_another_chunk_shape_are_refused(root: str) -> None
             with pytest.raises(CorruptCheckpointError, match="neither a whole chunk of"):
                 reader.add("w", torch.zeros(128, 128), (0, 0))
                 await reader.run()
-            with pytest.raises(CorruptCheckpointError, match="neither the whole chunk's"):
-                await verify_array(ckpt.store, fmt.step_dir(1), rec)
+            with pytest.raises(CorruptCheckpointError, match=r"chunks \(128, 128\).* records .*\(64, 128\)"):
+                await verify_array(ckpt.store, fmt.step_dir(1), rec)  # the array's document disagrees first
 
     asyncio.run(go())
 
@@ -188,3 +188,18 @@ def test_verify_reads_the_layout_sidecars_the_commit_names(root: str, capsys) ->
 async def _read_sidecar(root: str) -> str:
     async with open_root(root) as ckpt:
         return await ckpt.read_sidecar(fmt.sidecar_name(LAYOUT))
+
+
+def test_an_array_document_missing_or_of_another_array_is_corruption(root: str, capsys) -> None:
+    """A committed array's ``zarr.json`` is part of the checkpoint: gone, verify said "unreadable" (fix access
+    and run again); another array's in its place (int32 over float32 of the same size), verify said OK while
+    zarr readers got other numbers. Both are now corruption, named, against the commit manifest."""
+    doc = Path(root, fmt.step_dir(1), "w", "zarr.json")
+    meta = json.loads(doc.read_text())
+    meta["data_type"] = "int32"
+    doc.write_text(json.dumps(meta))
+    rc, text = _verify(root, capsys)
+    assert rc == EXIT_CORRUPT and "w: its zarr.json says dtype int32" in text and "records float32" in text
+    doc.unlink()
+    rc, text = _verify(root, capsys)
+    assert rc == EXIT_CORRUPT and "w: its zarr.json is missing or not an array's" in text

@@ -286,7 +286,11 @@ async def verify_array(
     Returns the bytes verified; ``on_chunk`` is told each chunk's bytes once it checked out. Bounded: one
     chunk in memory at a time per array.
     """
-    arr = await open_array(store, f"{prefix}/{rec.name}")
+    try:
+        arr = await open_array(store, f"{prefix}/{rec.name}")
+    except CheckpointNotFoundError as exc:  # the manifest says it was committed: its document is damage
+        raise CorruptCheckpointError(f"{rec.name}: its zarr.json is missing or not an array's") from exc
+    check_metadata(arr, rec)
     total = 0
     for shard in rec.shards:
         for ch in shard.chunks:
@@ -301,6 +305,20 @@ async def verify_array(
             if on_chunk is not None:
                 on_chunk(ch.nbytes)
     return total
+
+
+def check_metadata(arr: AsyncArray[Any], rec: ArrayRecord) -> None:
+    """The array's ``zarr.json`` says what the commit manifest records: storage dtype, shape, chunks and
+    chunk key separator (another array's document in its place would have zarr readers misread the bytes)."""
+    meta = arr.metadata
+    sep = getattr(getattr(meta, "chunk_key_encoding", None), "separator", rec.separator)
+    found = (str(arr.dtype), tuple(arr.shape), tuple(arr.chunks), sep)
+    want = (storage_dtype(rec.torch_dtype), tuple(rec.shape), tuple(rec.chunks), rec.separator)
+    if found != want:
+        raise CorruptCheckpointError(
+            f"{rec.name}: its zarr.json says dtype {found[0]}, shape {found[1]}, chunks {found[2]}, separator "
+            f"{found[3]!r}; the commit manifest records {want[0]}, {want[1]}, {want[2]}, {want[3]!r}"
+        )
 
 
 async def read_chunk_checked(
