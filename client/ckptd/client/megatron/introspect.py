@@ -467,8 +467,17 @@ def cuda_rng_tracker_states() -> dict[str, object]:
     return dict(get_cuda_rng_tracker().get_states())
 
 
-def update_cuda_rng_tracker_states(states: Mapping[str, torch.Tensor]) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+def update_cuda_rng_tracker_states(states: Mapping[str, torch.Tensor], tracker: Any = None) -> None:
+    """Megatron's CUDA RNG tracker gets ``states``: a graph-safe tracker's generators (CUDA graphs hold
+    them) are set in place, a plain tracker's states replaced."""
+    if tracker is None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    tracker = get_cuda_rng_tracker()
-    tracker.set_states({**tracker.get_states(), **states})
+        tracker = get_cuda_rng_tracker()
+    now = dict(tracker.get_states())
+    for name, state in states.items():
+        if isinstance(now.get(name), torch.Generator):
+            now[name].set_state(state)
+        else:
+            now[name] = state
+    tracker.set_states(now)

@@ -22,6 +22,8 @@ def rng_state(rank: int, world: int) -> tuple[list[Shard], RngPlain]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         shards.append(Shard.per_rank(f"{RNG_PREFIX}cuda", torch.cuda.get_rng_state(), rank, world))
         for name, st in sorted(introspect.cuda_rng_tracker_states().items()):
+            if isinstance(st, torch.Generator):  # a graph-safe tracker's (use_cudagraphable_rng): its state
+                st = st.get_state()
             if isinstance(st, torch.Tensor):
                 key = validate_key(f"{RNG_PREFIX}cuda_tracker/{name}")
                 shards.append(Shard.per_rank(key, st.cpu(), rank, world))
