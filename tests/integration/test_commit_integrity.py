@@ -200,6 +200,9 @@ def test_an_array_document_missing_or_of_another_array_is_corruption(root: str, 
     doc.write_text(json.dumps(meta))
     rc, text = _verify(root, capsys)
     assert rc == EXIT_CORRUPT and "w: its zarr.json says dtype int32" in text and "records float32" in text
+    doc.write_text(json.dumps(meta)[:40])  # cut short: not "unreadable" (fix access), corrupt
+    rc, text = _verify(root, capsys)
+    assert rc == EXIT_CORRUPT and "w: its zarr.json does not decode" in text
     doc.unlink()
     rc, text = _verify(root, capsys)
     assert rc == EXIT_CORRUPT and "w: its zarr.json is missing or not an array's" in text

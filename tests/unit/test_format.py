@@ -354,6 +354,9 @@ def test_parts_missing_a_rank_or_sharing_one_do_not_merge() -> None:
     outside = msgspec.structs.replace(parts[1], ranks=[2, 3, 4])
     with pytest.raises(ShardLayoutError, match=r"outside it \[4\]"):
         merge_parts([parts[0], outside])
+    other_world = msgspec.structs.replace(parts[1], world_size=2)  # said first: the parts disagree
+    with pytest.raises(ShardLayoutError, match="node parts disagree"):
+        merge_parts([parts[0], other_world])
 
 
 def test_parts_whose_keys_clash_across_nodes_do_not_merge() -> None:

@@ -55,7 +55,8 @@ async def run_offline(args: argparse.Namespace, options: Mapping[str, object]) -
 
 async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> int:
     rows = []
-    committed = set(await root.committed_steps())
+    found, unreadable = await root.scan_steps()
+    committed = set(found)
     steps = await root.steps()
     if which is not None:
         wanted = await root.resolve(which)  # a number, 'latest', step_N or Megatron-LM's iter_NNNNNNN
@@ -65,6 +66,8 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
     for step in steps:
         row: dict[str, Any] = {"step": step, "committed": step in committed, "merged": False}
         try:
+            if step in unreadable:
+                raise unreadable[step]
             await _ls_row(root, row)
         except Exception as exc:  # one step that cannot be read is a row saying so, not the end of the listing
             row["state"], row["error"] = _failure(root, exc)
@@ -149,11 +152,16 @@ def _parallel_layout(objects: dict[str, Any]) -> dict[str, int] | None:
 async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int:
     results: list[dict[str, Any]] = []
     if which is None:
-        steps = await root.committed_steps()
-        results = await _failed_steps(root, set(steps), as_json)
+        steps, unreadable = await root.scan_steps()
+        results = await _failed_steps(root, {*steps, *unreadable}, as_json)
+        for step, exc in unreadable.items():  # its marker could not be looked at: not checked, said so
+            state, why = _failure(root, exc)
+            results.append({"step": step, "ok": False, "committed": None, "state": state, "errors": [why]})
+            if not as_json:
+                print(f"step {step}: UNREADABLE (not checked): {why}")
     else:
         steps = [await root.resolve(which)]  # a number, 'latest', step_N or Megatron-LM's iter_NNNNNNN
-    if not steps:
+    if not steps and not results:
         print("no committed steps to verify", file=sys.stderr)
         return EXIT_CORRUPT
     for step in steps:  # a step that cannot be read is reported as such; the next ones are still checked

@@ -49,6 +49,7 @@ from ckptd.writer.format import (
     check_sidecar,
     itemsize,
     other_attempt,
+    part_key,
     plan_chunks,
 )
 
@@ -312,6 +313,8 @@ class CheckpointService:
         except Exception as exc:
             err = self.root.backend.error(exc)
             job.fail(err)
+            if sent and not job.durable_at:  # its write failed: whether the part landed all the same
+                sent = await self._part_there(job)
             await self._note_failure(job, err, part_sent=sent)
         else:
             job.mark_committed()
@@ -328,6 +331,12 @@ class CheckpointService:
         except Exception as exc:
             log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
                         self.config.keep, self.root.backend.error(exc))
+
+    async def _part_there(self, job: StepJob) -> bool:
+        """Whether this node's part is in storage (a failure to look counts as yes: never contradicted)."""
+        with contextlib.suppress(Exception):
+            return await self.root.backend.exists(part_key(job.step, job.node))
+        return True
 
     async def _note_failure(self, job: StepJob, exc: CkptdError, *, part_sent: bool = False, **extra: object) -> None:
         """Tell the other nodes: the coordinator always; another node while its part was never sent (the

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -233,6 +233,22 @@ async def write_metadata(store: Store, path: str, meta: ArrayV3Metadata) -> None
     await store.set(f"{path}/zarr.json", bufs["zarr.json"])
 
 
+async def write_array_doc(store: Store, path: str, rec: ArrayRecord) -> None:
+    """The ``zarr.json`` of a committed array, from its record."""
+    meta = await array_metadata(rec.torch_dtype, rec.shape, rec.chunks, codec=rec.codec, separator=rec.separator)
+    await write_metadata(store, path, meta)
+
+
+def array_groups(names: Iterable[str]) -> set[str]:
+    """Every intermediate group path of the given array names (relative to the step)."""
+    out: set[str] = set()
+    for name in names:
+        parts = name.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            out.add("/".join(parts[:i]))
+    return out
+
+
 async def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
     """The bytes of a zarr v3 group document."""
     group = await zasync.create_group(store=MemoryStore(), attributes=attributes or {})
@@ -290,6 +306,8 @@ async def verify_array(
         arr = await open_array(store, f"{prefix}/{rec.name}")
     except CheckpointNotFoundError as exc:  # the manifest says it was committed: its document is damage
         raise CorruptCheckpointError(f"{rec.name}: its zarr.json is missing or not an array's") from exc
+    except (ValueError, TypeError) as exc:  # cut short, not JSON, not zarr metadata (storage errors pass)
+        raise CorruptCheckpointError(f"{rec.name}: its zarr.json does not decode: {exc}") from exc
     check_metadata(arr, rec)
     total = 0
     for shard in rec.shards:

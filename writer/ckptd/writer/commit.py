@@ -24,12 +24,11 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import msgspec
-from zarr.abc.store import Store
 
-from ckptd.writer.arrays import array_metadata, control_doc, group_doc, write_control_doc, write_group, write_metadata
+from ckptd.writer.arrays import array_groups, control_doc, group_doc, write_array_doc, write_control_doc, write_group
 from ckptd.writer.errors import (
     CheckpointNotFoundError,
     CkptdError,
@@ -39,6 +38,7 @@ from ckptd.writer.errors import (
     StepCommittedError,
     StepFailedError,
     StorageError,
+    StoragePermissionError,
     error_classes,
 )
 from ckptd.writer.fanout import bounded_map
@@ -46,7 +46,6 @@ from ckptd.writer.format import (
     COMMIT_MARKER,
     CONTROL_LAYOUTS,
     FORMAT_VERSION,
-    ArrayRecord,
     CommitManifest,
     PartManifest,
     check_sidecar,
@@ -170,7 +169,7 @@ class CheckpointWriter(CheckpointRoot):
         deadline = time.monotonic() + timeout
         warned: set[int] = set()
         while True:
-            found = await self.read_parts(step)
+            found = await _polled(self.read_parts(step), {}, step)
             parts = {n: p for n, p in found.items() if not other_attempt(p.attempt, attempt)}
             for n in sorted(set(found) - set(parts) - warned):
                 warned.add(n)
@@ -208,10 +207,10 @@ class CheckpointWriter(CheckpointRoot):
         prefix = step_dir(step)
         store = self.store
         docs: list[Callable[[], Awaitable[None]]] = [
-            functools.partial(_write_array_doc, store, f"{prefix}/{rec.name}", rec) for rec in merged.arrays
+            functools.partial(write_array_doc, store, f"{prefix}/{rec.name}", rec) for rec in merged.arrays
         ]
         # "" is the step's own group: zarr.open_group(ROOT) lists committed steps, open_group(ROOT/step_N) works
-        for group in sorted(_groups(rec.name for rec in merged.arrays) | {""}):
+        for group in sorted(array_groups(rec.name for rec in merged.arrays) | {""}):
             docs.append(functools.partial(write_group, store, f"{prefix}/{group}" if group else prefix))
         shared: dict[str, Callable[[], Awaitable[bytes]]] = {
             "zarr.json": functools.partial(group_doc, {"ckptd": {"format": FORMAT_VERSION}})
@@ -307,13 +306,14 @@ class CheckpointWriter(CheckpointRoot):
         """Raise the note's error when a node gave up this attempt: its daemon died (``abandoned``, written
         by its successor), its ranks were replaced (``superseded``) or it failed before it wrote its part
         (``part_missing``; both written by the node itself)."""
-        failed = await self.read_failed(step, attempt)
+        failed = await _polled(self.read_failed(step, attempt), None, step)
         if failed is None or other_attempt(str(failed.get("attempt", "")), attempt):
             return
         if failed.get("abandoned"):
             raise StepAbandonedError(f"step {step}: not committed: {failed.get('message')}")
-        gave_up = attempt and failed.get("attempt") == attempt and failed.get("superseded")
-        if gave_up or (failed.get("part_missing") and since and note_of(failed, attempt, since)):
+        ours = (attempt and failed.get("attempt") == attempt) or (since and note_of(failed, attempt, since))
+        if (attempt and failed.get("attempt") == attempt and failed.get("superseded")) or (
+                failed.get("part_missing") and ours):
             cls = error_classes().get(str(failed.get("code")), StepFailedError)
             why = "failed before its part was written" if failed.get("part_missing") else "gave it up"
             raise cls(f"step {step}: not committed: node {failed.get('node')} {why}: {failed.get('message')}")
@@ -341,11 +341,12 @@ class CheckpointWriter(CheckpointRoot):
         """
         deadline = time.monotonic() + timeout
         decided = False  # the coordinator's verdict to commit seen: its marker is its next write
-        while not await self.is_committed(step):
-            failed = await self.read_failed(step, attempt)
+        while not await _polled(self.is_committed(step), False, step):
+            failed = await _polled(self.read_failed(step, attempt), None, step)
             if failed is not None and note_of(failed, attempt, since):
                 cls = error_classes().get(str(failed.get("code")), StepFailedError)
-                raise cls(f"step {step} failed on the coordinator: {failed.get('message')}")
+                where = "on the coordinator" if not failed.get("part_missing") else f"on node {failed.get('node')}"
+                raise cls(f"step {step} failed {where}: {failed.get('message')}")
             if time.monotonic() >= deadline:
                 if decided or not attempt or node < 1:  # unnamed: this node's report may miss a late commit
                     raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s")
@@ -403,8 +404,12 @@ class CheckpointWriter(CheckpointRoot):
     async def doomed_steps(self, keep: int, busy: Collection[int] = (), gone: Collection[int] = ()) -> list[int]:
         """What :meth:`retain` would remove now (see :func:`plan_retention`); ``gone``: steps to count as
         removed already (a dry run's rollback)."""
-        committed = [s for s in await self.committed_steps() if s not in gone]
-        return plan_retention(committed, [s for s in await self.steps() if s not in gone], keep, busy)
+        found, unreadable = await self.scan_steps()
+        for step, exc in unreadable.items():  # never deleted, never counted: it may be committed
+            log.warning("retention: step %d left alone: its commit marker could not be looked at: %s", step, exc)
+        committed = [s for s in found if s not in gone]
+        steps = [s for s in await self.steps() if s not in gone and s not in unreadable]
+        return plan_retention(committed, steps, keep, busy)
 
     async def written_lately(self, within_s: float, after: int | None = None, gone: Collection[int] = ()) -> list[int]:
         """The unfinished steps something wrote under in the last ``within_s`` seconds (or whose time the
@@ -412,7 +417,8 @@ class CheckpointWriter(CheckpointRoot):
         What ``ckptd gc``, which does not know the daemons' steps in flight, leaves alone. Those older than
         the newest commit (what retention removes), or with ``after``, those after that step; ``gone``: steps
         to count as removed already (a dry run's rollback)."""
-        committed = set(await self.committed_steps()) - set(gone)
+        found, unreadable = await self.scan_steps()
+        committed, gone = set(found) - set(gone), {*gone, *unreadable}  # unreadable ones are never removed
         newest = max(committed, default=-1)  # only older unfinished steps are ever removed: list no others
         unfinished = [s for s in await self.steps() if s not in committed and s not in gone
                       and (s < newest if after is None else s > after)]
@@ -461,6 +467,22 @@ class CheckpointWriter(CheckpointRoot):
         return doomed
 
 
+_T = TypeVar("_T")
+
+
+async def _polled(probe: Awaitable[_T], otherwise: _T, step: int) -> _T:
+    """One read of a waiter's poll. A storage failure other than a refusal (``EIO``, a stale NFS handle, a
+    request that outlived its retries) is "nothing yet": the waiter polls on until its deadline and decides
+    there as it would, so a passing failure never has a node report a step failed that then commits."""
+    try:
+        return await probe
+    except StoragePermissionError:
+        raise
+    except StorageError as exc:
+        log.warning("step=%d: a read while waiting for the commit failed; polling on: %s", step, exc)
+        return otherwise
+
+
 def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Collection[int] = ()) -> list[int]:
     """The steps retention removes, ascending: committed ones beyond the newest ``max(1, keep)``, and
     unfinished ones older than the newest commit, never one in ``busy`` (still being written, or committed
@@ -473,18 +495,3 @@ def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Coll
     doomed = set(done[: -max(1, keep)])
     doomed |= {s for s in steps if s < newest and s not in committed}
     return sorted(doomed - set(busy))
-
-
-async def _write_array_doc(store: Store, path: str, rec: ArrayRecord) -> None:
-    meta = await array_metadata(rec.torch_dtype, rec.shape, rec.chunks, codec=rec.codec, separator=rec.separator)
-    await write_metadata(store, path, meta)
-
-
-def _groups(names: Iterable[str]) -> set[str]:
-    """Every intermediate group path of the given array names (relative to the step)."""
-    out: set[str] = set()
-    for name in names:
-        parts = name.split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            out.add("/".join(parts[:i]))
-    return out

@@ -46,17 +46,18 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
     if not parts:
         raise ShardLayoutError("no node parts to commit")
     first = parts[0]
-    _check_ranks(parts)
-    arrays: dict[str, ArrayRecord] = {}
-    shards: dict[str, list[ShardRecord]] = {}
-    owner: dict[str, dict[tuple[int, ...], int]] = {}
-    objects: dict[str, Any] = {}
     for part in parts:
         if (part.step, part.num_nodes, part.world_size) != (first.step, first.num_nodes, first.world_size):
             raise ShardLayoutError(
                 f"node parts disagree: node {part.node} has step {part.step}, {part.num_nodes} nodes, world "
                 f"{part.world_size}; node {first.node} has {first.step}, {first.num_nodes}, {first.world_size}"
             )
+    _check_ranks(parts)
+    arrays: dict[str, ArrayRecord] = {}
+    shards: dict[str, list[ShardRecord]] = {}
+    owner: dict[str, dict[tuple[int, ...], int]] = {}
+    objects: dict[str, Any] = {}
+    for part in parts:
         objects.update(part.objects)
         for rec in part.arrays:
             seen = arrays.setdefault(rec.name, rec)

@@ -98,15 +98,37 @@ class CheckpointRoot:
                 return True
         return False
 
-    async def committed_steps(self) -> list[int]:
+    async def scan_steps(self) -> tuple[list[int], dict[int, CkptdError]]:
+        """The committed steps, ascending, and the steps whose marker could not be looked at (``EIO``, a stale
+        NFS handle, no permission), each with its typed error: one such step hides none of the others."""
         steps = await self.steps()
-        flags = await bounded_map(self.is_committed, steps, limit=READ_CONCURRENCY)
-        return [s for s, ok in zip(steps, flags, strict=True) if ok]
+
+        async def probe(step: int) -> bool | CkptdError:
+            try:
+                return await self.is_committed(step)
+            except CkptdError as exc:
+                return exc
+
+        flags = await bounded_map(probe, steps, limit=READ_CONCURRENCY)
+        unreadable = {s: f for s, f in zip(steps, flags, strict=True) if isinstance(f, CkptdError)}
+        return [s for s, f in zip(steps, flags, strict=True) if f is True], unreadable
+
+    async def committed_steps(self) -> list[int]:
+        """The committed steps, ascending; a step whose marker could not be looked at raises its error."""
+        committed, unreadable = await self.scan_steps()
+        if unreadable:
+            raise next(iter(unreadable.values()))
+        return committed
 
     async def latest(self) -> int | None:
-        """The newest committed step (by the markers, not by the ``latest`` hint)."""
-        committed = await self.committed_steps()
-        return committed[-1] if committed else None
+        """The newest committed step (by the markers, not by the ``latest`` hint). A newer step whose marker
+        could not be looked at raises its error (it may be the newest); an older one does not matter."""
+        committed, unreadable = await self.scan_steps()
+        newest = committed[-1] if committed else None
+        later = [s for s in unreadable if newest is None or s > newest]
+        if later:
+            raise unreadable[max(later)]
+        return newest
 
     async def latest_hint(self) -> int | None:
         """What the ``latest`` object says (``None`` if absent or unreadable)."""
