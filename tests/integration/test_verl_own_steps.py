@@ -1,7 +1,7 @@
 """The verl integration keeps to what verl itself does with a run's checkpoints (review findings, each a
-failure before its fix): retention deletes only steps this run saved (a step saved after resuming from an
-older one used to be deleted at once, for being older than the earlier run's steps, and the next resume
-failed); a model-only load also refreshes the distributed optimizer's fp32 main params (with bf16 weights
+failure before its fix): retention deletes only steps this run saved, or, resumed from the newest step,
+those up to it (a step saved after resuming from an older one used to be deleted at once, for being older
+than the earlier run's steps, and the next resume failed); a model-only load also refreshes the distributed optimizer's fp32 main params (with bf16 weights
 the first step used to copy the stale ones back over the loaded model); and the SFT trainers'
 ``<dir>/global_step_N`` folders (no role folder) keep their ckptd root inside ``<dir>`` and load.
 
@@ -50,6 +50,9 @@ def test_retention_deletes_only_this_runs_steps(tmp_path: Path, sockdir: str) ->
     # resumed from step 2 (resume_path), keep 1: step 3 stays though 4 and 6 are newer; then 5 replaces it
     assert run_ranks(_saves, 1, ckpt_dir, [3], 2, 1, env=env, launcher="ray", preload=PRELOAD) == [[2, 3, 4, 6]]
     assert run_ranks(_saves, 1, ckpt_dir, [3, 5], 2, 1, env=env, launcher="ray", preload=PRELOAD) == [[2, 4, 5, 6]]
+    # resumed from the newest step (auto-resume after a preemption): the steps up to it count as this run's,
+    # so each resume does not leave `keep` more behind
+    assert run_ranks(_saves, 1, ckpt_dir, [7, 8], 6, 2, env=env, launcher="ray", preload=PRELOAD) == [[7, 8]]
 
 
 def _bf16(seed: int, load_contents: list[str] | None) -> tuple[Any, Any, Any]:

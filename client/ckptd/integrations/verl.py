@@ -306,11 +306,13 @@ class _CkptdMixin:
         super()._finalize_save(local_path=local_path, max_ckpt_to_keep=max_ckpt_to_keep, **kw)  # type: ignore[misc]
         v: Any = self
         keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) else 0
-        if v.rank != 0 or self.ckptd_supported() is not None:
+        if v.rank != 0 or keep <= 0 or self.ckptd_supported() is not None:
             return
-        # verl's rule (register_checkpoint): the newest ``keep`` of the steps this run saved; steps of earlier
-        # runs stay, and a step saved after resuming from an older one is never the one deleted
-        saved = (ckptd_root(local_path, v.role), step_of(local_path))
+        # verl's rule (register_checkpoint): the newest ``keep`` of the steps this run saved (and, resumed from
+        # the newest step, those up to it: _resumed_from); a step saved after resuming from an older one is
+        # never the one deleted
+        step = kw.get("global_step")
+        saved = (ckptd_root(local_path, v.role), int(step) if isinstance(step, int) else step_of(local_path))
         self._ckptd_kept = [k for k in self._ckptd_kept if k != saved] + [saved]
         doomed = self._ckptd_kept[:-keep] if keep > 0 else []
         for root, step in doomed:
@@ -375,6 +377,8 @@ class _CkptdMixin:
                 raise CheckpointNotFoundError(f"step {step} of {root} holds no lr_scheduler state")
             v.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         log.info("ckptd: %s: loaded step %d from %s (saved rank %d)", v.role, step, root, loaded.source_rank)
+        if v.rank == 0:
+            self._ckptd_kept = _resumed_from(root, step)
 
     def _ckptd_load_wanted(self, local_path: str, manifest: Mapping[str, Any]) -> bool:
         """Check ``load_contents`` against what the ckptd step holds; False when only the HF weights were
@@ -431,6 +435,22 @@ def _read_manifest(local_path: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def _resumed_from(root: str, step: int) -> list[tuple[str, int]]:
+    """The steps retention counts as this run's after a load of ``step``: where it is the newest committed
+    step (a resume after preemption), the committed steps up to it, so that each resume does not leave
+    ``max_ckpt_to_keep`` more behind; none where newer steps exist (a resume from an older step: they are
+    another branch's, never deleted for being newer) or storage did not answer."""
+    async def run() -> list[int]:
+        async with open_root(root, storage_options(root)) as ckpt:
+            return await ckpt.committed_steps()
+
+    try:
+        committed = run_sync(run())
+    except (CkptdError, OSError):
+        return []
+    return [(root, s) for s in committed] if committed and committed[-1] == step else []
 
 
 def _has_step(root: str, step: int, options: Mapping[str, object]) -> bool | None:
