@@ -112,6 +112,7 @@ def _resume(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
         # Megatron-LM's fallback: --pretrained-checkpoint where --load is unset or holds no step
         "pretrained": {"load": None, "pretrained_checkpoint": root},
         "pretrained_after_empty": {"load": f"{root}-empty", "pretrained_checkpoint": root},
+        "pretrained_step": {"load": f"{root}-empty", "pretrained_checkpoint": root, "ckpt_step": N},
     }
     args = _args(root, finetune=mode == "finetune", no_load_optim=mode == "no_load_optim", **named.get(mode, {}))
     iteration, nfp = load_checkpoint(model, optimizer, scheduler, args=args)
@@ -156,7 +157,7 @@ def test_resume_continues_like_the_uninterrupted_run(full_run: tuple[str, list[d
 
 def test_finetune_and_no_load_optim_load_the_model_alone(full_run: tuple[str, list[dict[str, Any]]]) -> None:
     root, ref = full_run
-    for mode in ("finetune", "pretrained", "pretrained_after_empty"):
+    for mode in ("finetune", "pretrained", "pretrained_after_empty", "pretrained_step"):
         ft = run_ranks(_resume, 2, root, mode)
         for r in range(2):  # iteration and data position start anew; the FLOPs count goes on, as in Megatron-LM
             assert (ft[r]["iteration"], ft[r]["nfp"], ft[r]["consumed_at_load"]) == (0, N * 1e9, 0), mode
@@ -178,6 +179,11 @@ def test_what_ckptd_does_not_make_is_refused_before_training(tmp_path: Path) -> 
         save_checkpoint(1, [], None, None, 0.0, args=_args(root, non_persistent_save_interval=100))
     with pytest.raises(NoCommittedStepError):
         load_checkpoint([], None, None, args=_args(root, load=None, pretrained_checkpoint=str(tmp_path / "none")))
+    megatron_format = tmp_path / "llama-mcore"  # a Megatron-LM checkpoint: its tracker, no ckptd control folder
+    megatron_format.mkdir()
+    (megatron_format / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(ConfigError, match="is not a ckptd root"):
+        load_checkpoint([], None, None, args=_args(root, load=None, pretrained_checkpoint=str(megatron_format)))
 
 
 def test_model_only_save_loads_without_optimizer_and_refuses_with_one(tmp_path: Path, start_daemon) -> None:

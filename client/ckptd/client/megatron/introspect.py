@@ -475,9 +475,14 @@ def update_cuda_rng_tracker_states(states: Mapping[str, torch.Tensor], tracker: 
 
         tracker = get_cuda_rng_tracker()
     now = dict(tracker.get_states())
+    graph_safe = any(isinstance(v, torch.Generator) for v in now.values())
     for name, state in states.items():
         if isinstance(now.get(name), torch.Generator):
             now[name].set_state(state)
+        elif graph_safe and name not in now:  # one it lacks: a generator of its own, as Megatron-LM makes
+            from megatron.core.tensor_parallel.random import convert_cuda_rng_state
+
+            now[name] = convert_cuda_rng_state(state, to_graphable=True)
         else:
             now[name] = state
     tracker.set_states(now)

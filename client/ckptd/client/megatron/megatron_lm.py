@@ -30,7 +30,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptd.writer.errors import CkptdError, ConfigError, NoCommittedStepError
+from ckptd.writer.errors import CkptdError, ConfigError, NoCommittedStepError, StorageNotFoundError
 from ckptd.writer.format import CONTROL_DIR, parse_step, split_step_path
 
 if TYPE_CHECKING:
@@ -281,13 +281,15 @@ def load_checkpoint(
         return 0, 0.0
     finetune = _flag(args, "finetune")
     loaded = None
+    ckpt_step = getattr(args, "ckpt_step", None)
     if load_dir:
-        load_dir, step = resolve_load(str(load_dir), getattr(args, "ckpt_step", None))
+        load_dir, step = resolve_load(str(load_dir), ckpt_step)
         loaded = _load_from(ckptd_load, load_dir, step, model, optimizer, args, strict, finetune, storage_options,
-                            missing_ok=bool(pretrained) or not _flag(args, "exit_on_missing_checkpoint"))
+                            missing_ok=bool(pretrained) or not _flag(args, "exit_on_missing_checkpoint"),
+                            no_root_ok=bool(pretrained))
     if loaded is None and pretrained:  # Megatron-LM's fallback: fine-tune from --pretrained-checkpoint
-        load_dir, step = resolve_load(str(pretrained), None)
-        finetune = True
+        load_dir, step = resolve_load(_ckptd_root(str(pretrained)), ckpt_step)
+        finetune = args.finetune = True
         loaded = _load_from(ckptd_load, load_dir, step, model, optimizer, args, strict, finetune, storage_options,
                             missing_ok=False)
     if loaded is None:
@@ -322,10 +324,10 @@ def load_checkpoint(
 def _load_from(
     ckptd_load: Any, load_dir: str, step: int | str, model: Sequence[torch.nn.Module], optimizer: Any,
     args: argparse.Namespace, strict: bool, finetune: bool, storage_options: Mapping[str, object] | None,
-    missing_ok: bool,
+    missing_ok: bool, no_root_ok: bool = False,
 ) -> Any:
     """One load of ``step`` of ``load_dir`` (the optimizer unless fine-tuning or ``--no-load-optim``); None
-    when nothing is committed there and ``missing_ok``."""
+    when nothing is committed there and ``missing_ok`` (or, with ``no_root_ok``, there is no root at all)."""
     if storage_options is None:
         from ckptd.client.storage_env import storage_options_for
 
@@ -336,10 +338,20 @@ def _load_from(
             load_dir, step, list(model), optimizer if load_optim else None, strict=strict,
             rng=not (finetune or _flag(args, "no_load_rng")), storage_options=storage_options,
         )
-    except NoCommittedStepError:  # nothing committed (or no root yet)
-        if not missing_ok:
+    except (NoCommittedStepError, StorageNotFoundError) as exc:  # nothing committed (or no root yet)
+        if not missing_ok or (isinstance(exc, StorageNotFoundError) and not no_root_ok):
             raise
         return None
+
+
+def _ckptd_root(path: str) -> str:
+    """``path``, refused by name where it is a local folder that is no ckptd root (a Megatron-LM checkpoint
+    given as ``--pretrained-checkpoint``: ckptd reads its own format only)."""
+    local = path.removeprefix("file://")
+    if "://" not in local and os.path.isdir(local) and not os.path.exists(os.path.join(local, CONTROL_DIR)):
+        raise ConfigError(f"--pretrained-checkpoint {path} is not a ckptd root (a Megatron-LM checkpoint?): ckptd "
+                          "loads its own format; load it with Megatron-LM once and save it with ckptd")
+    return path
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
