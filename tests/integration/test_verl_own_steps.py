@@ -1,9 +1,10 @@
 """The verl integration keeps to what verl itself does with a run's checkpoints (review findings, each a
 failure before its fix): retention deletes only steps this run saved, or, resumed from the newest step,
 those up to it (a step saved after resuming from an older one used to be deleted at once, for being older
-than the earlier run's steps, and the next resume failed); a model-only load also refreshes the distributed optimizer's fp32 main params (with bf16 weights
-the first step used to copy the stale ones back over the loaded model); and the SFT trainers'
-``<dir>/global_step_N`` folders (no role folder) keep their ckptd root inside ``<dir>`` and load.
+than the earlier run's steps, and the next resume failed); a model-only load also refreshes the
+distributed optimizer's fp32 main params (with bf16 weights the first step used to copy the stale ones back
+over the loaded model); and the SFT trainers' ``<dir>/global_step_N`` folders (no role folder) keep their
+ckptd root inside ``<dir>`` and load.
 
 Real verl 0.9 managers around the toy megatron-core GPT, one gloo rank each run, the embedded daemon."""
 
