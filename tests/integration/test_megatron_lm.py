@@ -31,7 +31,7 @@ from ckptd.client.reader import read_commit
 from ckptd.testing.launch import run_ranks
 from ckptd.testing.te_state import AmaxState
 from ckptd.testing.toy_gpt import build_gpt
-from ckptd.writer.errors import ConfigError, NoCommittedStepError, StateMismatchError
+from ckptd.writer.errors import CkptdError, ConfigError, NoCommittedStepError, StateMismatchError
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(240)]
 
@@ -184,6 +184,15 @@ def test_what_ckptd_does_not_make_is_refused_before_training(tmp_path: Path) -> 
     (megatron_format / "latest_checkpointed_iteration.txt").write_text("100")
     with pytest.raises(ConfigError, match="is not a ckptd root"):
         load_checkpoint([], None, None, args=_args(root, load=None, pretrained_checkpoint=str(megatron_format)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NoCommittedStepError):  # an empty folder is an empty root, not a Megatron-LM checkpoint
+        load_checkpoint([], None, None, args=_args(root, load=None, pretrained_checkpoint=str(empty)))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(CkptdError) as raised:  # a real error of --load is not taken for "nothing there yet"
+        load_checkpoint([], None, None, args=_args(str(a_file), pretrained_checkpoint=str(megatron_format)))
+    assert not isinstance(raised.value, ConfigError)
 
 
 def test_model_only_save_loads_without_optimizer_and_refuses_with_one(tmp_path: Path, start_daemon) -> None:

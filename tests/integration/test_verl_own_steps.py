@@ -56,6 +56,24 @@ def test_retention_deletes_only_this_runs_steps(tmp_path: Path, sockdir: str) ->
     assert run_ranks(_saves, 1, ckpt_dir, [7, 8], 6, 2, env=env, launcher="ray", preload=PRELOAD) == [[7, 8]]
 
 
+def _from_another_run(rank: int, world: int, src_dir: str, dst_dir: str) -> tuple[list[int], list[int]]:
+    """A run that starts from another run's newest step (its own checkpoint dir), keep 1."""
+    m = build_managers(HOOK, 0, async_save=False, roles=ONE)["actor"]
+    m.manager.load_checkpoint(os.path.join(src_dir, "global_step_6", "actor"))
+    for step in (7, 8):
+        train({"actor": m}, step - 1, 1)
+        m.manager.save_checkpoint(os.path.join(dst_dir, f"global_step_{step}", "actor"), None, step, max_ckpt_to_keep=1)
+    root = ckptd_root(os.path.join(src_dir, "global_step_1", "actor"), "actor")
+    return committed(root), committed(ckptd_root(os.path.join(dst_dir, "global_step_1", "actor"), "actor"))
+
+
+def test_a_run_started_from_another_runs_step_deletes_none_of_it(tmp_path: Path, sockdir: str) -> None:
+    src, dst, env = str(tmp_path / "a"), str(tmp_path / "b"), _env(sockdir)
+    assert run_ranks(_saves, 1, src, [2, 4, 6], 0, None, env=env, launcher="ray", preload=PRELOAD) == [[2, 4, 6]]
+    got = run_ranks(_from_another_run, 1, src, dst, env=env, launcher="ray", preload=PRELOAD)
+    assert got == [([2, 4, 6], [8])]  # before the fix: the source run's root emptied
+
+
 def _bf16(seed: int, load_contents: list[str] | None) -> tuple[Any, Any, Any]:
     from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
 

@@ -113,3 +113,38 @@ def test_one_unreadable_step_hides_no_other(tmp_path: Path, monkeypatch: pytest.
         asyncio.run(writer.latest())  # it may be the newest
     monkeypatch.undo()
     assert asyncio.run(writer.committed_steps()) == [2, 4]
+
+
+def test_the_manifest_read_after_the_marker_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the marker is seen, the commit manifest is there: a read of it that fails once is tried again,
+    not reported as a failed step."""
+    from ckptd.testing.fixtures import commit_one_node
+    from ckptd.writer import polls
+
+    backend = LocalBackend.open(str(tmp_path / "root"))
+    writer = CheckpointWriter(backend)
+    asyncio.run(commit_one_node(writer, 1, []))
+    real, failed = writer.read_commit, []
+
+    async def read_once(step: int) -> object:
+        if not failed:
+            failed.append(step)
+            raise StorageError("a stale file handle")
+        return await real(step)
+
+    monkeypatch.setattr(writer, "read_commit", read_once)
+    no_wait = asyncio.sleep
+    monkeypatch.setattr(polls.asyncio, "sleep", lambda s: no_wait(0))
+    assert asyncio.run(writer.wait_committed(1, timeout=30.0, node=1)).step == 1 and failed == [1]
+
+
+def test_verify_of_a_root_whose_steps_all_failed_says_so(tmp_path: Path, capsys) -> None:
+    from ckptd.daemon.cli import main
+    from ckptd.writer.errors import StepFailedError
+
+    root = tmp_path / "root"
+    writer = CheckpointWriter(LocalBackend.open(str(root)))
+    asyncio.run(writer.mark_failed(5, StepFailedError("disk full")))
+    assert main(["verify", str(root)]) == 1
+    captured = capsys.readouterr()
+    assert "step 5: FAILED" in captured.out and "no committed steps to verify" in captured.err

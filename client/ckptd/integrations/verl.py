@@ -171,6 +171,7 @@ class _CkptdMixin:
         self._ckptd_save_root = ""
         self._ckptd_pending: list[tuple[SaveHandle, Callable[[], None]]] = []
         self._ckptd_kept: list[tuple[str, int]] = []  # (root, step) this manager committed, oldest first
+        self._ckptd_resumed: list[tuple[str, int]] = []  # the committed steps up to the newest one it loaded
         atexit.register(_finalize_at_exit, weakref.ref(self))
 
     # --- which saves ckptd takes ---------------------------------------------------------------------
@@ -313,6 +314,8 @@ class _CkptdMixin:
         # never the one deleted
         step = kw.get("global_step")
         saved = (ckptd_root(local_path, v.role), int(step) if isinstance(step, int) else step_of(local_path))
+        resumed, self._ckptd_resumed = [k for k in self._ckptd_resumed if k[0] == saved[0]], []
+        self._ckptd_kept = [*resumed, *(k for k in self._ckptd_kept if k not in resumed)]
         self._ckptd_kept = [k for k in self._ckptd_kept if k != saved] + [saved]
         doomed = self._ckptd_kept[:-keep] if keep > 0 else []
         for root, step in doomed:
@@ -377,8 +380,8 @@ class _CkptdMixin:
                 raise CheckpointNotFoundError(f"step {step} of {root} holds no lr_scheduler state")
             v.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         log.info("ckptd: %s: loaded step %d from %s (saved rank %d)", v.role, step, root, loaded.source_rank)
-        if v.rank == 0:
-            self._ckptd_kept = _resumed_from(root, step)
+        if v.rank == 0:  # counted as this run's once a save goes to the same root (not another run's root)
+            self._ckptd_resumed = _resumed_from(root, step)
 
     def _ckptd_load_wanted(self, local_path: str, manifest: Mapping[str, Any]) -> bool:
         """Check ``load_contents`` against what the ckptd step holds; False when only the HF weights were

@@ -64,7 +64,8 @@ async def _ls(root: CheckpointRoot, as_json: bool, which: str | None = None) -> 
         if not steps:
             raise CheckpointNotFoundError(f"no step {wanted} under {root.url}")
     for step in steps:
-        row: dict[str, Any] = {"step": step, "committed": step in committed, "merged": False}
+        row: dict[str, Any] = {"step": step, "committed": None if step in unreadable else step in committed,
+                               "merged": False}
         try:
             if step in unreadable:
                 raise unreadable[step]
@@ -151,8 +152,10 @@ def _parallel_layout(objects: dict[str, Any]) -> dict[str, int] | None:
 
 async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int:
     results: list[dict[str, Any]] = []
+    unreadable: dict[int, Exception] = {}
     if which is None:
-        steps, unreadable = await root.scan_steps()
+        steps, found = await root.scan_steps()
+        unreadable.update(found)
         results = await _failed_steps(root, {*steps, *unreadable}, as_json)
         for step, exc in unreadable.items():  # its marker could not be looked at: not checked, said so
             state, why = _failure(root, exc)
@@ -161,7 +164,7 @@ async def _verify(root: CheckpointRoot, which: str | None, as_json: bool) -> int
                 print(f"step {step}: UNREADABLE (not checked): {why}")
     else:
         steps = [await root.resolve(which)]  # a number, 'latest', step_N or Megatron-LM's iter_NNNNNNN
-    if not steps and not results:
+    if not steps and not unreadable:
         print("no committed steps to verify", file=sys.stderr)
         return EXIT_CORRUPT
     for step in steps:  # a step that cannot be read is reported as such; the next ones are still checked

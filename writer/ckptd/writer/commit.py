@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -38,7 +38,6 @@ from ckptd.writer.errors import (
     StepCommittedError,
     StepFailedError,
     StorageError,
-    StoragePermissionError,
     error_classes,
 )
 from ckptd.writer.fanout import bounded_map
@@ -62,6 +61,7 @@ from ckptd.writer.format import (
     step_dir,
 )
 from ckptd.writer.parts import merge_parts
+from ckptd.writer.polls import Polls
 from ckptd.writer.replicas import check_replicas
 from ckptd.writer.root import CheckpointRoot
 
@@ -168,15 +168,16 @@ class CheckpointWriter(CheckpointRoot):
         one yet) counts as missing: committing it would pair two attempts' bytes."""
         deadline = time.monotonic() + timeout
         warned: set[int] = set()
+        polls = Polls(step)
         while True:
-            found = await _polled(self.read_parts(step), {}, step)
+            found = await polls.read(self.read_parts(step), {})
             parts = {n: p for n, p in found.items() if not other_attempt(p.attempt, attempt)}
             for n in sorted(set(found) - set(parts) - warned):
                 warned.add(n)
                 log.warning("step=%d: node %d's part is from attempt %s, not this one (%s): waiting for its new "
                             "part", step, n, found[n].attempt, attempt)
             if len(parts) < num_nodes:  # a node that gave this attempt up says so (journal.py, attempts)
-                await self._raise_if_given_up(step, attempt, since)
+                await self._raise_if_given_up(step, attempt, since, polls)
             missing = sorted(set(range(num_nodes)) - set(parts))
             if not missing:
                 return [parts[n] for n in range(num_nodes)]
@@ -185,7 +186,7 @@ class CheckpointWriter(CheckpointRoot):
                                 f"{attempt})" for n in missing if n in found)
                 raise SaveTimeoutError(
                     f"step {step}: only node parts {sorted(parts)} of {num_nodes} arrived within {timeout:.0f}s"
-                    f"{stale}; not committed"
+                    f"{stale}; not committed{polls.why()}"
                 )
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, 1.0)
@@ -302,11 +303,11 @@ class CheckpointWriter(CheckpointRoot):
             if isinstance(exc, BaseException):
                 raise exc
 
-    async def _raise_if_given_up(self, step: int, attempt: str, since: float = 0.0) -> None:
+    async def _raise_if_given_up(self, step: int, attempt: str, since: float, polls: Polls) -> None:
         """Raise the note's error when a node gave up this attempt: its daemon died (``abandoned``, written
         by its successor), its ranks were replaced (``superseded``) or it failed before it wrote its part
         (``part_missing``; both written by the node itself)."""
-        failed = await _polled(self.read_failed(step, attempt), None, step)
+        failed = await polls.read(self.read_failed(step, attempt), None)
         if failed is None or other_attempt(str(failed.get("attempt", "")), attempt):
             return
         if failed.get("abandoned"):
@@ -341,16 +342,18 @@ class CheckpointWriter(CheckpointRoot):
         """
         deadline = time.monotonic() + timeout
         decided = False  # the coordinator's verdict to commit seen: its marker is its next write
-        while not await _polled(self.is_committed(step), False, step):
-            failed = await _polled(self.read_failed(step, attempt), None, step)
+        polls = Polls(step)  # a storage failure that passes is polled through (polls.py)
+        while not await polls.read(self.is_committed(step), False):
+            failed = await polls.read(self.read_failed(step, attempt), None)
             if failed is not None and note_of(failed, attempt, since):
                 cls = error_classes().get(str(failed.get("code")), StepFailedError)
                 where = "on the coordinator" if not failed.get("part_missing") else f"on node {failed.get('node')}"
                 raise cls(f"step {step} failed {where}: {failed.get('message')}")
             if time.monotonic() >= deadline:
                 if decided or not attempt or node < 1:  # unnamed: this node's report may miss a late commit
-                    raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s")
-                standing = await self.claim_verdict(step, attempt, "timeout", node=node)
+                    raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s{polls.why()}")
+                # create-once: a retry after a failure finds this node's own claim if the first one landed
+                standing = await polls.retried(lambda: self.claim_verdict(step, attempt, "timeout", node=node))
                 if standing is None or standing.get("verdict") != "commit":  # now it never commits
                     who = "this node" if standing is None else f"node {standing.get('node')}"
                     raise SaveTimeoutError(f"step {step} did not commit within {timeout:.0f}s; {who} stopped "
@@ -359,7 +362,7 @@ class CheckpointWriter(CheckpointRoot):
                 continue
             await asyncio.sleep(poll)
             poll = min(poll * 1.5, 1.0)
-        manifest = await self.read_commit(step)
+        manifest = await polls.retried(lambda: self.read_commit(step))
         theirs = manifest.attempts[node] if 0 <= node < len(manifest.attempts) else ""
         if other_attempt(theirs, attempt):
             raise StepCommittedError(f"step {step} was committed with node {node}'s part of another attempt "
@@ -465,22 +468,6 @@ class CheckpointWriter(CheckpointRoot):
             elif hint != newest:
                 await self.backend.replace(latest_key(), str(newest).encode())
         return doomed
-
-
-_T = TypeVar("_T")
-
-
-async def _polled(probe: Awaitable[_T], otherwise: _T, step: int) -> _T:
-    """One read of a waiter's poll. A storage failure other than a refusal (``EIO``, a stale NFS handle, a
-    request that outlived its retries) is "nothing yet": the waiter polls on until its deadline and decides
-    there as it would, so a passing failure never has a node report a step failed that then commits."""
-    try:
-        return await probe
-    except StoragePermissionError:
-        raise
-    except StorageError as exc:
-        log.warning("step=%d: a read while waiting for the commit failed; polling on: %s", step, exc)
-        return otherwise
 
 
 def plan_retention(committed: list[int], steps: list[int], keep: int, busy: Collection[int] = ()) -> list[int]:

@@ -197,14 +197,15 @@ def validate_key(key: object) -> str:
     return key
 
 
-def check_key_tree(names: Iterable[str]) -> None:
+def check_key_tree(names: Iterable[str], *, saved: bool = True) -> None:
     """A step's array names form a tree: none is also a group of another (``a`` and ``a/b``: both would
-    own ``a/zarr.json``; ``a`` and ``a/c.0``: one's chunk, the other's folder), and none lies in the folder
-    ``ckptd merge`` writes (``merged/``). :class:`InvalidKeyError` naming the pair otherwise."""
+    own ``a/zarr.json``; ``a`` and ``a/c.0``: one's chunk, the other's folder), and, for names a rank saves
+    (``saved``), none lies in the folder ``ckptd merge`` writes (``merged/``). :class:`InvalidKeyError`
+    naming the pair otherwise."""
     names = set(names)
     groups: dict[str, str] = {}  # every group some name is in -> one such name
     for name in names:
-        if name.split("/", 1)[0] == MERGED_DIR:
+        if saved and name.split("/", 1)[0] == MERGED_DIR:
             raise InvalidKeyError(f"key {name!r}: '{MERGED_DIR}/' holds what `ckptd merge` writes; name it otherwise")
         group = name.rpartition("/")[0]
         while group and group not in groups:

@@ -84,7 +84,7 @@ def merge_parts(parts: Sequence[PartManifest]) -> CommitManifest:
                         )
                     taken[coords] = shard.rank
                 shards.setdefault(rec.name, []).append(shard)
-    check_key_tree(arrays)  # across nodes and ranks: each checked only its own keys
+    check_key_tree(arrays, saved=False)  # across nodes and ranks (each checked its own keys, merged/ too)
     merged = []
     for name in sorted(arrays):
         rec = arrays[name]

@@ -475,7 +475,9 @@ def update_cuda_rng_tracker_states(states: Mapping[str, torch.Tensor], tracker: 
 
         tracker = get_cuda_rng_tracker()
     now = dict(tracker.get_states())
-    graph_safe = any(isinstance(v, torch.Generator) for v in now.values())
+    graph_safe = bool(getattr(tracker, "use_cudagraphable_rng", False)) or any(
+        isinstance(v, torch.Generator) for v in now.values()
+    )
     for name, state in states.items():
         if isinstance(now.get(name), torch.Generator):
             now[name].set_state(state)

@@ -30,7 +30,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptd.writer.errors import CkptdError, ConfigError, NoCommittedStepError, StorageNotFoundError
+from ckptd.writer.errors import CkptdError, ConfigError, NoCommittedStepError
 from ckptd.writer.format import CONTROL_DIR, parse_step, split_step_path
 
 if TYPE_CHECKING:
@@ -333,22 +333,27 @@ def _load_from(
 
         storage_options = storage_options_for(load_dir)
     load_optim = optimizer is not None and not finetune and not _flag(args, "no_load_optim")
+    local = load_dir.removeprefix("file://")
+    if no_root_ok and "://" not in local and not os.path.lexists(local):  # a local root not made yet
+        return None
     try:
         return ckptd_load(
             load_dir, step, list(model), optimizer if load_optim else None, strict=strict,
             rng=not (finetune or _flag(args, "no_load_rng")), storage_options=storage_options,
         )
-    except (NoCommittedStepError, StorageNotFoundError) as exc:  # nothing committed (or no root yet)
-        if not missing_ok or (isinstance(exc, StorageNotFoundError) and not no_root_ok):
+    except NoCommittedStepError:  # nothing committed (or no local root yet); a bucket that is not there raises
+        if not missing_ok:
             raise
         return None
 
 
 def _ckptd_root(path: str) -> str:
-    """``path``, refused by name where it is a local folder that is no ckptd root (a Megatron-LM checkpoint
-    given as ``--pretrained-checkpoint``: ckptd reads its own format only)."""
+    """``path``, refused by name where it is a local Megatron-LM checkpoint (its tracker file, no ckptd root's
+    documents) given as ``--pretrained-checkpoint``: ckptd reads its own format only."""
     local = path.removeprefix("file://")
-    if "://" not in local and os.path.isdir(local) and not os.path.exists(os.path.join(local, CONTROL_DIR)):
+    if "://" not in local and os.path.exists(os.path.join(local, TRACKER)) and not any(
+        os.path.exists(os.path.join(local, name)) for name in (CONTROL_DIR, "zarr.json")  # any ckptd format
+    ):
         raise ConfigError(f"--pretrained-checkpoint {path} is not a ckptd root (a Megatron-LM checkpoint?): ckptd "
                           "loads its own format; load it with Megatron-LM once and save it with ckptd")
     return path
