@@ -19,7 +19,7 @@ import zarr
 from ckptd.client import CheckpointClient, CheckpointNotFoundError, DaemonUnavailableError, Placement, Shard
 from ckptd.testing.launch import run_ranks
 from ckptd.writer.errors import CkptdError, SaveTimeoutError
-from ckptd.writer.format import decode_commit, decode_part
+from ckptd.writer.format import decode_commit, decode_part, part_key
 
 # --- the state each rank saves: deterministic, so any process can rebuild what was saved ---------
 
@@ -271,6 +271,13 @@ def test_coordinator_failure_reaches_other_nodes_and_retry_commits(start_daemon,
             handles[r].wait(60)
     assert time.monotonic() - t0 < 30  # not the 600 s commit timeout
     assert (tmp_path / "ckpt" / "step_30" / "_ckptd" / "FAILED").exists()
+    # node 1's part of the failed (unnamed) attempt goes: left, the retry's coordinator could commit it with
+    # node 0's new part before node 1's retry began (seen once in CI: the retry then met "already committed")
+    stale = tmp_path / "ckpt" / part_key(30, 1)
+    deadline = time.monotonic() + 10
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stale.exists()
     # the same step saved again by all ranks commits: the old failure note does not poison the retry
     for c in clients.values():
         with contextlib.suppress(CkptdError):

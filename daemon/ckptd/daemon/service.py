@@ -1,10 +1,9 @@
 """The daemon's work: validate saves, have their shards written, write the node part, commit.
 
-One :class:`~ckptd.daemon.job.StepJob` per step on this node (its states live in job.py). Each accepted
-rank save becomes a task of the :class:`~ckptd.daemon.writes.ShardWriter`, which writes its shards chunk
-by chunk and frees each arena slot as soon as its chunks are written. When every local rank's save is
-written the node part manifest goes to storage; node 0's daemon then commits the step, the others wait
-for the marker. Nothing here touches the training process group.
+One :class:`~ckptd.daemon.job.StepJob` per step on this node (its states live in job.py). Each accepted rank save
+becomes a task of the :class:`~ckptd.daemon.writes.ShardWriter`, which writes its shards chunk by chunk and frees
+each arena slot as soon as its chunks are written. When every local rank's save is written the node part manifest
+goes to storage; node 0's daemon then commits the step, the others wait for the marker. No process group here.
 """
 
 from __future__ import annotations
@@ -136,8 +135,7 @@ class CheckpointService:
         return nbytes
 
     async def _write_span(self, job: StepJob, save: RankSave, span: Lease) -> None:
-        """A plan save's write: its per-shard lease is a view that frees nothing; the span goes at the end
-        (or stays, whole, with the shards an in-memory restore keeps)."""
+        """A plan save's write: its per-shard lease frees nothing; the span goes at the end (or stays, whole)."""
         kept = False
         try:
             await self.writer.write_rank(job, save)
@@ -341,10 +339,12 @@ class CheckpointService:
     async def _note_failure(self, job: StepJob, exc: CkptdError, *, part_sent: bool = False, **extra: object) -> None:
         """Tell the other nodes: the coordinator always; another node while its part was never sent (the
         coordinator waiting for it stops at once, not at its timeout), as ``part_missing``."""
-        if job.node != 0:
-            if part_sent:
-                return
-            extra["part_missing"] = True
+        if job.node != 0 and part_sent:
+            if not job.attempt:  # unnamed: its part left there would pair with the next attempt's parts
+                with contextlib.suppress(Exception):
+                    await self.root.discard_part(job.step, job.node)
+            return
+        extra.update({"part_missing": True} if job.node != 0 else {})
         try:
             await self.root.mark_failed(job.step, exc, attempt=job.attempt, node=job.node, **extra)
         except Exception as note_exc:
