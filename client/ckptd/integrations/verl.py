@@ -312,13 +312,11 @@ class _CkptdMixin:
         # verl's rule (register_checkpoint): the newest ``keep`` of the steps this run saved (and, resumed from
         # the newest step, those up to it: _resumed_from); a step saved after resuming from an older one is
         # never the one deleted
-        step = kw.get("global_step")
-        saved = (ckptd_root(local_path, v.role), int(step) if isinstance(step, int) else step_of(local_path))
+        given = kw.get("global_step")
+        saved = (ckptd_root(local_path, v.role), int(given) if isinstance(given, int) else step_of(local_path))
         resumed, self._ckptd_resumed = [k for k in self._ckptd_resumed if k[0] == saved[0]], []
-        self._ckptd_kept = [*resumed, *(k for k in self._ckptd_kept if k not in resumed)]
-        self._ckptd_kept = [k for k in self._ckptd_kept if k != saved] + [saved]
-        doomed = self._ckptd_kept[:-keep] if keep > 0 else []
-        for root, step in doomed:
+        self._ckptd_kept = [*resumed, *(k for k in self._ckptd_kept if k not in resumed and k != saved), saved]
+        for root, step in self._ckptd_kept[:-keep]:
             run_sync(_delete_step(root, step, storage_options(root)))
             self._ckptd_kept.remove((root, step))
             log.info("ckptd: %s: retention removed step %d of %s", v.role, step, root)
