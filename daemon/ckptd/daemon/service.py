@@ -330,8 +330,7 @@ class CheckpointService:
             log.warning("retention (--keep %d): could not delete an older step, the next commit tries again: %s",
                         self.config.keep, self.root.backend.error(exc))
 
-    async def _part_there(self, job: StepJob) -> bool:
-        """Whether this node's part is in storage (a failure to look counts as yes: never contradicted)."""
+    async def _part_there(self, job: StepJob) -> bool:  # a failure to look counts as yes: never contradicted
         with contextlib.suppress(Exception):
             return await self.root.backend.exists(part_key(job.step, job.node))
         return True
@@ -344,7 +343,8 @@ class CheckpointService:
                 with contextlib.suppress(Exception):
                     await self.root.discard_part(job.step, job.node)
             return
-        extra.update({"part_missing": True} if job.node != 0 else {})
+        if job.node != 0:
+            extra["part_missing"] = True
         try:
             await self.root.mark_failed(job.step, exc, attempt=job.attempt, node=job.node, **extra)
         except Exception as note_exc:

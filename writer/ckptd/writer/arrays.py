@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -237,16 +237,6 @@ async def write_array_doc(store: Store, path: str, rec: ArrayRecord) -> None:
     """The ``zarr.json`` of a committed array, from its record."""
     meta = await array_metadata(rec.torch_dtype, rec.shape, rec.chunks, codec=rec.codec, separator=rec.separator)
     await write_metadata(store, path, meta)
-
-
-def array_groups(names: Iterable[str]) -> set[str]:
-    """Every intermediate group path of the given array names (relative to the step)."""
-    out: set[str] = set()
-    for name in names:
-        parts = name.split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            out.add("/".join(parts[:i]))
-    return out
 
 
 async def group_doc(attributes: dict[str, Any] | None = None) -> bytes:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
-from ckptd.writer.arrays import array_groups, control_doc, group_doc, write_array_doc, write_control_doc, write_group
+from ckptd.writer.arrays import control_doc, group_doc, write_array_doc, write_control_doc, write_group
 from ckptd.writer.errors import (
     CheckpointNotFoundError,
     CkptdError,
@@ -47,6 +47,7 @@ from ckptd.writer.format import (
     FORMAT_VERSION,
     CommitManifest,
     PartManifest,
+    array_groups,
     check_sidecar,
     commit_marker,
     control_dir,
@@ -312,9 +313,9 @@ class CheckpointWriter(CheckpointRoot):
             return
         if failed.get("abandoned"):
             raise StepAbandonedError(f"step {step}: not committed: {failed.get('message')}")
-        ours = (attempt and failed.get("attempt") == attempt) or (since and note_of(failed, attempt, since))
-        if (attempt and failed.get("attempt") == attempt and failed.get("superseded")) or (
-                failed.get("part_missing") and ours):
+        named = bool(attempt) and failed.get("attempt") == attempt
+        if (named and failed.get("superseded")) or (
+                failed.get("part_missing") and (named or (since and note_of(failed, attempt, since)))):
             cls = error_classes().get(str(failed.get("code")), StepFailedError)
             why = "failed before its part was written" if failed.get("part_missing") else "gave it up"
             raise cls(f"step {step}: not committed: node {failed.get('node')} {why}: {failed.get('message')}")

@@ -197,24 +197,31 @@ def validate_key(key: object) -> str:
     return key
 
 
+def array_groups(names: Iterable[str]) -> set[str]:
+    """Every group the given array names are in, relative to the step (``a/b/c`` is in ``a`` and ``a/b``)."""
+    groups: set[str] = set()
+    for name in names:
+        group = name.rpartition("/")[0]
+        while group and group not in groups:  # its parents are in already
+            groups.add(group)
+            group = group.rpartition("/")[0]
+    return groups
+
+
 def check_key_tree(names: Iterable[str], *, saved: bool = True) -> None:
     """A step's array names form a tree: none is also a group of another (``a`` and ``a/b``: both would
     own ``a/zarr.json``; ``a`` and ``a/c.0``: one's chunk, the other's folder), and, for names a rank saves
     (``saved``), none lies in the folder ``ckptd merge`` writes (``merged/``). :class:`InvalidKeyError`
     naming the pair otherwise."""
     names = set(names)
-    groups: dict[str, str] = {}  # every group some name is in -> one such name
-    for name in names:
-        if saved and name.split("/", 1)[0] == MERGED_DIR:
+    for name in names if saved else ():
+        if name.split("/", 1)[0] == MERGED_DIR:
             raise InvalidKeyError(f"key {name!r}: '{MERGED_DIR}/' holds what `ckptd merge` writes; name it otherwise")
-        group = name.rpartition("/")[0]
-        while group and group not in groups:
-            groups[group] = name
-            group = group.rpartition("/")[0]
-    clash = names & groups.keys()
+    clash = names & array_groups(names)
     if clash:
-        name = min(clash)
-        raise InvalidKeyError(f"key {name!r} is an array and also the group of {groups[name]!r}: rename one")
+        group = min(clash)
+        member = min(n for n in names if n.startswith(f"{group}/"))
+        raise InvalidKeyError(f"key {group!r} is an array and also the group of {member!r}: rename one")
 
 
 # --- dtypes ---------------------------------------------------------------------------------------
